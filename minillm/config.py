@@ -1,0 +1,52 @@
+"""EngineConfig: every knob of the engine in one dataclass, named as vLLM names it where it can.
+
+``LLM(model, **kwargs)`` forwards its keywords here, so ``LLM(max_num_seqs=16)`` and
+``EngineConfig(max_num_seqs=16)`` mean the same thing. Values are checked at construction.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+BATCHING_MODES = ("static",)  # dynamic and continuous batching arrive with the paged engine
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF dir, .gguf file, preset name (with load_format="dummy"); None = embedded SmolLM2
+    load_format: str = "auto"  # "auto" (read the files) | "dummy" (random weights of a preset's shape)
+    dtype: str = "auto"  # "auto" = bfloat16 on CUDA, float32 on CPU; or float16 / bfloat16 / float32
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    max_model_len: int | None = None  # prompt + output tokens per sequence; default min(model's, 2048)
+    max_num_seqs: int = 8  # the most sequences in one batch
+    memory_budget: int | str | None = None  # emulate a smaller card: weights + workspace + KV must fit ("24GB")
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory minillm may use (without memory_budget)
+    batching: str = "static"  # "static": fixed left-padded batches, each runs until its longest request ends
+    seed: int = 0  # seeds dummy weights and unseeded sampling
+
+    def __post_init__(self):
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching {self.batching!r} is not supported; valid: {BATCHING_MODES}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device {self.device!r} is not supported; valid: 'auto', 'cpu', 'cuda', 'cuda:N'")
+        if self.memory_budget is not None:
+            self.memory_budget = parse_bytes(self.memory_budget)
+
+
+def parse_bytes(value: int | str) -> int:
+    """'24GB' -> 24e9, '512MiB' -> 512 * 2**20, 1000 -> 1000."""
+    if isinstance(value, int) and value > 0:
+        return value
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in units or float(match.group(1)) <= 0:
+        raise ValueError(f"memory size {value!r} is not understood; write e.g. 24GB, 512MiB or a byte count")
+    return int(float(match.group(1)) * units[match.group(2).lower()])

@@ -1,0 +1,114 @@
+"""LLM: the offline API, shaped like vLLM's (``LLM(...).generate(prompts, SamplingParams(...))``).
+
+It only translates between users and the Engine: prompts in, RequestOutputs out, in the order the
+prompts were given. ``stream`` yields text as it is produced; ``chat`` applies the chat template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from minillm.config import EngineConfig
+from minillm.engine import Engine
+from minillm.request import RequestOutput, SamplingParams
+from minillm.tokenizer import encode_chat
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = Engine(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 priority: Sequence[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``) to completion."""
+        prompts = _as_prompt_list(prompts)
+        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        priorities = _broadcast(0 if priority is None else list(priority), len(prompts), "priority")
+        # Validate everything before queueing anything, so bad input never leaves half a batch behind.
+        ids = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priorities):
+                ids.append(self.engine.add_request(_prompt_value(prompt), p, priority=prio))
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not conversations:
+            raise ValueError("chat() needs at least one conversation")
+        prompts = [encode_chat(self.tokenizer, conversation) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the new text after every step until the request finishes."""
+        request_id = self.engine.add_request(_prompt_value(prompt), sampling_params)
+        sent = 0
+        try:
+            while True:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        text = output.outputs[0].text
+                        if len(text) > sent:
+                            yield text[sent:]
+                            sent = len(text)
+                        if output.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)  # the consumer stopped early: free the slot
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while len(final) < len(ids):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        final[output.request_id] = output
+                        bar.update(1)
+        return [final[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("no prompts given")
+    return prompts
+
+
+def _prompt_value(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        return prompt
+    raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def _broadcast(value, n: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n

@@ -1,0 +1,1 @@
+"""The Llama-family decoder and the code that fills it with weights."""

