@@ -33,6 +33,7 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     remove_sorted = mass_before >= top_p[:, None]
+    remove_sorted &= top_p[:, None] < 1.0  # 1.0 keeps all, even where fp32 rounding let the cumsum reach 1 early
     remove_sorted[:, 0] = False
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))

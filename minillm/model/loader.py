@@ -193,7 +193,9 @@ def load_gguf(gguf: Path, dtype, device) -> LoadedModel:
     cached = gguf_cache_dir(gguf)
     if not (cached / "config.json").is_file():
         convert_gguf(gguf, cached)
-    return load_hf_dir(cached, dtype, device)
+    loaded = load_hf_dir(cached, dtype, device)
+    loaded.source = gguf.name
+    return loaded
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:

@@ -1,0 +1,120 @@
+"""``minillm bench throughput``: minillm and its peers on one workload, in one process, one run.
+
+Each run gets a warm-up first (CUDA context, cuBLAS handles, allocator), then the whole workload
+timed end to end. The result is a JSON document with the keys BENCHMARKS.md asks for
+(benchmark, workload, model, device, date, command, commit, runs) and a short table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from minillm.bench.metrics import RequestTiming, serving_metrics
+from minillm.bench.peers import hf_model_sharing_weights, run_hf_static
+from minillm.bench.workloads import WorkloadRequest, make_workload
+from minillm.info import device_description, info_dict
+from minillm.llm import LLM
+from minillm.request import SamplingParams
+
+PEERS = ("hf_static",)
+
+
+def git_commit() -> str:
+    """MINILLM_COMMIT wins (the GPU machine gets a copy of the tree without .git)."""
+    if os.environ.get("MINILLM_COMMIT"):
+        return os.environ["MINILLM_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_minillm(llm: LLM, workload: list[WorkloadRequest]) -> tuple[list[RequestTiming], list[list[int]], float]:
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in workload]
+    _sync(llm.engine.device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    duration = time.perf_counter() - start
+    timings = [RequestTiming(o.metrics.arrival_time, o.metrics.token_times, len(o.prompt_token_ids))
+               for o in outputs]
+    return timings, [o.outputs[0].token_ids for o in outputs], duration
+
+
+def bench_throughput(*, model: str | None, load_format: str, workload: str, scale: str,
+                     num_requests: int | None, peers: list[str], seed: int = 0, command: str = "",
+                     **engine_kwargs) -> dict:
+    for peer in peers:
+        if peer not in PEERS:
+            raise ValueError(f"unknown peer {peer!r}; valid: {', '.join(PEERS)}")
+    llm = LLM(model, load_format=load_format, seed=seed, **engine_kwargs)
+    engine = llm.engine
+    requests = make_workload(workload, scale, num_requests, seed, engine.model_config.vocab_size)
+    warmup = [WorkloadRequest(requests[0].prompt_token_ids[:16], 4)]
+    runs, tokens = {}, {}
+    run_minillm(llm, warmup)
+    timings, tokens["minillm"], duration = run_minillm(llm, requests)
+    runs["minillm"] = serving_metrics(timings, duration)
+    if "hf_static" in peers:
+        hf = hf_model_sharing_weights(engine.model, engine.model_config)
+        run_hf_static(hf, warmup, engine.max_batch)
+        with tqdm(total=len(requests), desc="hf_static", unit="req") as bar:
+            timings, tokens["hf_static"], duration = run_hf_static(hf, requests, engine.max_batch, progress=bar)
+        runs["hf_static"] = serving_metrics(timings, duration)
+    agreement = {name: sum(a == b for a, b in zip(tokens["minillm"], toks)) / len(requests)
+                 for name, toks in tokens.items() if name != "minillm"}
+    return {
+        "benchmark": "throughput",
+        "workload": workload,
+        "scale": scale,
+        "num_requests": len(requests),
+        "model": engine.model_source,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": device_description(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command or shlex.join(sys.argv),
+        "commit": git_commit(),
+        "versions": info_dict(),
+        "engine": {"batching": engine.config.batching, "max_batch": engine.max_batch,
+                   "max_model_len": engine.max_model_len, "memory_budget": engine.config.memory_budget,
+                   "kv_cache_bytes": engine.runner.cache.nbytes},
+        "runs": runs,
+        # Fraction of requests whose greedy tokens equal minillm's exactly (same weights).
+        "greedy_agreement": agreement,
+    }
+
+
+def format_table(result: dict) -> str:
+    runs = result["runs"]
+    base = runs.get("hf_static")
+    lines = [f"{result['workload']} ({result['num_requests']} requests) on {result['device']}, "
+             f"{result['model']} {result['dtype']}",
+             f"{'run':<12}{'output tok/s':>14}{'req/s':>9}{'mean TTFT ms':>14}{'mean TPOT ms':>14}{'vs hf_static':>14}"]
+    for name, m in runs.items():
+        ratio = f"{m['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
+        lines.append(f"{name:<12}{m['output_throughput']:>14.1f}{m['request_throughput']:>9.2f}"
+                     f"{m['mean_ttft_ms']:>14.1f}{m['mean_tpot_ms']:>14.1f}{ratio:>14}")
+    return "\n".join(lines)
+
+
+def write_result(result: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path

@@ -1,0 +1,109 @@
+"""The peers minillm is measured against, run in the same process on the same workload.
+
+``hf_static``: transformers' ``model.generate`` on left-padded static batches — the naive
+deployment. The transformers model is built from minillm's own config and *shares minillm's weight
+tensors* (module names match), so both engines compute with identical weights and no extra memory,
+and greedy outputs can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from minillm.bench.metrics import RequestTiming
+from minillm.bench.workloads import WorkloadRequest
+from minillm.model.config import ModelConfig
+
+
+def hf_config_for(config: ModelConfig):
+    """A transformers config object describing the same model as ``config``."""
+    from transformers import AutoConfig
+
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling:
+        rope.update(config.rope_scaling)
+    kwargs = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=rope, max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else None,
+        bos_token_id=config.bos_token_id,
+    )
+    if config.model_type == "llama":
+        kwargs["attention_bias"] = config.attention_bias
+    return AutoConfig.for_model(config.model_type, **kwargs)
+
+
+def hf_model_sharing_weights(model: torch.nn.Module, config: ModelConfig):
+    """A transformers CausalLM whose parameters are minillm's tensors (no copy)."""
+    from transformers import AutoModelForCausalLM
+
+    device = model.lm_head.weight.device
+    dtype = model.lm_head.weight.dtype
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config_for(config), dtype=dtype)
+    ours = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in list(hf.named_parameters(remove_duplicate=False)):
+        module_name, _, leaf = name.rpartition(".")
+        hf.get_submodule(module_name)._parameters[leaf] = ours[name]
+    # RoPE frequencies are buffers computed at construction, on the meta device: rebuild those modules.
+    for name, module in list(hf.named_modules()):
+        if name.endswith("rotary_emb"):
+            parent, _, leaf = name.rpartition(".")
+            hf.get_submodule(parent)._modules[leaf] = type(module)(module.config).to(device)
+    return hf.eval()
+
+
+class _StepClock:
+    """A transformers streamer that only records when each step's tokens exist."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times, self._prompt_seen = device, [], False
+
+    def put(self, value):
+        if not self._prompt_seen:  # generate() first "streams" the prompt itself
+            self._prompt_seen = True
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+@torch.inference_mode()
+def run_hf_static(hf_model, workload: list[WorkloadRequest], batch_size: int, pad_token_id: int = 0,
+                  progress=None) -> tuple[list[RequestTiming], list[list[int]], float]:
+    """Fixed batches of ``batch_size`` in arrival order, left-padded, each generating its longest
+    request's output length (shorter requests are cut afterwards, as a static server would)."""
+    from transformers import GenerationConfig
+
+    device = next(hf_model.parameters()).device
+    timings, tokens = [], []
+    start = time.perf_counter()
+    for first in range(0, len(workload), batch_size):
+        batch = workload[first:first + batch_size]
+        longest = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), longest), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(batch):
+            ids[row, longest - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[row, longest - len(r.prompt_token_ids):] = 1
+        max_new = max(r.max_tokens for r in batch)
+        # eos_token_id=None: run every step (ignore_eos) without touching the logits.
+        generation = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                                      pad_token_id=pad_token_id)
+        clock = _StepClock(device)
+        out = hf_model.generate(ids.to(device), attention_mask=mask.to(device), generation_config=generation,
+                                streamer=clock)
+        for row, r in enumerate(batch):
+            timings.append(RequestTiming(start, clock.times[:r.max_tokens], len(r.prompt_token_ids)))
+            tokens.append(out[row, longest:longest + r.max_tokens].tolist())
+        if progress is not None:
+            progress.update(len(batch))
+    return timings, tokens, time.perf_counter() - start

@@ -1,0 +1,95 @@
+"""The benchmark workloads of BENCHMARKS.md, seeded, by name.
+
+Every workload is a list of requests made of random token ids (so any model, even with dummy weights
+and no tokenizer, can run it) with a fixed output length and ``ignore_eos``: the work done is then
+the same for minillm and for every peer. Sizes come in two scales: ``gpu`` (the published figures)
+and ``cpu`` (notebooks and CI).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+TOKEN_LOW, TOKEN_HIGH = 100, 30000  # ids drawn from [100, 30000), away from special tokens
+
+
+@dataclass
+class WorkloadRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float = 0.0  # seconds after the run starts
+
+
+def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    high = min(TOKEN_HIGH, vocab_size)
+    low = min(TOKEN_LOW, high // 2)
+    return [rng.randrange(low, high) for _ in range(n)]
+
+
+def _mixed(rng, n, vocab, scale):
+    inp, out = ((128, 1024), (32, 256)) if scale == "gpu" else ((16, 128), (16, 128))
+    return [WorkloadRequest(_tokens(rng, rng.randint(*inp), vocab), rng.randint(*out)) for _ in range(n)]
+
+
+def _nanovllm(rng, n, vocab, scale):
+    # nano-vllm's bench.py: input U[100, 1024], output U[100, 1024].
+    return [WorkloadRequest(_tokens(rng, rng.randint(100, 1024), vocab), rng.randint(100, 1024)) for _ in range(n)]
+
+
+def _tuning_path(rng, n, vocab, scale):
+    # 8 shared system prompts; at GPU scale 192 shared + 320 unique tokens (192 = 12 blocks of 16).
+    shared_len, unique_len, out = (192, 320, (32, 512)) if scale == "gpu" else (48, 80, (8, 64))
+    systems = [_tokens(rng, shared_len, vocab) for _ in range(8)]
+    return [WorkloadRequest(rng.choice(systems) + _tokens(rng, unique_len, vocab), rng.randint(*out))
+            for _ in range(n)]
+
+
+def _shared_prefix(rng, n, vocab, scale):
+    system_len, question_len = (2000, 100) if scale == "gpu" else (256, 32)
+    system = _tokens(rng, system_len, vocab)
+    return [WorkloadRequest(system + _tokens(rng, question_len, vocab), 64) for _ in range(n)]
+
+
+def _multi_turn(rng, n, vocab, scale):
+    # n chats x 4 turns. Each turn resends the history plus a new 64-token user message; the
+    # assistant's earlier answers are stand-in random tokens of the output length (64), since the
+    # real ones are not known before the run.
+    requests = []
+    for _ in range(n):
+        history: list[int] = []
+        for _turn in range(4):
+            history = history + _tokens(rng, 64, vocab)
+            requests.append(WorkloadRequest(list(history), 64))
+            history = history + _tokens(rng, 64, vocab)
+    return requests
+
+
+def _latency(rng, n, vocab, scale):
+    out = 256 if scale == "gpu" else 64
+    return [WorkloadRequest(_tokens(rng, 128, vocab), out) for _ in range(n)]
+
+
+# name -> (builder, default request count at gpu scale, at cpu scale)
+WORKLOADS = {
+    "mixed": (_mixed, 128, 32),
+    "nanovllm": (_nanovllm, 256, 256),
+    "tuning-path": (_tuning_path, 256, 32),
+    "shared-prefix": (_shared_prefix, 64, 16),
+    "multi-turn": (_multi_turn, 64, 8),
+    "latency": (_latency, 5, 3),
+}
+
+
+def make_workload(name: str, scale: str = "gpu", num_requests: int | None = None, seed: int = 0,
+                  vocab_size: int = 32000) -> list[WorkloadRequest]:
+    """The named workload; ``num_requests`` takes the first N of it (multi-turn: N chats)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
+    if scale not in ("gpu", "cpu"):
+        raise ValueError(f"scale must be 'gpu' or 'cpu', got {scale!r}")
+    build, gpu_n, cpu_n = WORKLOADS[name]
+    n = num_requests if num_requests is not None else (gpu_n if scale == "gpu" else cpu_n)
+    if n < 1:
+        raise ValueError(f"num_requests must be >= 1, got {n}")
+    return build(random.Random(f"{name}-{seed}"), n, vocab_size, scale)

@@ -1,0 +1,196 @@
+"""The ``minillm`` command: generate, chat, info, bench.
+
+Thin wrappers over the Python API, so every number the course shows can be rerun from a shell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+EXAMPLES = """examples:
+  minillm generate "What is a KV cache?" --max-tokens 64
+  minillm chat                                   # talk to the embedded SmolLM2-135M-Instruct
+  minillm info --model llama2-7b --load-format dummy
+  minillm bench throughput --workload mixed --scale cpu --peers hf_static --output figures/cpu/static.json
+"""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None,
+                   help="HF directory, .gguf file, or a preset with --load-format dummy (default: embedded SmolLM2)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="'dummy' = a preset's shape with random weights (benchmarks without downloads)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float16, bfloat16, float32")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
+    g.add_argument("--max-num-seqs", type=int, default=8, help="sequences per batch at most")
+    g.add_argument("--memory-budget", default=None, help="emulate a smaller card, e.g. 24GB")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                memory_budget=args.memory_budget, seed=args.seed)
+
+
+def _sampling(args):
+    from minillm import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sample_seed, stop=args.stop)
+
+
+def cmd_generate(args) -> None:
+    from minillm import LLM
+
+    params = _sampling(args)  # bad sampling values fail before the model loads
+    llm = LLM(args.model, **_engine_kwargs(args))
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        print(f"### {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, "
+              f"finish: {completion.finish_reason}, TTFT {out.metrics.ttft * 1000:.0f} ms]\n")
+
+
+def cmd_chat(args) -> None:
+    from minillm import LLM
+    from minillm.tokenizer import encode_chat
+
+    params = _sampling(args)
+    llm = LLM(args.model, **_engine_kwargs(args))
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    turns = [args.message] if args.message else None
+    print("minillm chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        if turns is not None:
+            if not turns:
+                return
+            user = turns.pop(0)
+        else:
+            try:
+                user = input("you> ").strip()
+            except EOFError:
+                return
+            if not user:
+                return
+        history.append({"role": "user", "content": user})
+        print("assistant> ", end="", flush=True)
+        reply = []
+        for delta in llm.stream(encode_chat(llm.tokenizer, history), params):
+            reply.append(delta)
+            print(delta, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_info(args) -> None:
+    from minillm import info
+
+    info()
+    if args.no_model:
+        return
+    from minillm.engine import Engine
+    from minillm.config import EngineConfig
+
+    engine = Engine(EngineConfig(model=args.model, **_engine_kwargs(args)))
+    c = engine.model_config
+    kv_token = c.kv_bytes_per_token(engine.dtype.itemsize)
+    rows = {
+        "model": engine.model_source,
+        "architecture": f"{c.model_type}: {c.num_layers} layers, hidden {c.hidden_size}, "
+                        f"{c.num_heads} heads / {c.num_kv_heads} KV heads of {c.head_dim}",
+        "parameters": f"{c.num_params / 1e6:.1f} M",
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "weights": f"{engine.weight_bytes / 2**20:.1f} MiB",
+        "KV per token": f"{kv_token / 2**10:.1f} KiB",
+        "max_model_len": engine.max_model_len,
+        "batch (static)": f"{engine.max_batch} sequences, KV cache {engine.runner.cache.nbytes / 2**20:.1f} MiB reserved",
+    }
+    for key, value in rows.items():
+        print(f"{key:>13}: {value}")
+
+
+def cmd_bench(args) -> None:
+    from minillm.bench.harness import bench_throughput, format_table, write_result
+
+    result = bench_throughput(model=args.model, workload=args.workload, scale=args.scale,
+                              num_requests=args.num_requests, peers=args.peers,
+                              command=shlex.join(["minillm", *sys.argv[1:]]), **_engine_kwargs(args))
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+    print(format_table(result))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from minillm.bench.harness import PEERS
+    from minillm.bench.workloads import WORKLOADS
+
+    parser = argparse.ArgumentParser(prog="minillm", description="A compact, readable LLM inference engine.",
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,info,bench}")
+
+    p = sub.add_parser("generate", help="complete prompts (arguments, or one per line on stdin)")
+    p.add_argument("prompts", nargs="*", help="prompts; read from stdin when none are given")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="talk to the model; replies stream as they are generated")
+    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--message", action="append", default=None, help="send these turns and exit (repeatable)")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("info", help="versions, device, and the model's size and memory")
+    p.add_argument("--no-model", action="store_true", help="only versions and device")
+    _add_model_args(p)
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput}")
+    t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
+    t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
+    t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
+    t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
+    t.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),
+                   help="peers run in the same process on the same workload")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    _add_model_args(t)
+    t.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "scale", "x") is None:
+        import torch
+
+        args.scale = "gpu" if torch.cuda.is_available() else "cpu"
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"minillm: error: {e}")
+
+
+if __name__ == "__main__":
+    main()
