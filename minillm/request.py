@@ -146,8 +146,12 @@ class Request:
         self.metrics.finished_time = time.perf_counter() if now is None else now
 
     def to_output(self, text: str | None = None) -> RequestOutput:
-        """A snapshot; ``text`` overrides the cumulative text (streaming passes the delta)."""
-        completion = CompletionOutput(0, self.text if text is None else text, list(self.output_token_ids),
-                                      self.finish_reason, self.stop_reason)
+        """A snapshot; ``text`` overrides the cumulative text."""
+        text = self.text if text is None else text
+        if not self.finished and self.params.stop:
+            # A stop string may still complete: hold back what could be its start (as vLLM does),
+            # so a stream never shows text that the finished output will not contain.
+            text = text[: max(0, len(text) - (max(map(len, self.params.stop)) - 1))]
+        completion = CompletionOutput(0, text, list(self.output_token_ids), self.finish_reason, self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              self.finished, self.metrics)

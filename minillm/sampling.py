@@ -50,7 +50,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [B, V] fp32, one row per request -> one token id per request."""
         tokens = logits.argmax(dim=-1)
-        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        # Finished rows of a static batch take the argmax: drawing for them would advance the
+        # shared generator and make unseeded requests depend on when their batch mates finished.
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy and not r.finished]
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             picked = self._sample(logits[rows], [requests[i] for i in sampled])

@@ -3,7 +3,8 @@
 ``hf_static``: transformers' ``model.generate`` on left-padded static batches — the naive
 deployment. The transformers model is built from minillm's own config and *shares minillm's weight
 tensors* (module names match), so both engines compute with identical weights and no extra memory,
-and greedy outputs can be compared token for token.
+and greedy outputs can be compared token for token. (minillm fuses q/k/v and gate/up; the
+transformers model gets views of the fused matrices.)
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ def hf_model_sharing_weights(model: torch.nn.Module, config: ModelConfig):
     dtype = model.lm_head.weight.dtype
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_config_for(config), dtype=dtype)
-    ours = dict(model.named_parameters(remove_duplicate=False))
-    for name, param in list(hf.named_parameters(remove_duplicate=False)):
+    for name, _ in list(hf.named_parameters(remove_duplicate=False)):
         module_name, _, leaf = name.rpartition(".")
-        hf.get_submodule(module_name)._parameters[leaf] = ours[name]
+        source = "model.embed_tokens.weight" if name == "lm_head.weight" and config.tie_word_embeddings else name
+        # A view into minillm's (possibly fused) parameter: same storage, no copy.
+        view = model.checkpoint_tensor(source)
+        hf.get_submodule(module_name)._parameters[leaf] = torch.nn.Parameter(view, requires_grad=False)
     # RoPE frequencies are buffers computed at construction, on the meta device: rebuild those modules.
     for name, module in list(hf.named_modules()):
         if name.endswith("rotary_emb"):

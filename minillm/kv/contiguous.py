@@ -46,7 +46,10 @@ class LeftPaddedBatch:
         # A padding query sees only itself: its output is ignored, but a row with every key masked
         # would give NaN, and 0 * NaN in later layers would leak into real rows.
         self_only = cols[None, :] == query_cols
-        self.mask = (key_valid[:, None, None, :end] & causal) | self_only  # [B, 1, T, S]
+        allowed = (key_valid[:, None, None, :end] & causal) | self_only  # [B, 1, T, S]
+        # Additive form, made once per step: SDPA would otherwise convert a bool mask in every layer.
+        self.mask = torch.zeros(allowed.shape, dtype=cache.k.dtype, device=allowed.device)
+        self.mask.masked_fill_(~allowed, float("-inf"))
 
     def __call__(self, layer_idx: int, q, k, v):
         keys = self.cache.k[layer_idx, : self.batch]
@@ -70,7 +73,7 @@ def sequences_that_fit(budget: int | None, weight_bytes: int, bytes_per_sequence
     fit = kv_budget // bytes_per_sequence
     if fit < 1:
         raise ValueError(
-            f"memory budget of {budget / 1e9:.2f} GB leaves {max(kv_budget, 0) / 1e9:.2f} GB for the KV cache "
+            f"memory budget of {budget:,} bytes ({budget / 1e9:.2f} GB) leaves {max(kv_budget, 0) / 1e9:.2f} GB for the KV cache "
             f"after {weight_bytes / 1e9:.2f} GB of weights and {workspace_bytes(weight_bytes) / 1e9:.2f} GB of "
             f"workspace, but one sequence of max_model_len needs {bytes_per_sequence / 1e9:.3f} GB; "
             f"raise the budget or lower max_model_len"

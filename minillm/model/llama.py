@@ -2,7 +2,10 @@
 
 They differ only by switches in ``ModelConfig`` (GQA, qkv bias, q/k RMSNorm, llama3 RoPE scaling,
 tied embeddings), so one readable file covers them all. Module names follow Hugging Face's
-(``model.layers.0.self_attn.q_proj`` ...) so checkpoints load without a renaming table.
+(``model.layers.0.self_attn...``), except that q/k/v and gate/up are fused into one matrix each
+(``qkv_proj``, ``gate_up_proj``) as vLLM does: one kernel launch instead of three (or two), which
+matters because an eager decode step is bound by launches, not by the GPU (see
+``minillm.bench.profile``). ``checkpoint_tensor`` says where each Hugging Face tensor lives.
 
 The model never sees requests or cache layouts: each layer hands its q, k, v to an *attention
 context* (``attn(layer_idx, q, k, v)``) that the runner builds for the step. The context stores
@@ -38,9 +41,7 @@ class RMSNorm(nn.Module):
         # Normalise in fp32, multiply the weight in the input dtype: the exact order transformers
         # uses, so bf16 results match the oracle bit for bit where possible.
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -71,8 +72,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, heads, D]; cos/sin: [B, T, D] (the half-split layout HF checkpoints use)."""
-    return x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
+    """x: [B, T, heads, D]; cos/sin: [B, T, 1, D] (the half-split layout HF checkpoints use)."""
+    return x * cos + rotate_half(x) * sin
 
 
 class Attention(nn.Module):
@@ -81,9 +82,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.qkv_proj = nn.Linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
@@ -93,12 +92,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attn: AttentionContext):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        H, Hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
+        else:
+            qk, v = qkv.split([H + Hkv, Hkv], dim=2)
+        q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)  # one pass over query and key heads
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
@@ -106,12 +107,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -135,6 +136,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+# Hugging Face projection -> (minillm's fused projection, its index among the fused parts).
+FUSED_PROJECTIONS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -151,13 +157,38 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq = rope_inverse_frequencies(self.config).to(self.lm_head.weight.device)
 
+    def checkpoint_tensor(self, name: str) -> torch.Tensor:
+        """The tensor (a view) that holds Hugging Face checkpoint tensor ``name``:
+        ``model.layers.3.self_attn.k_proj.weight`` -> the k rows of ``...self_attn.qkv_proj.weight``.
+        Raises KeyError for a name this model has no place for."""
+        prefix, _, rest = name.rpartition(".")  # rest = "weight" | "bias"
+        module_path, _, proj = prefix.rpartition(".")
+        if proj not in FUSED_PROJECTIONS:
+            return self.get_parameter(name)
+        fused, part = FUSED_PROJECTIONS[proj]
+        c = self.config
+        sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim] \
+            if fused == "qkv_proj" else [c.intermediate_size, c.intermediate_size]
+        start = sum(sizes[:part])
+        return self.get_parameter(f"{module_path}.{fused}.{rest}")[start:start + sizes[part]]
+
+    def checkpoint_names(self) -> list[str]:
+        """Every tensor name a Hugging Face checkpoint of this model holds (tied head excluded)."""
+        names = []
+        for name, _ in self.named_parameters():  # shared (tied) parameters are listed once
+            prefix, _, rest = name.rpartition(".")
+            module_path, _, proj = prefix.rpartition(".")
+            parts = [p for p, (fused, _) in FUSED_PROJECTIONS.items() if fused == proj]
+            names += [f"{module_path}.{p}.{rest}" for p in parts] if parts else [name]
+        return names
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [B, T] -> final hidden states [B, T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         # cos/sin once per step, shared by every layer; computed in fp32 then rounded like HF.
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = emb.cos().to(x.dtype)[:, :, None], emb.sin().to(x.dtype)[:, :, None]  # broadcast over heads
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)

@@ -146,7 +146,6 @@ def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
         raise FileNotFoundError(f"no *.safetensors in {path}; save the model with "
                                 f"`model.save_pretrained('{path}', safe_serialization=True)`")
     model = _empty_model(config, dtype, device)
-    params = dict(model.named_parameters())
     loaded = set()
     for file in files:
         try:
@@ -155,18 +154,18 @@ def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
             raise ValueError(f"could not read weights file {file}: {e}. Re-create it; if it is minillm's GGUF "
                              f"cache, delete it (`rm -rf {file.parent}`) and load again.") from e
         for name, tensor in tensors.items():
-            if name not in params:
-                if "rotary_emb" in name:
-                    continue
-                raise ValueError(f"{file} holds {name!r}, which a {config.model_type} model does not have")
-            if params[name].shape != tensor.shape:
+            if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
+                continue  # recomputed buffers; a tied head that the file also stores
+            try:
+                target = model.checkpoint_tensor(name)
+            except AttributeError:
+                raise ValueError(f"{file} holds {name!r}, which a {config.model_type} model does not have") from None
+            if target.shape != tensor.shape:
                 raise ValueError(f"{file}: {name} has shape {tuple(tensor.shape)}, "
-                                 f"config.json implies {tuple(params[name].shape)}")
-            params[name].copy_(tensor)
+                                 f"config.json implies {tuple(target.shape)}")
+            target.copy_(tensor)
             loaded.add(name)
-    if config.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    missing = set(params) - loaded
+    missing = set(model.checkpoint_names()) - loaded
     if missing:
         raise ValueError(f"weights missing from {path}: {sorted(missing)[:5]} ({len(missing)} in all)")
     tokenizer = None

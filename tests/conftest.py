@@ -1,0 +1,98 @@
+"""Shared fixtures: the embedded SmolLM2 (minillm and the transformers oracle) and tiny random HF models.
+
+Everything is fp32 on the CPU, so minillm and transformers can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# The CI box has 2 cores shared with other jobs; OpenMP threads fighting over them make every matmul
+# an order of magnitude slower than one thread. Override with MINILLM_TEST_THREADS.
+torch.set_num_threads(int(os.environ.get("MINILLM_TEST_THREADS", "1")))
+
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=300,
+    max_position_embeddings=256,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+
+
+def randomize_(model: torch.nn.Module, seed: int, std: float = 0.15) -> torch.nn.Module:
+    """Seeded random weights that make every parameter matter: norms (and q/k norms) are 1 + noise
+    rather than all ones, biases are non-zero, and matrices are large enough that logits spread over
+    several units (so a wrong op moves them by far more than the test's tolerance)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(noise)
+            elif name.endswith("bias"):
+                param.copy_(0.5 * noise)
+            else:
+                param.copy_(std * noise)
+    return model
+
+
+def build_tiny_hf(config_cls, seed: int = 0, **overrides):
+    """A tiny transformers model of ``config_cls`` (LlamaConfig, Qwen3Config, ...) with random weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = config_cls(**{**TINY_SHAPE, **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return randomize_(model, seed).eval()
+
+
+@pytest.fixture(scope="session")
+def make_tiny_hf():
+    """Factory fixture: ``make_tiny_hf(LlamaConfig, seed=1, tie_word_embeddings=True)``."""
+    return build_tiny_hf
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2-135M-Instruct in minillm, fp32 on CPU (shared by every test)."""
+    from minillm import LLM
+
+    return LLM(dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm_dir():
+    """The cached Hugging Face-format directory the GGUF was converted into."""
+    from minillm.model.loader import embedded_model_path, gguf_cache_dir
+
+    path = gguf_cache_dir(embedded_model_path())
+    assert (path / "config.json").is_file(), f"no converted cache at {path}"
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm, smollm_dir):
+    """The transformers oracle: the same weights through AutoModelForCausalLM, fp32, eval mode.
+    Depends on ``smollm`` so the GGUF cache exists before it is read."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llm():
+    """minillm's 'tiny' preset with random weights: fast, token ids only (no tokenizer)."""
+    from minillm import LLM
+
+    return LLM("tiny", load_format="dummy", dtype="float32", device="cpu", max_num_seqs=4)
