@@ -44,8 +44,8 @@ test-exercises: dev
 	$(BIN)/python -m pytest -q exercises/tests --impl=exercises
 
 test-notebooks: dev
-	MINILLM_CI=1 $(BIN)/python -m pytest -q --nbval-lax --nbval-current-env \
-		--sanitize-with notebooks/sanitize.cfg -p no:cacheprovider notebooks
+	MINILLM_CI=1 MINILLM_FIGURES=$${TMPDIR:-/tmp}/minillm-figures $(BIN)/python -m pytest -q --nbval-lax --nbval-current-env \
+		--nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider notebooks
 
 lab: dev
 	$(BIN)/jupyter lab notebooks
