@@ -1,0 +1,117 @@
+"""The benchmark harness: workloads as BENCHMARKS.md defines them, vLLM's metric formulas, the CLI's
+JSON, and the transformers peer that shares minillm's weights."""
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from minillm import SamplingParams
+from minillm.bench.metrics import RequestTiming, serving_metrics
+from minillm.bench.peers import hf_model_sharing_weights, run_hf_static
+from minillm.bench.workloads import WORKLOADS, make_workload
+from minillm.cli import main
+
+
+@pytest.mark.parametrize("scale", ["gpu", "cpu"])
+def test_mixed_and_tuning_path_sizes_follow_benchmarks_md(scale):
+    mixed = make_workload("mixed", scale)
+    lo_in, hi_in, lo_out, hi_out = (128, 1024, 32, 256) if scale == "gpu" else (16, 128, 16, 128)
+    assert len(mixed) == (128 if scale == "gpu" else 32)
+    assert all(lo_in <= len(r.prompt_token_ids) <= hi_in and lo_out <= r.max_tokens <= hi_out for r in mixed)
+    assert all(100 <= t < 30000 for r in mixed for t in r.prompt_token_ids)
+    path = make_workload("tuning-path", scale)
+    shared, total = (192, 512) if scale == "gpu" else (48, 128)
+    assert all(len(r.prompt_token_ids) == total for r in path)
+    prefixes = {tuple(r.prompt_token_ids[:shared]) for r in path}
+    assert 1 < len(prefixes) <= 8  # one of 8 shared system prompts
+    assert len({tuple(r.prompt_token_ids[shared:]) for r in path}) == len(path)  # unique tails
+
+
+def test_workloads_are_seeded_and_prefix_stable():
+    for name in WORKLOADS:
+        a = make_workload(name, "cpu", seed=3)
+        assert a == make_workload(name, "cpu", seed=3)
+        assert a != make_workload(name, "cpu", seed=4)
+        assert make_workload(name, "cpu", num_requests=2, seed=3) == a[: len(make_workload(name, "cpu", 2, 3))]
+
+
+def test_multi_turn_resends_the_whole_history():
+    chat = make_workload("multi-turn", "cpu", num_requests=1)
+    assert len(chat) == 4
+    for earlier, later in zip(chat, chat[1:]):
+        assert later.prompt_token_ids[: len(earlier.prompt_token_ids)] == earlier.prompt_token_ids
+        assert len(later.prompt_token_ids) == len(earlier.prompt_token_ids) + 128
+
+
+def test_workload_errors_name_the_bad_value():
+    with pytest.raises(ValueError, match="'nope'"):
+        make_workload("nope")
+    with pytest.raises(ValueError, match="'tpu'"):
+        make_workload("mixed", "tpu")
+
+
+def test_serving_metrics_against_hand_computed_values():
+    generator = torch.Generator().manual_seed(0)
+    timings = []
+    for _ in range(5):
+        arrival = torch.rand(1, generator=generator).item()
+        gaps = (torch.rand(6, generator=generator) + 0.1).tolist()
+        times = [arrival + sum(gaps[: i + 1]) for i in range(6)]
+        timings.append(RequestTiming(arrival, times, 10))
+    m = serving_metrics(timings, duration=4.0)
+    assert m["completed"] == 5 and m["total_output_tokens"] == 30 and m["total_input_tokens"] == 50
+    assert m["output_throughput"] == pytest.approx(30 / 4.0)
+    ttfts = [(t.token_times[0] - t.arrival_time) * 1000 for t in timings]
+    assert m["mean_ttft_ms"] == pytest.approx(statistics.fmean(ttfts))
+    assert m["median_ttft_ms"] == pytest.approx(statistics.median(ttfts))
+    tpots = [(t.token_times[-1] - t.token_times[0]) / 5 * 1000 for t in timings]
+    assert m["mean_tpot_ms"] == pytest.approx(statistics.fmean(tpots))
+    itls = sorted((b - a) * 1000 for t in timings for a, b in zip(t.token_times, t.token_times[1:]))
+    assert m["mean_itl_ms"] == pytest.approx(statistics.fmean(itls))
+    assert itls[-2] <= m["p99_itl_ms"] <= itls[-1]
+
+
+def test_hf_peer_shares_weights_and_matches_greedy(tiny_llm):
+    model = tiny_llm.engine.model
+    hf = hf_model_sharing_weights(model, tiny_llm.engine.model_config)
+    q = hf.model.layers[0].self_attn.q_proj.weight
+    assert q.untyped_storage().data_ptr() == model.model.layers[0].self_attn.qkv_proj.weight.untyped_storage().data_ptr()
+    requests = make_workload("mixed", "cpu", num_requests=3, vocab_size=tiny_llm.engine.model_config.vocab_size)
+    for r in requests:
+        r.max_tokens = 6
+    timings, tokens, _ = run_hf_static(hf, requests, batch_size=2)
+    outs = tiny_llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+                             SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == tokens
+    assert all(len(t.token_times) == 6 for t in timings)
+
+
+def test_cli_bench_writes_the_keys_benchmarks_md_asks_for(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    main(["bench", "throughput", "--model", "tiny", "--load-format", "dummy", "--workload", "mixed",
+          "--scale", "cpu", "--num-requests", "3", "--max-num-seqs", "2", "--output", str(out)])
+    result = json.loads(out.read_text())
+    for key in ("benchmark", "workload", "model", "device", "date", "command", "commit", "runs"):
+        assert key in result, key
+    assert set(result["runs"]) == {"minillm", "hf_static"}
+    expected_tokens = sum(r.max_tokens for r in make_workload("mixed", "cpu", num_requests=3, vocab_size=512))
+    for run in result["runs"].values():  # ignore_eos: both do exactly the workload's work
+        assert run["completed"] == 3 and run["total_output_tokens"] == expected_tokens
+    assert 0.0 <= result["greedy_agreement"]["hf_static"] <= 1.0
+    assert "output tok/s" in capsys.readouterr().out
+
+
+def test_cli_generate_and_info(smollm, capsys):
+    main(["generate", "The capital of France is", "--max-tokens", "4"])
+    expected = smollm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0),
+                               use_tqdm=False)[0].outputs[0].text
+    assert expected and expected in capsys.readouterr().out
+    main(["info", "--model", "tiny", "--load-format", "dummy"])
+    printed = capsys.readouterr().out
+    assert "torch" in printed and "2 layers" in printed and "KV per token" in printed
+    with pytest.raises(SystemExit, match="max_tokens"):
+        main(["generate", "hello", "--max-tokens", "0"])
+    with pytest.raises(SystemExit, match="unknown dummy preset 'nope'"):
+        main(["info", "--model", "nope", "--load-format", "dummy"])
