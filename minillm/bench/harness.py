@@ -118,3 +118,31 @@ def write_result(result: dict, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
+
+
+def bench_gguf_load(gguf: str | None = None, command: str = "") -> dict:
+    """First load of a GGUF (dequantize + write the safetensors cache) against the second (read the
+    cache), each in a fresh cache directory so earlier runs cannot help the first."""
+    import tempfile
+
+    from minillm.model.loader import embedded_model_path, load_gguf
+
+    path = Path(gguf) if gguf else embedded_model_path()
+    previous = os.environ.get("MINILLM_CACHE")
+    runs = {}
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["MINILLM_CACHE"] = cache
+        try:
+            for name in ("first_load", "second_load"):
+                start = time.perf_counter()
+                load_gguf(path, torch.float32, torch.device("cpu"))
+                runs[name] = {"seconds": time.perf_counter() - start}
+        finally:
+            if previous is None:
+                os.environ.pop("MINILLM_CACHE")
+            else:
+                os.environ["MINILLM_CACHE"] = previous
+    return {"benchmark": "gguf-load", "workload": "load", "model": path.name, "device": device_description(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command or shlex.join(sys.argv), "commit": git_commit(), "runs": runs,
+            "speedup": runs["first_load"]["seconds"] / runs["second_load"]["seconds"]}
