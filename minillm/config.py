@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-BATCHING_MODES = ("static",)  # dynamic and continuous batching arrive with the paged engine
+BATCHING_MODES = ("static", "continuous")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -19,17 +20,31 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" = bfloat16 on CUDA, float32 on CPU; or float16 / bfloat16 / float32
     device: str = "auto"  # "auto" = cuda when available, else cpu
     max_model_len: int | None = None  # prompt + output tokens per sequence; default min(model's, 2048)
-    max_num_seqs: int = 8  # the most sequences in one batch
+    max_num_seqs: int | None = None  # sequences in one batch at most; default 8 static, 256 continuous
+    max_num_batched_tokens: int = 2048  # token budget of one step; longer prompts are prefilled in chunks
+    block_size: int = 16  # tokens per KV block (paged cache)
+    num_kv_blocks: int | None = None  # explicit KV capacity in blocks, overriding the memory-derived one
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower value = more urgent; ties by arrival)
     memory_budget: int | str | None = None  # emulate a smaller card: weights + workspace + KV must fit ("24GB")
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory minillm may use (without memory_budget)
-    batching: str = "static"  # "static": fixed left-padded batches, each runs until its longest request ends
+    batching: str = "static"  # "static": fixed left-padded batches until the longest ends (contiguous KV)
+    #                           "continuous": iteration-level scheduling over a paged KV cache
     seed: int = 0  # seeds dummy weights and unseeded sampling
 
     def __post_init__(self):
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching {self.batching!r} is not supported; valid: {BATCHING_MODES}")
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy {self.scheduling_policy!r} is not supported; "
+                             f"valid: {SCHEDULING_POLICIES}")
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 8 if self.batching == "static" else 256
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

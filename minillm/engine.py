@@ -13,11 +13,12 @@ import time
 import torch
 
 from minillm.config import EngineConfig
-from minillm.kv.contiguous import sequences_that_fit
+from minillm.kv.budget import units_that_fit
+from minillm.kv.paged import BlockAllocator, BlockTables, PagedKVCache
 from minillm.model.loader import load_model, resolve_dtype
 from minillm.request import Request, RequestOutput, SamplingParams
-from minillm.runner import ModelRunner
-from minillm.scheduler import ScheduledBatch, StaticScheduler
+from minillm.runner import PagedRunner, StaticRunner
+from minillm.scheduler import ContinuousScheduler, ScheduledBatch, StaticScheduler
 from minillm.tokenizer import detokenize_step, encode_prompt
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -49,14 +50,44 @@ class Engine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's sliding window ({window}); "
                              f"minillm has no sliding-window attention, so keep max_model_len <= {window}")
         self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
-        per_sequence = self.model_config.kv_bytes_per_token(self.dtype.itemsize) * self.max_model_len
-        self.max_batch = sequences_that_fit(self._memory_budget(), self.weight_bytes, per_sequence,
-                                            config.max_num_seqs)
-        self.scheduler = StaticScheduler(self.max_batch, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.max_batch, self.max_model_len, self.device, config.seed)
+        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+        if config.batching == "static":
+            self._build_static()
+        else:
+            self._build_paged()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    def _build_static(self) -> None:
+        per_sequence = self.kv_bytes_per_token * self.max_model_len
+        budget = self._memory_budget()
+        fit = self.config.max_num_seqs if budget is None else units_that_fit(
+            budget, self.weight_bytes, per_sequence, "sequence of max_model_len")
+        self.max_batch = min(self.config.max_num_seqs, fit)
+        self.kv_capacity_tokens = self.max_batch * self.max_model_len
+        self.scheduler = StaticScheduler(self.max_batch, self.max_model_len)
+        self.runner = StaticRunner(self.model, self.max_batch, self.max_model_len, self.device, self.config.seed)
+        self.kv_cache_bytes = self.runner.cache.nbytes
+
+    def _build_paged(self) -> None:
+        c = self.config
+        budget = self._memory_budget()
+        if c.num_kv_blocks is not None:
+            num_blocks = c.num_kv_blocks
+        elif budget is not None:
+            num_blocks = units_that_fit(budget, self.weight_bytes, self.kv_bytes_per_token * c.block_size, "KV block")
+        else:  # a CPU without a budget: as much KV as the static baseline reserves (8 full sequences)
+            num_blocks = -(-8 * self.max_model_len // c.block_size)
+        self.max_batch = c.max_num_seqs
+        self.kv_capacity_tokens = num_blocks * c.block_size
+        self.block_tables = BlockTables(BlockAllocator(num_blocks), c.block_size)
+        cache = PagedKVCache(self.model_config, num_blocks, c.block_size, self.dtype, self.device)
+        # vLLM's default watermark: keep 1 % of blocks free at admission so decodes can grow.
+        self.scheduler = ContinuousScheduler(self.block_tables, c.max_num_seqs, c.max_num_batched_tokens,
+                                             c.scheduling_policy, watermark_blocks=num_blocks // 100)
+        self.runner = PagedRunner(self.model, cache, self.block_tables, self.device, c.seed)
+        self.kv_cache_bytes = cache.nbytes
 
     def _memory_budget(self) -> int | None:
         if self.config.memory_budget is not None:
@@ -70,7 +101,12 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
         """Validate and queue one request; returns its id. Bad input raises ValueError here."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority!r} needs scheduling_policy='priority' "
+                             f"(now {self.config.scheduling_policy!r})")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character or token id")
@@ -80,11 +116,19 @@ class Engine:
         if not token_ids:
             raise ValueError("prompt is empty; give at least one token id")
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {token_ids[:8]}...")
+        for index, token in enumerate(token_ids):
+            if not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); "
+                                 f"position {index} holds {token!r}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                              f"(prompt + at least one output token must fit); shorten it or raise max_model_len")
+        if self.config.batching == "continuous":
+            total = min(len(token_ids) + params.max_tokens, self.max_model_len)
+            if -(-total // self.config.block_size) > self.block_tables.allocator.num_blocks:
+                raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                                 f"{total} tokens of KV cache, but it holds only {self.kv_capacity_tokens}; "
+                                 f"lower max_tokens or give the cache more memory")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -102,11 +146,11 @@ class Engine:
         return self._postprocess(batch, token_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request; its slot in a running static batch idles until the batch ends."""
+        """Cancel a request and free its KV (a static batch's row idles until the batch ends)."""
         request = self.requests.pop(request_id, None)
         if request is None or request.finished:
             return None
-        self.scheduler.remove_waiting(request_id)
+        self.scheduler.remove(request_id)
         request.finish("abort")
         return request.to_output()
 
@@ -115,20 +159,26 @@ class Engine:
 
     # -- after the forward pass -------------------------------------------------------------------
 
-    def _postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, token_ids: list[int | None]) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
-        for request, token in zip(batch.requests, token_ids):
+        for request, num_new, token in zip(batch.requests, batch.num_new_tokens, token_ids):
             if request.finished:
                 continue  # a finished row of a static batch: computed, ignored
+            request.num_computed_tokens += num_new
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt yet
             request.output_token_ids.append(token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.token_times.append(now)
             delta = detokenize_step(self.tokenizer, request)
             self._check_stop(request, token, len(request.text) - len(delta), now)
+            if request.finished and not isinstance(request.stop_reason, str):
+                detokenize_step(self.tokenizer, request, final=True)  # keep a trailing partial character
             if request.finished:
                 self.requests.pop(request.request_id, None)
+                self.scheduler.finish(request)
             outputs.append(request.to_output())
         return outputs
 

@@ -56,31 +56,47 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the new text after every step until the request finishes."""
+        if self.tokenizer is None:
+            raise ValueError("stream() yields text, and this model has no tokenizer (dummy weights); "
+                             "use generate() with token ids")
         request_id = self.engine.add_request(_prompt_value(prompt), sampling_params)
+        request = self.engine.requests[request_id]
         sent = 0
         try:
-            while True:
-                for output in self.engine.step():
-                    if output.request_id == request_id:
-                        text = output.outputs[0].text
-                        if len(text) > sent:
-                            yield text[sent:]
-                            sent = len(text)
-                        if output.finished:
-                            return
+            while True:  # other callers may step the engine between our yields: read the request's state
+                done = request.finished  # read before the text, so its last piece is never skipped
+                text = request.to_output().outputs[0].text
+                if len(text) > sent:
+                    yield text[sent:]
+                    sent = len(text)
+                if done:
+                    return
+                if not request.finished:
+                    self._step_or_fail()
         finally:
             self.engine.abort(request_id)  # the consumer stopped early: free the slot
 
+    def _step_or_fail(self) -> None:
+        if not self.engine.has_unfinished():
+            raise RuntimeError("the engine has no work left but a request is unfinished (engine bug)")
+        self.engine.step()
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while len(final) < len(ids):
-                for output in self.engine.step():
-                    if output.finished and output.request_id in wanted:
-                        final[output.request_id] = output
-                        bar.update(1)
-        return [final[i] for i in ids]
+        # Hold the Request objects: their state is the truth, whoever else calls step() meanwhile.
+        requests = [self.engine.requests[i] for i in ids]
+        done = 0
+        try:
+            with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                while done < len(requests):
+                    self._step_or_fail()
+                    finished = sum(r.finished for r in requests)
+                    bar.update(finished - done)
+                    done = finished
+        except BaseException:
+            for request_id in ids:  # never leave this call's requests behind in the engine
+                self.engine.abort(request_id)
+            raise
+        return [r.to_output() for r in requests]
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
@@ -107,8 +123,8 @@ def _prompt_value(prompt: Prompt) -> str | list[int]:
 
 
 def _broadcast(value, n: int, name: str) -> list:
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
-        return value
+        return list(value)
     return [value] * n

@@ -8,8 +8,18 @@ with a ``ValueError`` naming the value, before any tensor work happens.
 from __future__ import annotations
 
 import enum
+import itertools
+import math
 import time
 from dataclasses import dataclass, field
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 @dataclass
@@ -25,20 +35,24 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (both: off) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +120,9 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
+_arrival_order = itertools.count()
+
+
 class Request:
     """One request's state inside the engine. Only the engine mutates it."""
 
@@ -118,6 +135,9 @@ class Request:
         self.priority = priority
         self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (paged engine)
+        self.num_preemptions = 0
+        self.seq = next(_arrival_order)  # breaks ties between equal arrival times
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -131,6 +151,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def last_token_id(self) -> int:

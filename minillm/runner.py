@@ -1,8 +1,11 @@
-"""ModelRunner: turns a scheduled batch into tensors, runs the model, samples one token per row.
+"""Runners turn a scheduled batch into tensors, run the model, and sample. They never decide who runs.
 
-For static batching the batch is left-padded: row b's prompt sits at the right end of the first
-``L`` columns (``L`` = longest prompt), so every row writes its next token into the same cache
-column. The runner keeps that column and which columns hold real tokens; it never decides who runs.
+- ``StaticRunner`` (contiguous cache): the batch is left-padded, so row b's prompt sits at the right
+  end of the first ``L`` columns (``L`` = longest prompt) and every row writes its next token into
+  the same cache column. It keeps that column and which columns hold real tokens.
+- ``PagedRunner`` (paged cache): all scheduled tokens are packed into one flat row — decodes first,
+  then prefill chunks — with each token's position and pool slot; only sequences whose whole
+  context is computed after this step get a sampled token.
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ from __future__ import annotations
 import torch
 
 from minillm.kv.contiguous import ContiguousKVCache, LeftPaddedBatch
+from minillm.kv.paged import BlockTables, PagedBatch, PagedKVCache
 from minillm.model.llama import LlamaForCausalLM
 from minillm.sampling import Sampler
 from minillm.scheduler import ScheduledBatch
 
 
-class ModelRunner:
+class StaticRunner:
     def __init__(self, model: LlamaForCausalLM, max_batch: int, max_model_len: int, device: torch.device,
                  seed: int = 0):
         self.model, self.device = model, device
@@ -27,7 +31,7 @@ class ModelRunner:
         self.next_col = 0  # the cache column the next decode token goes to
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
         if batch.is_prefill:
             input_ids, positions, attn = self._prepare_prefill(batch)
         else:
@@ -62,3 +66,41 @@ class ModelRunner:
         self.key_valid[:, col] = True
         self.next_col += 1
         return ids, positions, LeftPaddedBatch(self.cache, self.key_valid, start=col, num_new=1)
+
+
+class PagedRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_tables: BlockTables,
+                 device: torch.device, seed: int = 0):
+        self.model, self.cache, self.block_tables, self.device = model, cache, block_tables, device
+        self.sampler = Sampler(device, seed)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        # Sequences with one new token go first so the attention context can batch them.
+        order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] != 1)
+        ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
+        last_index, sampling = [], []  # flat index of each sampling sequence's last token
+        for i in order:
+            request, n = batch.requests[i], batch.num_new_tokens[i]
+            start = request.num_computed_tokens
+            ids += request.all_token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += self.block_tables.slots(request.request_id, start, start + n)
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(self.block_tables.tables[request.request_id])
+            if start + n == request.num_tokens:
+                last_index.append(len(ids) - 1)
+                sampling.append(i)
+        width = max(map(len, tables))
+        table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
+        num_decode = sum(1 for n in query_lens if n == 1)
+        attn = PagedBatch(self.cache, torch.tensor(slots, device=self.device), table_tensor,
+                          query_lens, context_lens, num_decode)
+        hidden = self.model(torch.tensor([ids], device=self.device), torch.tensor([positions], device=self.device), attn)
+        tokens: list[int | None] = [None] * len(batch.requests)
+        if sampling:
+            logits = self.model.compute_logits(hidden[0, last_index])
+            for i, token in zip(sampling, self.sampler(logits, [batch.requests[i] for i in sampling])):
+                tokens[i] = token
+        return tokens

@@ -1,11 +1,14 @@
-"""Who runs this step. Static batching: the naive deployment of tuning path step 0.
+"""Who runs this step, and how many tokens each. The scheduler only decides; it never touches
+tensors (the runner does).
 
-Requests are taken first come, first served, ``max_batch`` at a time; the batch is prefilled
-together (left-padded to its longest prompt), then decodes one token per row per step until *every*
-row is finished. Rows that finished early keep occupying the batch (their outputs are ignored) and
-newcomers wait for the whole batch to end — the two wastes continuous batching removes.
-
-The scheduler only decides; it never touches tensors (the runner does).
+- ``StaticScheduler`` (tuning path step 0): first come, first served, ``max_batch`` at a time; the
+  batch is prefilled together (left-padded to its longest prompt), then decodes one token per row
+  per step until *every* row is finished. Rows that finished early keep occupying the batch and
+  newcomers wait for the whole batch to end — the two wastes continuous batching removes.
+- ``ContinuousScheduler`` (step 1): iteration-level scheduling (Orca, OSDI 2022) over a paged KV
+  cache with one token budget per step (vLLM V1): running requests first, then admissions;
+  long prompts are split into chunks (chunked prefill); preemption by recomputation when blocks
+  run out or a more urgent request waits.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from minillm.request import Request, RequestStatus
 
 @dataclass
 class ScheduledBatch:
-    requests: list[Request]  # the batch's rows; fixed for the life of a static batch
-    is_prefill: bool
+    requests: list[Request]  # static: the batch's rows, fixed for the batch's life
+    num_new_tokens: list[int]  # tokens each request computes this step (a prefill chunk or 1)
+    is_prefill: bool = False  # static batching: the batch's first step
 
 
 def output_budget(request: Request, max_model_len: int) -> int:
@@ -36,7 +40,8 @@ class StaticScheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def remove_waiting(self, request_id: str) -> Request | None:
+    def remove(self, request_id: str) -> Request | None:
+        """Abort: a waiting request leaves the queue; a running row idles until its batch ends."""
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
@@ -48,12 +53,17 @@ class StaticScheduler:
 
     def schedule(self, now: float) -> ScheduledBatch | None:
         if any(not r.finished for r in self.running):
-            return ScheduledBatch(self.running, is_prefill=False)
+            return ScheduledBatch(self.running, [1] * len(self.running))
         self.running = self._next_batch(now)
         for request in self.running:
             request.status = RequestStatus.RUNNING
             request.metrics.first_scheduled_time = now
-        return ScheduledBatch(self.running, is_prefill=True) if self.running else None
+        if not self.running:
+            return None
+        return ScheduledBatch(self.running, [r.num_prompt_tokens for r in self.running], is_prefill=True)
+
+    def finish(self, request: Request) -> None:
+        """A finished row stays in its static batch until the batch ends."""
 
     def _next_batch(self, now: float) -> list[Request]:
         """Arrived requests in FIFO order while the left-padded batch fits the cache's columns:
@@ -69,3 +79,124 @@ class StaticScheduler:
             batch.append(self.waiting.popleft())
             longest_prompt, longest_output = prompt, output
         return batch
+
+
+class ContinuousScheduler:
+    """Continuous batching over a paged KV cache.
+
+    Each step spends at most ``max_num_batched_tokens`` tokens: first on running requests in order
+    of urgency (one decode token each, or the next chunk of an unfinished prefill), then on
+    admitting waiting requests while sequences, tokens and free blocks allow. Admission keeps
+    ``watermark_blocks`` free so running decodes are not starved of blocks at once.
+
+    Urgency: ``fcfs`` orders by arrival; ``priority`` by (priority, arrival), lower = more urgent.
+    Preemption victim: the least urgent, most recently arrived running request. Preemption is by
+    recomputation: its blocks are freed and it waits again (at the front of its level), keeping the
+    tokens it generated, which are prefilled again when it is readmitted.
+    """
+
+    def __init__(self, block_tables, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
+                 watermark_blocks: int = 0):
+        self.block_tables = block_tables
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.policy, self.watermark_blocks = policy, watermark_blocks
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0  # total, for step statistics
+
+    def _urgency(self, request: Request) -> tuple:
+        priority = request.priority if self.policy == "priority" else 0
+        return priority, request.metrics.arrival_time, request.seq
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request_id: str) -> Request | None:
+        """Take a request out of the queues (abort), freeing its blocks."""
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.block_tables.free(request_id)
+                    return request
+        return None
+
+    def finish(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_tables.free(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.block_tables.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.WAITING
+        self.waiting.insert(0, victim)
+        self.num_preemptions += 1
+
+    def _fits(self, request: Request, num_tokens: int, reserve: int) -> bool:
+        needed = self.block_tables.extra_blocks_needed(request.request_id, num_tokens)
+        return needed + reserve <= self.block_tables.allocator.num_free
+
+    def _next_waiting(self, now: float) -> Request | None:
+        arrived = [r for r in self.waiting if r.metrics.arrival_time <= now]
+        return min(arrived, key=self._urgency) if arrived else None
+
+    def _make_room_for_urgent(self, now: float) -> None:
+        """priority policy: preempt less urgent running requests while the most urgent waiting one
+        cannot be admitted (no sequence slot or too few blocks for its first chunk)."""
+        while self.running:
+            candidate = self._next_waiting(now)
+            victim = max(self.running, key=self._urgency)
+            if candidate is None or candidate.priority >= victim.priority:
+                return
+            first_chunk = min(candidate.num_tokens, self.max_num_batched_tokens)
+            if len(self.running) < self.max_num_seqs and self._fits(candidate, first_chunk, self.watermark_blocks):
+                return
+            self._preempt(victim)
+
+    def schedule(self, now: float) -> ScheduledBatch | None:
+        if self.policy == "priority":
+            self._make_room_for_urgent(now)
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=self._urgency)
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._fits(request, request.num_computed_tokens + n, 0):
+                victim = self.running[-1]  # least urgent: running is sorted by urgency
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            self.block_tables.grow(request.request_id, request.num_computed_tokens + n)
+            scheduled.append((request, n))
+            budget -= n
+            index += 1
+        # Admissions; none in a step that had to preempt (the cache is full).
+        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self._next_waiting(now)
+            if request is None:
+                break
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._fits(request, n, self.watermark_blocks):
+                break
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            self.block_tables.grow(request.request_id, n)
+            scheduled.append((request, n))
+            budget -= n
+        if not scheduled:
+            return None
+        return ScheduledBatch([r for r, _ in scheduled], [n for _, n in scheduled])

@@ -27,12 +27,13 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def detokenize_step(tokenizer, request: Request) -> str:
-    """Update ``request.text`` with the newest token and return the new characters."""
+def detokenize_step(tokenizer, request: Request, final: bool = False) -> str:
+    """Update ``request.text`` with the newest token and return the new characters. ``final``
+    keeps a trailing incomplete character (the request ends there, nothing will complete it)."""
     if tokenizer is None:
         return ""
     text = tokenizer.decode(request.output_token_ids, skip_special_tokens=request.params.skip_special_tokens)
-    if text.endswith("\ufffd"):
+    if text.endswith("\ufffd") and not final:
         return ""  # an incomplete UTF-8 sequence: wait for the next token
     delta = text[len(request.text):]
     request.text = text

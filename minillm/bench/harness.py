@@ -93,7 +93,7 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
         "versions": info_dict(),
         "engine": {"batching": engine.config.batching, "max_batch": engine.max_batch,
                    "max_model_len": engine.max_model_len, "memory_budget": engine.config.memory_budget,
-                   "kv_cache_bytes": engine.runner.cache.nbytes},
+                   "kv_cache_bytes": engine.kv_cache_bytes, "kv_capacity_tokens": engine.kv_capacity_tokens},
         "runs": runs,
         # Fraction of requests whose greedy tokens equal minillm's exactly (same weights).
         "greedy_agreement": agreement,

@@ -9,12 +9,17 @@ above GPU time, the step is bound by launch overhead on the CPU, not by the GPU.
 from __future__ import annotations
 
 import argparse
+import datetime
+import shlex
+import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from minillm.bench.harness import git_commit, write_result
 from minillm.bench.peers import hf_model_sharing_weights
+from minillm.info import device_description
 from minillm.llm import LLM
 from minillm.request import SamplingParams
 
@@ -91,6 +96,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--no-hf", action="store_true", help="profile minillm only")
+    parser.add_argument("--output", default=None, help="write the per-step figures as JSON here")
     args = parser.parse_args()
     llm = LLM(args.model, load_format=args.load_format, max_num_seqs=args.batch)
     results = {"minillm": profile_minillm(llm, args.batch, args.prompt_len, args.steps)}
@@ -100,6 +106,15 @@ def main() -> None:
         print(f"== {name}\n{r.pop('top')}")
     for name, r in results.items():
         print(f"{name:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()))
+    if args.output:
+        result = {"benchmark": "profile-decode-step", "workload": f"static batch {args.batch}, "
+                  f"{args.prompt_len}-token prompts, {args.steps} profiled decode steps",
+                  "model": llm.engine.model_source, "device": device_description(),
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": shlex.join(["python", "-m", "minillm.bench.profile", *sys.argv[1:]]),
+                  "commit": git_commit(), "runs": results,
+                  "note": "wall time is under torch.profiler (inflated); compare kernels and GPU time per step"}
+        print(f"wrote {write_result(result, args.output)}")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ class ContiguousKVCache:
 
     def __init__(self, config: ModelConfig, max_batch: int, max_len: int, dtype: torch.dtype, device):
         shape = (config.num_layers, max_batch, max_len, config.num_kv_heads, config.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.max_batch, self.max_len = max_batch, max_len
+        # Zeros, not empty: masked-out slots (padding, the tail of a block) are still read, and
+        # their softmax weight of 0 times a NaN left in uninitialised memory would be NaN.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
 
     @property
     def nbytes(self) -> int:
@@ -58,24 +60,3 @@ class LeftPaddedBatch:
         values[:, self.start : self.end] = v
         return masked_attention(q, keys[:, : self.end], values[:, : self.end], self.mask)
 
-
-def workspace_bytes(weight_bytes: int) -> int:
-    """Memory kept back for activations, logits and the allocator's slack: a rule of thumb (a tenth
-    of the weights, at least 256 MiB), not a measurement."""
-    return max(256 * 2**20, weight_bytes // 10)
-
-
-def sequences_that_fit(budget: int | None, weight_bytes: int, bytes_per_sequence: int, max_num_seqs: int) -> int:
-    """How many max_model_len-long sequences a contiguous cache can reserve inside ``budget``."""
-    if budget is None:
-        return max_num_seqs
-    kv_budget = budget - weight_bytes - workspace_bytes(weight_bytes)
-    fit = kv_budget // bytes_per_sequence
-    if fit < 1:
-        raise ValueError(
-            f"memory budget of {budget:,} bytes ({budget / 1e9:.2f} GB) leaves {max(kv_budget, 0) / 1e9:.2f} GB for the KV cache "
-            f"after {weight_bytes / 1e9:.2f} GB of weights and {workspace_bytes(weight_bytes) / 1e9:.2f} GB of "
-            f"workspace, but one sequence of max_model_len needs {bytes_per_sequence / 1e9:.3f} GB; "
-            f"raise the budget or lower max_model_len"
-        )
-    return min(max_num_seqs, fit)

@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_tensor(self, name: str) -> torch.Tensor:
         """The tensor (a view) that holds Hugging Face checkpoint tensor ``name``:
         ``model.layers.3.self_attn.k_proj.weight`` -> the k rows of ``...self_attn.qkv_proj.weight``.
-        Raises KeyError for a name this model has no place for."""
+        Raises AttributeError for a name this model has no place for."""
         prefix, _, rest = name.rpartition(".")  # rest = "weight" | "bias"
         module_path, _, proj = prefix.rpartition(".")
         if proj not in FUSED_PROJECTIONS:

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,16 +132,20 @@ def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} is missing; a model directory needs config.json + *.safetensors "
                                 f"(write one with transformers' `model.save_pretrained(dir)`)")
-    hf_config = json.loads(config_file.read_text())
+    hf_config = _read_json(config_file)
     generation_file = path / "generation_config.json"
     if generation_file.is_file():
         # Stop ids come from the generation config when there is one (Llama 3 Instruct lists several).
-        eos = json.loads(generation_file.read_text()).get("eos_token_id")
+        eos = _read_json(generation_file).get("eos_token_id")
         if eos is not None:
             hf_config["eos_token_id"] = eos
-    config = ModelConfig.from_hf(hf_config)
+    try:
+        config = ModelConfig.from_hf(hf_config)
+    except KeyError as e:
+        raise ValueError(f"{config_file} lacks the field {e.args[0]!r}; re-create it with transformers' "
+                         f"`save_pretrained`{_cache_hint(path)}") from None
     index = path / "model.safetensors.index.json"
-    files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
+    files = sorted({path / f for f in _read_json(index)["weight_map"].values()}) if index.is_file() \
         else sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}; save the model with "
@@ -151,8 +156,7 @@ def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
         try:
             tensors = load_file(file, device=str(device))
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"could not read weights file {file}: {e}. Re-create it; if it is minillm's GGUF "
-                             f"cache, delete it (`rm -rf {file.parent}`) and load again.") from e
+            raise ValueError(f"could not read weights file {file}: {e}. Re-create it{_cache_hint(path)}") from e
         for name, tensor in tensors.items():
             if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
                 continue  # recomputed buffers; a tied head that the file also stores
@@ -172,15 +176,36 @@ def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as e:
+            raise ValueError(f"could not load the tokenizer files in {path}: {e}{_cache_hint(path)}") from e
     return LoadedModel(model, config, tokenizer, str(path))
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"could not read {file}: {e}{_cache_hint(file.parent)}") from e
+
+
+def _cache_hint(folder: Path) -> str:
+    """What fixes a broken file: for minillm's own GGUF cache, deleting it (it is rebuilt)."""
+    if cache_root().resolve() in folder.resolve().parents:
+        return f"; it is minillm's GGUF cache: delete it (`rm -rf {folder}`) and load again"
+    return ""
+
+
+# Part of the cache key: bump when convert_gguf writes something different.
+GGUF_CACHE_FORMAT = 1
 
 
 def gguf_cache_dir(gguf: Path) -> Path:
     """A folder named after the file's name and a hash of its size, head and tail (cheap to
     compute, changes when the file does)."""
     size = gguf.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
+    digest = hashlib.sha256(f"{GGUF_CACHE_FORMAT}:{size}".encode())
     with gguf.open("rb") as f:
         digest.update(f.read(1 << 20))
         f.seek(max(0, size - (1 << 20)))
@@ -190,7 +215,8 @@ def gguf_cache_dir(gguf: Path) -> Path:
 
 def load_gguf(gguf: Path, dtype, device) -> LoadedModel:
     cached = gguf_cache_dir(gguf)
-    if not (cached / "config.json").is_file():
+    if not (cached / "config.json").is_file() or not (cached / "model.safetensors").is_file():
+        print(f"minillm: converting {gguf.name} to safetensors once (cached in {cached})", file=sys.stderr)
         convert_gguf(gguf, cached)
     loaded = load_hf_dir(cached, dtype, device)
     loaded.source = gguf.name

@@ -1,0 +1,157 @@
+"""PagedAttention's KV cache (Kwon et al., SOSP 2023, the vLLM paper): memory in fixed-size blocks.
+
+The contiguous cache reserves ``max_model_len`` tokens per sequence up front; most of it is never
+written. Here K/V live in a shared pool of blocks of ``block_size`` tokens, and each request owns a
+*block table*: the list of pool blocks holding its tokens in order, grown one block at a time as it
+generates. Token ``p`` of a request lives in slot ``table[p // block_size] * block_size +
+p % block_size`` (its *slot mapping*). Waste is at most one partly filled block per request.
+
+Blocks carry reference counts so that several requests can share one (prefix caching, next issue);
+a block returns to the free list when its count drops to zero.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from minillm.attention import masked_attention
+from minillm.model.config import ModelConfig
+
+
+class BlockAllocator:
+    """A free list of block ids with reference counts."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
+        self.num_blocks = num_blocks
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self) -> int:
+        if not self.free_ids:
+            raise RuntimeError("out of KV blocks (the scheduler should have checked num_free)")
+        block = self.free_ids.popleft()
+        self.ref_counts[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        """One more owner of an allocated block."""
+        if self.ref_counts[block] == 0:
+            raise ValueError(f"block {block} is free; only allocated blocks can be shared")
+        self.ref_counts[block] += 1
+
+    def release(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            raise ValueError(f"block {block} is already free (double release)")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_ids.append(block)
+
+
+class BlockTables:
+    """Each request's block table, grown and freed through one allocator."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int):
+        self.allocator, self.block_size = allocator, block_size
+        self.tables: dict[str, list[int]] = {}
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def extra_blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """Blocks to allocate so that the request's table covers ``num_tokens`` tokens."""
+        return max(0, self.blocks_for(num_tokens) - len(self.tables.get(request_id, ())))
+
+    def grow(self, request_id: str, num_tokens: int) -> None:
+        table = self.tables.setdefault(request_id, [])
+        for _ in range(self.extra_blocks_needed(request_id, num_tokens)):
+            table.append(self.allocator.allocate())
+
+    def free(self, request_id: str) -> None:
+        for block in self.tables.pop(request_id, ()):
+            self.allocator.release(block)
+
+    def slots(self, request_id: str, start: int, end: int) -> list[int]:
+        """Pool slots of the request's tokens [start, end)."""
+        table, bs = self.tables[request_id], self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+class PagedKVCache:
+    """The block pool: K and V of shape [layers, num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # Zeros, not empty: masked-out slots (padding, the tail of a block) are still read, and
+        # their softmax weight of 0 times a NaN left in uninitialised memory would be NaN.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class PagedBatch:
+    """Attention context for one step over a flat batch of sequences (pure torch reference).
+
+    The step's tokens are packed into one row: first ``num_decode`` sequences with one new token
+    each, then prefill chunks. Sequence i brings ``query_lens[i]`` new tokens and then holds
+    ``context_lens[i]`` tokens in total (cached + new); its new tokens sit at the end of that
+    context. ``slot_mapping`` says where each new token's K/V go in the pool.
+    """
+
+    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 query_lens: list[int], context_lens: list[int], num_decode: int):
+        self.cache, self.slot_mapping = cache, slot_mapping
+        self.query_lens, self.context_lens, self.num_decode = query_lens, context_lens, num_decode
+        self.block_tables = block_tables  # [num_seqs, max_blocks], padded with 0
+        device = slot_mapping.device
+        if num_decode:
+            # Decodes are batched: gather every decode sequence's blocks, mask past its length.
+            longest = max(context_lens[:num_decode])
+            blocks = -(-longest // cache.block_size)
+            self.decode_tables = block_tables[:num_decode, :blocks]
+            key_pos = torch.arange(blocks * cache.block_size, device=device)
+            lens = torch.tensor(context_lens[:num_decode], device=device)
+            allowed = key_pos[None, :] < lens[:, None]
+            self.decode_mask = torch.zeros(allowed.shape, dtype=cache.k.dtype, device=device)
+            self.decode_mask.masked_fill_(~allowed, float("-inf"))
+            self.decode_mask = self.decode_mask[:, None, None, :]  # [B, 1, 1, S]
+
+    def _gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """[B, blocks] table -> [B, blocks * block_size, kv_heads, head_dim] keys or values."""
+        gathered = pool[tables]
+        return gathered.reshape(tables.shape[0], -1, *pool.shape[-2:])
+
+    def __call__(self, layer_idx: int, q, k, v):
+        pool_k, pool_v = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        heads, dim = pool_k.shape[-2:]
+        pool_k.view(-1, heads, dim)[self.slot_mapping] = k[0]
+        pool_v.view(-1, heads, dim)[self.slot_mapping] = v[0]
+        outputs = []
+        n = self.num_decode
+        if n:
+            keys, values = self._gather(pool_k, self.decode_tables), self._gather(pool_v, self.decode_tables)
+            outputs.append(masked_attention(q[0, :n, None], keys, values, self.decode_mask)[:, 0])
+        start = n
+        for i in range(n, len(self.query_lens)):
+            q_len, ctx = self.query_lens[i], self.context_lens[i]
+            table = self.block_tables[i : i + 1, : -(-ctx // self.cache.block_size)]
+            keys = self._gather(pool_k, table)[:, :ctx]
+            values = self._gather(pool_v, table)[:, :ctx]
+            # The new tokens are the last q_len of the context: causal with an offset.
+            query_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+            allowed = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+            outputs.append(masked_attention(q[:, start : start + q_len], keys, values, mask[None, None])[0])
+            start += q_len
+        return torch.cat(outputs)[None]
