@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +24,17 @@ from minillm.scheduler import ContinuousScheduler, ScheduledBatch, StaticSchedul
 from minillm.tokenizer import detokenize_step, encode_prompt
 
 DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass
+class StepStats:
+    """What one step did (vLLM logs the same per iteration)."""
+
+    time: float  # perf_counter at the end of the step
+    num_seqs: int  # sequences in the batch
+    num_tokens: int  # tokens computed (prefill chunks + decodes)
+    kv_usage: float  # fraction of the KV cache in use (paged: blocks held; static: rows reserved)
+    num_preemptions: int  # preemptions so far
 
 
 def resolve_device(device: str) -> torch.device:
@@ -58,6 +71,7 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.stats: deque[StepStats] = deque(maxlen=100_000)  # the most recent steps
 
     def _build_static(self) -> None:
         per_sequence = self.kv_bytes_per_token * self.max_model_len
@@ -143,7 +157,16 @@ class Engine:
         if batch is None:
             return []
         token_ids = self.runner.run(batch)
-        return self._postprocess(batch, token_ids)
+        outputs = self._postprocess(batch, token_ids)
+        self.stats.append(StepStats(time.perf_counter(), len(batch.requests), sum(batch.num_new_tokens),
+                                    self._kv_usage(), getattr(self.scheduler, "num_preemptions", 0)))
+        return outputs
+
+    def _kv_usage(self) -> float:
+        if self.config.batching == "static":
+            return len(self.scheduler.running) / self.max_batch
+        allocator = self.block_tables.allocator
+        return 1 - allocator.num_free / allocator.num_blocks
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its KV (a static batch's row idles until the batch ends)."""

@@ -192,3 +192,17 @@ def test_continuous_matches_transformers_on_the_embedded_model(smollm, hf_smollm
         expected = hf_smollm.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                       eos_token_id=2)[0, len(prompt):].tolist()
         assert output.outputs[0].token_ids == expected
+
+
+def test_step_stats_account_for_every_token():
+    engine = tiny_engine(batching="continuous", block_size=4, num_kv_blocks=40, max_num_batched_tokens=16)
+    prompts = [list(range(3, 3 + n)) for n in (5, 20, 9)]
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    stats = list(engine.stats)
+    # Every prompt token is computed once and every output token but the last is fed back once.
+    assert sum(s.num_tokens for s in stats) == sum(map(len, prompts)) + 3 * 5
+    assert max(s.num_tokens for s in stats) <= 16 and max(s.num_seqs for s in stats) == 3
+    assert 0 < max(s.kv_usage for s in stats) <= 1 and stats[-1].num_preemptions == 0

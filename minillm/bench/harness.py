@@ -57,6 +57,16 @@ def run_minillm(llm: LLM, workload: list[WorkloadRequest]) -> tuple[list[Request
     return timings, [o.outputs[0].token_ids for o in outputs], duration
 
 
+def step_summary(stats) -> dict:
+    """Engine statistics over a run: how full the batches and the KV cache were."""
+    stats = list(stats)
+    return {"num_steps": len(stats),
+            "mean_batch_size": sum(s.num_seqs for s in stats) / len(stats),
+            "mean_scheduled_tokens": sum(s.num_tokens for s in stats) / len(stats),
+            "max_kv_usage": max(s.kv_usage for s in stats),
+            "num_preemptions": stats[-1].num_preemptions - stats[0].num_preemptions}
+
+
 def bench_throughput(*, model: str | None, load_format: str, workload: str, scale: str,
                      num_requests: int | None, peers: list[str], seed: int = 0, command: str = "",
                      **engine_kwargs) -> dict:
@@ -69,8 +79,9 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
     warmup = [WorkloadRequest(requests[0].prompt_token_ids[:16], 4)]
     runs, tokens = {}, {}
     run_minillm(llm, warmup)
+    engine.stats.clear()
     timings, tokens["minillm"], duration = run_minillm(llm, requests)
-    runs["minillm"] = serving_metrics(timings, duration)
+    runs["minillm"] = serving_metrics(timings, duration) | step_summary(engine.stats)
     if peers:
         # The peers run after minillm, in this process: give back minillm's KV cache (which may
         # hold most of the GPU) so they get the memory a user of transformers would have.
