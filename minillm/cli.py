@@ -26,8 +26,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float16, bfloat16, float32")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
-    g.add_argument("--batching", default="static", choices=["static", "continuous"],
-                   help="static: fixed padded batches, contiguous KV; continuous: paged KV, iteration-level")
+    g.add_argument("--batching", default="static", choices=["static", "dynamic", "continuous"],
+                   help="static: fixed padded batches, contiguous KV; dynamic: static batches grouped by length "
+                        "after a short wait; continuous: paged KV, iteration-level scheduling")
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default 8 static, 256 continuous)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (continuous)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV capacity in blocks (continuous)")

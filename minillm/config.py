@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-BATCHING_MODES = ("static", "continuous")
+BATCHING_MODES = ("static", "dynamic", "continuous")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -28,7 +28,10 @@ class EngineConfig:
     memory_budget: int | str | None = None  # emulate a smaller card: weights + workspace + KV must fit ("24GB")
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory minillm may use (without memory_budget)
     batching: str = "static"  # "static": fixed left-padded batches until the longest ends (contiguous KV)
+    #                           "dynamic": static batches that wait for company and group similar lengths
     #                           "continuous": iteration-level scheduling over a paged KV cache
+    batch_timeout: float = 0.05  # dynamic: seconds the oldest request waits for a full batch
+    bucket_width: int = 128  # dynamic: prompts within the same multiple of this many tokens batch together
     seed: int = 0  # seeds dummy weights and unseeded sampling
 
     def __post_init__(self):
@@ -38,8 +41,10 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy {self.scheduling_policy!r} is not supported; "
                              f"valid: {SCHEDULING_POLICIES}")
         if self.max_num_seqs is None:
-            self.max_num_seqs = 8 if self.batching == "static" else 256
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            self.max_num_seqs = 256 if self.batching == "continuous" else 8
+        if not isinstance(self.batch_timeout, (int, float)) or not self.batch_timeout >= 0:
+            raise ValueError(f"batch_timeout must be a number of seconds >= 0, got {self.batch_timeout!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "bucket_width"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

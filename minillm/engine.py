@@ -20,7 +20,7 @@ from minillm.kv.paged import BlockAllocator, BlockTables, PagedKVCache
 from minillm.model.loader import load_model, resolve_dtype
 from minillm.request import Request, RequestOutput, SamplingParams
 from minillm.runner import PagedRunner, StaticRunner
-from minillm.scheduler import ContinuousScheduler, ScheduledBatch, StaticScheduler
+from minillm.scheduler import ContinuousScheduler, DynamicScheduler, ScheduledBatch, StaticScheduler
 from minillm.tokenizer import detokenize_step, encode_prompt
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -64,7 +64,7 @@ class Engine:
                              f"minillm has no sliding-window attention, so keep max_model_len <= {window}")
         self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
-        if config.batching == "static":
+        if config.batching in ("static", "dynamic"):
             self._build_static()
         else:
             self._build_paged()
@@ -80,7 +80,11 @@ class Engine:
             budget, self.weight_bytes, per_sequence, "sequence of max_model_len")
         self.max_batch = min(self.config.max_num_seqs, fit)
         self.kv_capacity_tokens = self.max_batch * self.max_model_len
-        self.scheduler = StaticScheduler(self.max_batch, self.max_model_len)
+        if self.config.batching == "dynamic":
+            self.scheduler = DynamicScheduler(self.max_batch, self.max_model_len, self.config.batch_timeout,
+                                              self.config.bucket_width)
+        else:
+            self.scheduler = StaticScheduler(self.max_batch, self.max_model_len)
         self.runner = StaticRunner(self.model, self.max_batch, self.max_model_len, self.device, self.config.seed)
         self.kv_cache_bytes = self.runner.cache.nbytes
 
@@ -163,7 +167,7 @@ class Engine:
         return outputs
 
     def _kv_usage(self) -> float:
-        if self.config.batching == "static":
+        if self.config.batching != "continuous":  # every row of a contiguous cache reserves a full sequence
             return len(self.scheduler.running) / self.max_batch
         allocator = self.block_tables.allocator
         return 1 - allocator.num_free / allocator.num_blocks

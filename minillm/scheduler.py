@@ -5,6 +5,8 @@ tensors (the runner does).
   batch is prefilled together (left-padded to its longest prompt), then decodes one token per row
   per step until *every* row is finished. Rows that finished early keep occupying the batch and
   newcomers wait for the whole batch to end — the two wastes continuous batching removes.
+- ``DynamicScheduler``: static batches formed more wisely — wait up to ``batch_timeout`` for a
+  full batch, and group requests of similar prompt length (length buckets) to pad less.
 - ``ContinuousScheduler`` (step 1): iteration-level scheduling (Orca, OSDI 2022) over a paged KV
   cache with one token budget per step (vLLM V1): running requests first, then admissions;
   long prompts are split into chunks (chunked prefill); preemption by recomputation when blocks
@@ -78,6 +80,41 @@ class StaticScheduler:
                 break  # it would push a batch mate past the cache's end: it goes in the next batch
             batch.append(self.waiting.popleft())
             longest_prompt, longest_output = prompt, output
+        return batch
+
+
+class DynamicScheduler(StaticScheduler):
+    """Dynamic batching (the seeds' intermediate step): a batch starts when ``max_batch`` requests
+    wait or the oldest has waited ``batch_timeout`` seconds; it takes the oldest request's length
+    bucket (prompt length // ``bucket_width``) first, in arrival order, then fills up from the rest.
+    Batches still run until their longest request ends."""
+
+    def __init__(self, max_batch: int, max_model_len: int, batch_timeout: float, bucket_width: int):
+        super().__init__(max_batch, max_model_len)
+        self.batch_timeout, self.bucket_width = batch_timeout, bucket_width
+
+    def _next_batch(self, now: float) -> list[Request]:
+        arrived = [r for r in self.waiting if r.metrics.arrival_time <= now]
+        if not arrived:
+            return []
+        if len(arrived) < self.max_batch and now - arrived[0].metrics.arrival_time < self.batch_timeout:
+            return []  # wait for more requests
+        bucket = arrived[0].num_prompt_tokens // self.bucket_width
+        same = [r for r in arrived if r.num_prompt_tokens // self.bucket_width == bucket]
+        order = same + [r for r in arrived if r.num_prompt_tokens // self.bucket_width != bucket]
+        batch: list[Request] = []
+        longest_prompt = longest_output = 0
+        for request in order:
+            if len(batch) == self.max_batch:
+                break
+            prompt = max(longest_prompt, request.num_prompt_tokens)
+            output = max(longest_output, output_budget(request, self.max_model_len))
+            if batch and prompt + output - 1 > self.max_model_len:
+                continue  # would push a batch mate past the cache's end
+            batch.append(request)
+            longest_prompt, longest_output = prompt, output
+        for request in batch:
+            self.waiting.remove(request)
         return batch
 
 

@@ -206,3 +206,19 @@ def test_step_stats_account_for_every_token():
     assert sum(s.num_tokens for s in stats) == sum(map(len, prompts)) + 3 * 5
     assert max(s.num_tokens for s in stats) <= 16 and max(s.num_seqs for s in stats) == 3
     assert 0 < max(s.kv_usage for s in stats) <= 1 and stats[-1].num_preemptions == 0
+
+
+def test_dynamic_batching_groups_similar_lengths_and_keeps_outputs():
+    engine = tiny_engine(batching="dynamic", max_num_seqs=2, bucket_width=16, batch_timeout=0.0)
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 7, 45)]  # buckets 0, 2, 0, 2
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    batches, outputs = [], {}
+    while engine.has_unfinished():
+        if not any(not r.finished for r in engine.scheduler.running):
+            engine.step()  # the step that forms and prefills a new batch
+            batches.append(sorted(len(r.prompt_token_ids) for r in engine.scheduler.running))
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert batches == [[5, 7], [40, 45]]
+    for i, prompt in enumerate(prompts):
+        assert outputs[str(i)].outputs[0].token_ids == solo_output(tuple(prompt), 4)
