@@ -15,7 +15,6 @@ tensors (the runner does).
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from minillm.request import Request, RequestStatus
@@ -36,7 +35,7 @@ def output_budget(request: Request, max_model_len: int) -> int:
 class StaticScheduler:
     def __init__(self, max_batch: int, max_model_len: int):
         self.max_batch, self.max_model_len = max_batch, max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
@@ -68,18 +67,25 @@ class StaticScheduler:
         """A finished row stays in its static batch until the batch ends."""
 
     def _next_batch(self, now: float) -> list[Request]:
-        """Arrived requests in FIFO order while the left-padded batch fits the cache's columns:
-        longest prompt + longest output budget - 1 <= max_model_len."""
+        return self._fill([r for r in self.waiting if r.metrics.arrival_time <= now])
+
+    def _fill(self, candidates: list[Request]) -> list[Request]:
+        """Take candidates in order while the left-padded batch fits the cache's columns (longest
+        prompt + longest output budget - 1 <= max_model_len); one that does not fit waits for the
+        next batch, which it then heads (it is older than everything behind it)."""
         batch: list[Request] = []
         longest_prompt = longest_output = 0
-        while self.waiting and len(batch) < self.max_batch and self.waiting[0].metrics.arrival_time <= now:
-            request = self.waiting[0]
+        for request in candidates:
+            if len(batch) == self.max_batch:
+                break
             prompt = max(longest_prompt, request.num_prompt_tokens)
             output = max(longest_output, output_budget(request, self.max_model_len))
             if batch and prompt + output - 1 > self.max_model_len:
-                break  # it would push a batch mate past the cache's end: it goes in the next batch
-            batch.append(self.waiting.popleft())
+                continue
+            batch.append(request)
             longest_prompt, longest_output = prompt, output
+        for request in batch:
+            self.waiting.remove(request)
         return batch
 
 
@@ -101,21 +107,7 @@ class DynamicScheduler(StaticScheduler):
             return []  # wait for more requests
         bucket = arrived[0].num_prompt_tokens // self.bucket_width
         same = [r for r in arrived if r.num_prompt_tokens // self.bucket_width == bucket]
-        order = same + [r for r in arrived if r.num_prompt_tokens // self.bucket_width != bucket]
-        batch: list[Request] = []
-        longest_prompt = longest_output = 0
-        for request in order:
-            if len(batch) == self.max_batch:
-                break
-            prompt = max(longest_prompt, request.num_prompt_tokens)
-            output = max(longest_output, output_budget(request, self.max_model_len))
-            if batch and prompt + output - 1 > self.max_model_len:
-                continue  # would push a batch mate past the cache's end
-            batch.append(request)
-            longest_prompt, longest_output = prompt, output
-        for request in batch:
-            self.waiting.remove(request)
-        return batch
+        return self._fill(same + [r for r in arrived if r.num_prompt_tokens // self.bucket_width != bucket])
 
 
 class ContinuousScheduler:
