@@ -146,6 +146,16 @@ def cmd_bench(args) -> None:
     print(format_table(result))
 
 
+def cmd_bench_latency(args) -> None:
+    from minillm.bench.harness import bench_latency, format_latency_table, write_result
+
+    result = bench_latency(model=args.model, scale=args.scale, num_requests=args.num_requests, peers=args.peers,
+                           command=args.command_line, **_engine_kwargs(args))
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+    print(format_latency_table(result))
+
+
 def cmd_bench_load(args) -> None:
     from minillm.bench.harness import bench_gguf_load, write_result
 
@@ -158,7 +168,7 @@ def cmd_bench_load(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from minillm.bench.harness import PEERS
+    from minillm.bench.harness import LATENCY_PEERS, PEERS
     from minillm.bench.workloads import WORKLOADS
 
     parser = argparse.ArgumentParser(prog="minillm", description="A compact, readable LLM inference engine.",
@@ -185,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput,load}")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput,latency,load}")
     t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
     t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
     t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
@@ -195,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", default=None, help="write the JSON result here")
     _add_model_args(t)
     t.set_defaults(func=cmd_bench)
+    t = bench.add_parser("latency", help="batch-1 decode tok/s against the bandwidth roofline; JSON out")
+    t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
+    t.add_argument("--num-requests", type=int, default=None, help="runs (default 5 gpu, 3 cpu)")
+    t.add_argument("--peers", nargs="*", default=list(LATENCY_PEERS), choices=list(LATENCY_PEERS),
+                   help="hf_compiled (static cache + torch.compile) runs on CUDA only")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    _add_model_args(t)
+    t.set_defaults(func=cmd_bench_latency)
     t = bench.add_parser("load", help="GGUF load time: first (convert and cache) vs second (from cache)")
     t.add_argument("--gguf", default=None, help="a .gguf file (default: the embedded SmolLM2)")
     t.add_argument("--output", default=None, help="write the JSON result here")

@@ -115,3 +115,14 @@ def test_cli_generate_and_info(smollm, capsys):
         main(["generate", "hello", "--max-tokens", "0"])
     with pytest.raises(SystemExit, match="unknown dummy preset 'nope'"):
         main(["info", "--model", "nope", "--load-format", "dummy"])
+
+
+def test_cli_bench_latency_reports_fraction_of_the_roofline(tmp_path):
+    out = tmp_path / "latency.json"
+    main(["bench", "latency", "--model", "tiny", "--load-format", "dummy", "--scale", "cpu", "--num-requests", "1",
+          "--peers", "hf_static", "--output", str(out)])
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "latency" and set(result["runs"]) == {"minillm", "hf_static"}
+    for run in result["runs"].values():
+        assert 0 < run["fraction_of_roofline"] < 1  # below the limit, or the limit is miscounted
+        assert run["mean_decode_tok_s"] == pytest.approx(run["fraction_of_roofline"] * run["roofline_tok_s"])

@@ -27,6 +27,7 @@ from minillm.llm import LLM
 from minillm.request import SamplingParams
 
 PEERS = ("hf_static",)
+LATENCY_PEERS = ("hf_static", "hf_compiled")  # hf_compiled: static cache + torch.compile (CUDA graphs)
 
 
 def git_commit() -> str:
@@ -115,6 +116,76 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
         # Fraction of requests whose greedy tokens equal minillm's exactly (same weights).
         "greedy_agreement": agreement,
     }
+
+
+def _decode_metrics(timings: list[RequestTiming], roofline_tok_s: float) -> dict:
+    """Batch-1 decode speed: tokens after the first over the time they took, per run, averaged."""
+    rates = [(len(t.token_times) - 1) / (t.token_times[-1] - t.token_times[0]) for t in timings]
+    mean = sum(rates) / len(rates)
+    return {"mean_decode_tok_s": mean, "mean_ttft_ms": 1000 * sum(t.token_times[0] - t.arrival_time
+                                                                     for t in timings) / len(timings),
+            "roofline_tok_s": roofline_tok_s, "fraction_of_roofline": mean / roofline_tok_s}
+
+
+def bench_latency(*, model: str | None, load_format: str, scale: str, num_requests: int | None,
+                  peers: list[str], seed: int = 0, command: str = "", **engine_kwargs) -> dict:
+    """The ``latency`` workload: one request at a time; decode tok/s against the bandwidth roofline."""
+    from minillm.bench import roofline
+
+    for peer in peers:
+        if peer not in LATENCY_PEERS:
+            raise ValueError(f"unknown latency peer {peer!r}; valid: {', '.join(LATENCY_PEERS)}")
+    engine_kwargs["max_num_seqs"] = 1
+    llm = LLM(model, load_format=load_format, seed=seed, **engine_kwargs)
+    engine = llm.engine
+    requests = make_workload("latency", scale, num_requests, seed, engine.model_config.vocab_size)
+    first = requests[0]
+    context = len(first.prompt_token_ids) + first.max_tokens // 2  # the mean context while decoding
+    ceilings = roofline.measure_ceilings(engine.device, engine.dtype)
+    limit = roofline.decode_roofline_tok_s(engine.model_config, engine.dtype.itemsize, 1, context, ceilings)
+    run_minillm(llm, requests[:1])  # warm-up
+    timings = [run_minillm(llm, [r])[0][0] for r in tqdm(requests, desc="minillm", unit="run")]
+    runs = {"minillm": _decode_metrics(timings, limit)}
+    if peers:
+        engine.runner.cache = None  # see bench_throughput
+    for peer in peers:
+        if peer == "hf_compiled" and engine.device.type != "cuda":
+            runs[peer] = {"skipped": "CUDA graphs need a CUDA device"}
+            continue
+        hf = hf_model_sharing_weights(engine.model, engine.model_config)
+        if peer == "hf_compiled":
+            from transformers import CompileConfig
+
+            hf.generation_config.cache_implementation = "static"
+            hf.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        for _ in range(2):  # warm-up (compilation and graph capture for hf_compiled)
+            run_hf_static(hf, requests[:1], 1)
+        timings = [run_hf_static(hf, [r], 1)[0][0] for r in tqdm(requests, desc=peer, unit="run")]
+        runs[peer] = _decode_metrics(timings, limit)
+    return {
+        "benchmark": "latency", "workload": "latency", "scale": scale, "num_requests": len(requests),
+        "model": engine.model_source, "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": device_description(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command or shlex.join(sys.argv), "commit": git_commit(), "versions": info_dict(),
+        "engine": {"batching": engine.config.batching, "max_model_len": engine.max_model_len},
+        "ceilings": {"bandwidth_gbs": ceilings.bandwidth_gbs, "peak_tflops": ceilings.peak_tflops,
+                     "decode_context": context},
+        "runs": runs,
+    }
+
+
+def format_latency_table(result: dict) -> str:
+    lines = [f"latency ({result['num_requests']} runs, batch 1) on {result['device']}, {result['model']} "
+             f"{result['dtype']}; roofline {result['runs']['minillm']['roofline_tok_s']:.1f} tok/s",
+             f"{'run':<12}{'decode tok/s':>14}{'of roofline':>13}{'mean TTFT ms':>14}"]
+    for name, m in result["runs"].items():
+        if "skipped" in m:
+            lines.append(f"{name:<12}  skipped: {m['skipped']}")
+            continue
+        lines.append(f"{name:<12}{m['mean_decode_tok_s']:>14.1f}{m['fraction_of_roofline']:>12.0%}"
+                     f"{m['mean_ttft_ms']:>14.1f}")
+    return "\n".join(lines)
 
 
 def format_table(result: dict) -> str:
