@@ -139,7 +139,7 @@ def cmd_bench(args) -> None:
     from minillm.bench.harness import bench_throughput, format_table, write_result
 
     result = bench_throughput(model=args.model, workload=args.workload, scale=args.scale,
-                              num_requests=args.num_requests, peers=args.peers,
+                              num_requests=args.num_requests, peers=args.peers, peer_batch_size=args.peer_batch_size,
                               command=args.command_line, **_engine_kwargs(args))
     if args.output:
         print(f"wrote {write_result(result, args.output)}")
@@ -202,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
     t.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),
                    help="peers run in the same process on the same workload")
+    t.add_argument("--peer-batch-size", type=int, default=None,
+                   help="hf_static's batch size (default: minillm's static batch, or 16 against continuous)")
     t.add_argument("--output", default=None, help="write the JSON result here")
     _add_model_args(t)
     t.set_defaults(func=cmd_bench)

@@ -7,9 +7,9 @@ import statistics
 import pytest
 import torch
 
-from minillm import SamplingParams
+from minillm import LLM, SamplingParams
 from minillm.bench.metrics import RequestTiming, serving_metrics
-from minillm.bench.peers import hf_model_sharing_weights, run_hf_static
+from minillm.bench.peers import hf_model_sharing_weights, run_hf_continuous, run_hf_static
 from minillm.bench.workloads import WORKLOADS, make_workload
 from minillm.cli import main
 
@@ -91,7 +91,8 @@ def test_hf_peer_shares_weights_and_matches_greedy(tiny_llm):
 def test_cli_bench_writes_the_keys_benchmarks_md_asks_for(tmp_path, capsys):
     out = tmp_path / "result.json"
     main(["bench", "throughput", "--model", "tiny", "--load-format", "dummy", "--workload", "mixed",
-          "--scale", "cpu", "--num-requests", "3", "--max-num-seqs", "2", "--output", str(out)])
+          "--scale", "cpu", "--num-requests", "3", "--max-num-seqs", "2", "--peers", "hf_static",
+          "--output", str(out)])
     result = json.loads(out.read_text())
     for key in ("benchmark", "workload", "model", "device", "date", "command", "commit", "runs"):
         assert key in result, key
@@ -126,3 +127,19 @@ def test_cli_bench_latency_reports_fraction_of_the_roofline(tmp_path):
     for run in result["runs"].values():
         assert 0 < run["fraction_of_roofline"] < 1  # below the limit, or the limit is miscounted
         assert run["mean_decode_tok_s"] == pytest.approx(run["fraction_of_roofline"] * run["roofline_tok_s"])
+
+
+def test_hf_continuous_batching_peer_matches_greedy():
+    llm = LLM("tiny", load_format="dummy", dtype="float32", device="cpu", batching="continuous")
+    llm.engine.model.lm_head.weight.mul_(30)  # decisive argmaxes (see test_continuous.sharpen)
+    requests = make_workload("mixed", "cpu", num_requests=3, vocab_size=llm.engine.model_config.vocab_size)
+    for r, n in zip(requests, (4, 9, 6)):
+        r.max_tokens = n
+    timings, tokens, duration = run_hf_continuous(hf_model_sharing_weights(llm.engine.model, llm.engine.model_config),
+                                                  requests)
+    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+                        [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests],
+                        use_tqdm=False)
+    assert tokens == [o.outputs[0].token_ids for o in outs]
+    assert [len(t.token_times) for t in timings] == [4, 9, 6]
+    assert all(t.arrival_time <= t.token_times[0] for t in timings) and duration > 0

@@ -20,13 +20,13 @@ import torch
 from tqdm.auto import tqdm
 
 from minillm.bench.metrics import RequestTiming, serving_metrics
-from minillm.bench.peers import hf_model_sharing_weights, run_hf_static
+from minillm.bench.peers import hf_model_sharing_weights, run_hf_continuous, run_hf_static
 from minillm.bench.workloads import WorkloadRequest, make_workload
 from minillm.info import device_description, info_dict
 from minillm.llm import LLM
 from minillm.request import SamplingParams
 
-PEERS = ("hf_static",)
+PEERS = ("hf_static", "hf_cb")
 LATENCY_PEERS = ("hf_static", "hf_compiled")  # hf_compiled: static cache + torch.compile (CUDA graphs)
 
 
@@ -70,7 +70,7 @@ def step_summary(stats) -> dict:
 
 def bench_throughput(*, model: str | None, load_format: str, workload: str, scale: str,
                      num_requests: int | None, peers: list[str], seed: int = 0, command: str = "",
-                     **engine_kwargs) -> dict:
+                     peer_batch_size: int | None = None, **engine_kwargs) -> dict:
     for peer in peers:
         if peer not in PEERS:
             raise ValueError(f"unknown peer {peer!r}; valid: {', '.join(PEERS)}")
@@ -89,12 +89,18 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
         engine.runner.cache = None
         if engine.device.type == "cuda":
             torch.cuda.empty_cache()
+    # The static peer runs minillm's static batch size, or 16 (BENCHMARKS.md) against a continuous engine.
+    peer_batch_size = peer_batch_size or (16 if engine.config.batching == "continuous" else engine.max_batch)
     if "hf_static" in peers:
         hf = hf_model_sharing_weights(engine.model, engine.model_config)
-        run_hf_static(hf, warmup, engine.max_batch)
+        run_hf_static(hf, warmup, peer_batch_size)
         with tqdm(total=len(requests), desc="hf_static", unit="req") as bar:
-            timings, tokens["hf_static"], duration = run_hf_static(hf, requests, engine.max_batch, progress=bar)
+            timings, tokens["hf_static"], duration = run_hf_static(hf, requests, peer_batch_size, progress=bar)
         runs["hf_static"] = serving_metrics(timings, duration)
+    if "hf_cb" in peers:
+        hf = hf_model_sharing_weights(engine.model, engine.model_config)
+        timings, tokens["hf_cb"], duration = run_hf_continuous(hf, requests)
+        runs["hf_cb"] = serving_metrics(timings, duration)
     agreement = {name: sum(a == b for a, b in zip(tokens["minillm"], toks)) / len(requests)
                  for name, toks in tokens.items() if name != "minillm"}
     return {
@@ -109,6 +115,7 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
         "command": command or shlex.join(sys.argv),
         "commit": git_commit(),
         "versions": info_dict(),
+        "peer_batch_size": peer_batch_size,
         "engine": {"batching": engine.config.batching, "max_batch": engine.max_batch,
                    "max_model_len": engine.max_model_len, "memory_budget": engine.config.memory_budget,
                    "kv_cache_bytes": engine.kv_cache_bytes, "kv_capacity_tokens": engine.kv_capacity_tokens},

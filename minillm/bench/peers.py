@@ -1,7 +1,8 @@
 """The peers minillm is measured against, run in the same process on the same workload.
 
 ``hf_static``: transformers' ``model.generate`` on left-padded static batches — the naive
-deployment. The transformers model is built from minillm's own config and *shares minillm's weight
+deployment. ``hf_cb``: transformers' own continuous batching (paged attention), each request added
+with its own ``max_new_tokens``. The transformers model is built from minillm's own config and *shares minillm's weight
 tensors* (module names match), so both engines compute with identical weights and no extra memory,
 and greedy outputs can be compared token for token. (minillm fuses q/k/v and gate/up; the
 transformers model gets views of the fused matrices.)
@@ -110,3 +111,35 @@ def run_hf_static(hf_model, workload: list[WorkloadRequest], batch_size: int, pa
         if progress is not None:
             progress.update(len(batch))
     return timings, tokens, time.perf_counter() - start
+
+
+@torch.inference_mode()
+def run_hf_continuous(hf_model, workload: list[WorkloadRequest]) -> tuple[list[RequestTiming], list[list[int]], float]:
+    """transformers' continuous batching manager, as its documentation shows it. Its warm-up runs
+    when the manager starts, before the clock; token times come from its own timestamps
+    (``time.perf_counter``, like ours)."""
+    import transformers
+    from packaging.version import Version
+    from transformers import GenerationConfig
+
+    if Version(transformers.__version__) < Version("5.18"):
+        hf_model.set_attn_implementation("paged|sdpa")  # later versions switch to paged attention themselves
+    generation = GenerationConfig(max_new_tokens=max(r.max_tokens for r in workload), do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)  # no EOS: every request runs its length
+    results = {}
+    with hf_model.continuous_batching_context_manager(generation_config=generation) as manager:
+        start = time.perf_counter()
+        for i, r in enumerate(workload):
+            manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.max_tokens,
+                                record_timestamps=True)
+        while len(results) < len(workload):
+            output = manager.get_result(timeout=600)
+            if output is None:
+                raise RuntimeError(f"transformers' continuous batching stopped after {len(results)} of "
+                                   f"{len(workload)} requests")
+            if output.is_finished():
+                results[output.request_id] = output
+        duration = time.perf_counter() - start
+    outputs = [results[str(i)] for i in range(len(workload))]
+    timings = [RequestTiming(start, list(o.timestamps), len(r.prompt_token_ids)) for o, r in zip(outputs, workload)]
+    return timings, [list(o.generated_tokens) for o in outputs], duration
