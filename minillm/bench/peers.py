@@ -113,11 +113,11 @@ def run_hf_static(hf_model, workload: list[WorkloadRequest], batch_size: int, pa
     return timings, tokens, time.perf_counter() - start
 
 
-@torch.inference_mode()
 def run_hf_continuous(hf_model, workload: list[WorkloadRequest]) -> tuple[list[RequestTiming], list[list[int]], float]:
     """transformers' continuous batching manager, as its documentation shows it. Its warm-up runs
     when the manager starts, before the clock; token times come from its own timestamps
-    (``time.perf_counter``, like ours)."""
+    (``time.perf_counter``, like ours). Not under ``torch.inference_mode``: the manager updates
+    tensors from a background thread, where inference mode does not reach (transformers 5.17 fails)."""
     import transformers
     from packaging.version import Version
     from transformers import GenerationConfig
@@ -137,6 +137,9 @@ def run_hf_continuous(hf_model, workload: list[WorkloadRequest]) -> tuple[list[R
             if output is None:
                 raise RuntimeError(f"transformers' continuous batching stopped after {len(results)} of "
                                    f"{len(workload)} requests")
+            if output.error is not None:
+                raise RuntimeError(f"transformers' continuous batching failed request {output.request_id}: "
+                                   f"{output.error}")
             if output.is_finished():
                 results[output.request_id] = output
         duration = time.perf_counter() - start
