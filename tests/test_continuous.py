@@ -222,3 +222,13 @@ def test_dynamic_batching_groups_similar_lengths_and_keeps_outputs():
     assert batches == [[5, 7], [40, 45]]
     for i, prompt in enumerate(prompts):
         assert outputs[str(i)].outputs[0].token_ids == solo_output(tuple(prompt), 4)
+
+
+def test_block_ids_out_of_range_are_refused():
+    allocator = BlockAllocator(4)
+    allocator.allocate()
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match=f"block {bad} is not a block id"):
+            allocator.release(bad)
+        with pytest.raises(ValueError, match=f"block {bad} is not a block id"):
+            allocator.share(bad)

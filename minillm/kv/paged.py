@@ -41,13 +41,19 @@ class BlockAllocator:
         self.ref_counts[block] = 1
         return block
 
+    def _check(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:  # a negative id would silently index from the end
+            raise ValueError(f"block {block} is not a block id (0..{self.num_blocks - 1})")
+
     def share(self, block: int) -> None:
         """One more owner of an allocated block."""
+        self._check(block)
         if self.ref_counts[block] == 0:
             raise ValueError(f"block {block} is free; only allocated blocks can be shared")
         self.ref_counts[block] += 1
 
     def release(self, block: int) -> None:
+        self._check(block)
         if self.ref_counts[block] == 0:
             raise ValueError(f"block {block} is already free (double release)")
         self.ref_counts[block] -= 1
