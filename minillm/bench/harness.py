@@ -46,12 +46,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_minillm(llm: LLM, workload: list[WorkloadRequest]) -> tuple[list[RequestTiming], list[list[int]], float]:
+def run_minillm(llm: LLM, workload: list[WorkloadRequest],
+                use_tqdm: bool = True) -> tuple[list[RequestTiming], list[list[int]], float]:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in workload]
     _sync(llm.engine.device)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     duration = time.perf_counter() - start
     timings = [RequestTiming(o.metrics.arrival_time, o.metrics.token_times, len(o.prompt_token_ids))
                for o in outputs]
@@ -151,7 +152,7 @@ def bench_latency(*, model: str | None, load_format: str, scale: str, num_reques
     ceilings = roofline.measure_ceilings(engine.device, engine.dtype)
     limit = roofline.decode_roofline_tok_s(engine.model_config, engine.dtype.itemsize, 1, context, ceilings)
     run_minillm(llm, requests[:1])  # warm-up
-    timings = [run_minillm(llm, [r])[0][0] for r in tqdm(requests, desc="minillm", unit="run")]
+    timings = [run_minillm(llm, [r], use_tqdm=False)[0][0] for r in tqdm(requests, desc="minillm", unit="run")]
     runs = {"minillm": _decode_metrics(timings, limit)}
     if peers:
         engine.runner.cache = None  # see bench_throughput
