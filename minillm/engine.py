@@ -1,7 +1,8 @@
 """Engine: the loop. ``add_request`` queues work, ``step`` runs one model forward, ``abort`` cancels.
 
-A step is three moves, as in nano-vllm: the scheduler picks the batch, the runner computes one
-token per row, and ``_postprocess`` appends the tokens, detokenizes, and checks stop conditions.
+A step is three moves, as in nano-vllm: the scheduler picks the batch (and how many tokens each
+request computes), the runner runs the model and samples a token wherever a sequence's context is
+complete, and ``_postprocess`` appends the tokens, detokenizes, and checks stop conditions.
 Everything else (which requests, which tensors) lives in the scheduler and the runner.
 """
 
