@@ -29,7 +29,7 @@ install: $(VENV)/.installed
 dev: $(VENV)/.dev
 
 tour: install
-	$(BIN)/minillm generate --max-tokens 48 "What is a KV cache, in one sentence?" "Name three prime numbers."
+	$(BIN)/minillm generate --chat --max-tokens 48 "What is a KV cache, in one sentence?" "Name three prime numbers."
 	$(BIN)/minillm bench throughput --workload mixed --scale cpu --num-requests 16 --peers hf_static
 
 # Kernels run under Triton's CPU interpreter; it must be switched on before triton is imported.
