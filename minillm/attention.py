@@ -18,6 +18,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool "may attend" -> 0 / -inf in ``dtype``. Built once per step and shared by every layer:
+    SDPA would otherwise convert a bool mask in each of them."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 

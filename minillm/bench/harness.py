@@ -41,6 +41,21 @@ def git_commit() -> str:
         return "unknown"
 
 
+def result_header(benchmark: str, workload: str, model: str, command: str) -> dict:
+    """The keys every result file carries (BENCHMARKS.md): what ran, where, when, and from which code."""
+    return {"benchmark": benchmark, "workload": workload, "model": model, "device": device_description(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command or shlex.join(sys.argv), "commit": git_commit(), "versions": info_dict()}
+
+
+def _release_kv_for_peers(engine) -> None:
+    """The peers run after minillm, in this process: give back minillm's KV cache (which may hold
+    most of the GPU) so they get the memory a user of transformers would have. Ends minillm's run."""
+    engine.runner.cache = None
+    if engine.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -85,11 +100,7 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
     timings, tokens["minillm"], duration = run_minillm(llm, requests)
     runs["minillm"] = serving_metrics(timings, duration) | step_summary(engine.stats)
     if peers:
-        # The peers run after minillm, in this process: give back minillm's KV cache (which may
-        # hold most of the GPU) so they get the memory a user of transformers would have.
-        engine.runner.cache = None
-        if engine.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release_kv_for_peers(engine)
     # The static peer runs minillm's static batch size, or 16 (BENCHMARKS.md) against a continuous engine.
     peer_batch_size = peer_batch_size or (16 if engine.config.batching == "continuous" else engine.max_batch)
     if "hf_static" in peers:
@@ -105,17 +116,10 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
     agreement = {name: sum(a == b for a, b in zip(tokens["minillm"], toks)) / len(requests)
                  for name, toks in tokens.items() if name != "minillm"}
     return {
-        "benchmark": "throughput",
-        "workload": workload,
+        **result_header("throughput", workload, engine.model_source, command),
         "scale": scale,
         "num_requests": len(requests),
-        "model": engine.model_source,
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "device": device_description(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command or shlex.join(sys.argv),
-        "commit": git_commit(),
-        "versions": info_dict(),
         "peer_batch_size": peer_batch_size,
         "engine": {"batching": engine.config.batching, "max_batch": engine.max_batch,
                    "max_model_len": engine.max_model_len, "memory_budget": engine.config.memory_budget,
@@ -155,7 +159,7 @@ def bench_latency(*, model: str | None, load_format: str, scale: str, num_reques
     timings = [run_minillm(llm, [r], use_tqdm=False)[0][0] for r in tqdm(requests, desc="minillm", unit="run")]
     runs = {"minillm": _decode_metrics(timings, limit)}
     if peers:
-        engine.runner.cache = None  # see bench_throughput
+        _release_kv_for_peers(engine)
     for peer in peers:
         if peer == "hf_compiled" and engine.device.type != "cuda":
             runs[peer] = {"skipped": "CUDA graphs need a CUDA device"}
@@ -171,11 +175,8 @@ def bench_latency(*, model: str | None, load_format: str, scale: str, num_reques
         timings = [run_hf_static(hf, [r], 1)[0][0] for r in tqdm(requests, desc=peer, unit="run")]
         runs[peer] = _decode_metrics(timings, limit)
     return {
-        "benchmark": "latency", "workload": "latency", "scale": scale, "num_requests": len(requests),
-        "model": engine.model_source, "dtype": str(engine.dtype).removeprefix("torch."),
-        "device": device_description(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command or shlex.join(sys.argv), "commit": git_commit(), "versions": info_dict(),
+        **result_header("latency", "latency", engine.model_source, command),
+        "scale": scale, "num_requests": len(requests), "dtype": str(engine.dtype).removeprefix("torch."),
         "engine": {"batching": engine.config.batching, "max_model_len": engine.max_model_len},
         "ceilings": {"bandwidth_gbs": ceilings.bandwidth_gbs, "peak_tflops": ceilings.peak_tflops,
                      "decode_context": context},
@@ -238,7 +239,5 @@ def bench_gguf_load(gguf: str | None = None, command: str = "") -> dict:
                 os.environ.pop("MINILLM_CACHE")
             else:
                 os.environ["MINILLM_CACHE"] = previous
-    return {"benchmark": "gguf-load", "workload": "load", "model": path.name, "device": device_description(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": command or shlex.join(sys.argv), "commit": git_commit(), "runs": runs,
+    return {**result_header("gguf-load", "load", path.name, command), "runs": runs,
             "speedup": runs["first_load"]["seconds"] / runs["second_load"]["seconds"]}

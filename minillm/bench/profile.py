@@ -9,7 +9,6 @@ above GPU time, the step is bound by launch overhead on the CPU, not by the GPU.
 from __future__ import annotations
 
 import argparse
-import datetime
 import shlex
 import sys
 import time
@@ -17,9 +16,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minillm.bench.harness import git_commit, write_result
+from minillm.bench.harness import result_header, write_result
 from minillm.bench.peers import hf_model_sharing_weights
-from minillm.info import device_description
 from minillm.llm import LLM
 from minillm.request import SamplingParams
 
@@ -107,12 +105,9 @@ def main() -> None:
     for name, r in results.items():
         print(f"{name:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()))
     if args.output:
-        result = {"benchmark": "profile-decode-step", "workload": f"static batch {args.batch}, "
-                  f"{args.prompt_len}-token prompts, {args.steps} profiled decode steps",
-                  "model": llm.engine.model_source, "device": device_description(),
-                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": shlex.join(["python", "-m", "minillm.bench.profile", *sys.argv[1:]]),
-                  "commit": git_commit(), "runs": results,
+        workload = f"static batch {args.batch}, {args.prompt_len}-token prompts, {args.steps} profiled decode steps"
+        command = shlex.join(["python", "-m", "minillm.bench.profile", *sys.argv[1:]])
+        result = {**result_header("profile-decode-step", workload, llm.engine.model_source, command), "runs": results,
                   "note": "wall time is under torch.profiler (inflated); compare kernels and GPU time per step"}
         print(f"wrote {write_result(result, args.output)}")
 

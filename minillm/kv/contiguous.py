@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.attention import masked_attention
+from minillm.attention import additive_mask, masked_attention
 from minillm.model.config import ModelConfig
 
 
@@ -49,9 +49,7 @@ class LeftPaddedBatch:
         # would give NaN, and 0 * NaN in later layers would leak into real rows.
         self_only = cols[None, :] == query_cols
         allowed = (key_valid[:, None, None, :end] & causal) | self_only  # [B, 1, T, S]
-        # Additive form, made once per step: SDPA would otherwise convert a bool mask in every layer.
-        self.mask = torch.zeros(allowed.shape, dtype=cache.k.dtype, device=allowed.device)
-        self.mask.masked_fill_(~allowed, float("-inf"))
+        self.mask = additive_mask(allowed, cache.k.dtype)
 
     def __call__(self, layer_idx: int, q, k, v):
         keys = self.cache.k[layer_idx, : self.batch]

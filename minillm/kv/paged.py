@@ -16,7 +16,7 @@ from collections import deque
 
 import torch
 
-from minillm.attention import masked_attention
+from minillm.attention import additive_mask, masked_attention
 from minillm.model.config import ModelConfig
 
 
@@ -129,9 +129,7 @@ class PagedBatch:
             key_pos = torch.arange(blocks * cache.block_size, device=device)
             lens = torch.tensor(context_lens[:num_decode], device=device)
             allowed = key_pos[None, :] < lens[:, None]
-            self.decode_mask = torch.zeros(allowed.shape, dtype=cache.k.dtype, device=device)
-            self.decode_mask.masked_fill_(~allowed, float("-inf"))
-            self.decode_mask = self.decode_mask[:, None, None, :]  # [B, 1, 1, S]
+            self.decode_mask = additive_mask(allowed, cache.k.dtype)[:, None, None, :]  # [B, 1, 1, S]
 
     def _gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """[B, blocks] table -> [B, blocks * block_size, kv_heads, head_dim] keys or values."""
@@ -157,7 +155,7 @@ class PagedBatch:
             # The new tokens are the last q_len of the context: causal with an offset.
             query_pos = torch.arange(ctx - q_len, ctx, device=q.device)
             allowed = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]
-            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-            outputs.append(masked_attention(q[:, start : start + q_len], keys, values, mask[None, None])[0])
+            mask = additive_mask(allowed, q.dtype)[None, None]
+            outputs.append(masked_attention(q[:, start : start + q_len], keys, values, mask)[0])
             start += q_len
         return torch.cat(outputs)[None]
