@@ -33,6 +33,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (continuous)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV capacity in blocks (continuous)")
     g.add_argument("--memory-budget", default=None, help="emulate a smaller card, e.g. 24GB")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="paged attention (continuous): auto = triton kernels on CUDA, torch reference elsewhere")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (continuous)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -50,7 +53,8 @@ def _engine_kwargs(args) -> dict:
     return dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, batching=args.batching,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                memory_budget=args.memory_budget, seed=args.seed)
+                memory_budget=args.memory_budget, attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager, seed=args.seed)
 
 
 def _sampling(args):
@@ -140,6 +144,7 @@ def cmd_bench(args) -> None:
 
     result = bench_throughput(model=args.model, workload=args.workload, scale=args.scale,
                               num_requests=args.num_requests, peers=args.peers, peer_batch_size=args.peer_batch_size,
+                              variants=tuple(args.variants),
                               command=args.command_line, **_engine_kwargs(args))
     if args.output:
         print(f"wrote {write_result(result, args.output)}")
@@ -156,6 +161,21 @@ def cmd_bench_latency(args) -> None:
     print(format_latency_table(result))
 
 
+def cmd_bench_kernels(args) -> None:
+    import torch
+
+    from minillm.bench.harness import result_header, write_result
+    from minillm.bench.kernels import bench_kernels, format_kernel_table, plot_kernels
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = result_header("kernels", "attention sweep", "-", args.command_line)
+    result["runs"] = bench_kernels(device)
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+        print(f"wrote {plot_kernels(result, args.output.removesuffix('.json') + '.png')}")
+    print(format_kernel_table(result))
+
+
 def cmd_bench_load(args) -> None:
     from minillm.bench.harness import bench_gguf_load, write_result
 
@@ -168,7 +188,7 @@ def cmd_bench_load(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from minillm.bench.harness import LATENCY_PEERS, PEERS
+    from minillm.bench.harness import LATENCY_PEERS, PEERS, VARIANTS
     from minillm.bench.workloads import WORKLOADS
 
     parser = argparse.ArgumentParser(prog="minillm", description="A compact, readable LLM inference engine.",
@@ -195,13 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput,latency,load}")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput,latency,kernels,load}")
     t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
     t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
     t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
     t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
     t.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),
                    help="peers run in the same process on the same workload")
+    t.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
+                   help="also run minillm with a slower attention path on the same engine (continuous): "
+                        "triton_eager = no CUDA graphs, torch_eager = the torch reference backend")
     t.add_argument("--peer-batch-size", type=int, default=None,
                    help="hf_static's batch size (default: minillm's static batch, or 16 against continuous)")
     t.add_argument("--output", default=None, help="write the JSON result here")
@@ -215,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", default=None, help="write the JSON result here")
     _add_model_args(t)
     t.set_defaults(func=cmd_bench_latency)
+    t = bench.add_parser("kernels", help="Triton attention kernels vs torch SDPA and the measured ceilings")
+    t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
+    t.set_defaults(func=cmd_bench_kernels)
     t = bench.add_parser("load", help="GGUF load time: first (convert and cache) vs second (from cache)")
     t.add_argument("--gguf", default=None, help="a .gguf file (default: the embedded SmolLM2)")
     t.add_argument("--output", default=None, help="write the JSON result here")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -32,6 +33,8 @@ class EngineConfig:
     #                           "continuous": iteration-level scheduling over a paged KV cache
     batch_timeout: float = 0.05  # dynamic: seconds the oldest request waits for a full batch
     bucket_width: int = 128  # dynamic: prompts within the same multiple of this many tokens batch together
+    attention_backend: str = "auto"  # paged attention: "torch" (reference) | "triton" (kernels); auto = triton on CUDA
+    enforce_eager: bool = False  # True: no CUDA graphs (continuous decode steps replay graphs on CUDA otherwise)
     seed: int = 0  # seeds dummy weights and unseeded sampling
 
     def __post_init__(self):
@@ -40,6 +43,10 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy {self.scheduling_policy!r} is not supported; "
                              f"valid: {SCHEDULING_POLICIES}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend {self.attention_backend!r} is not supported; valid: {ATTENTION_BACKENDS}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.max_num_seqs is None:
             self.max_num_seqs = 256 if self.batching == "continuous" else 8
         if not isinstance(self.batch_timeout, (int, float)) or not self.batch_timeout >= 0:

@@ -9,6 +9,7 @@ Everything else (which requests, which tensors) lives in the scheduler and the r
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ import torch
 
 from minillm.config import EngineConfig
 from minillm.kv.budget import units_that_fit
-from minillm.kv.paged import BlockAllocator, BlockTables, PagedKVCache
+from minillm.cuda_graphs import DecodeGraphs
+from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache
 from minillm.model.loader import load_model, resolve_dtype
 from minillm.request import Request, RequestOutput, SamplingParams
 from minillm.runner import PagedRunner, StaticRunner
@@ -46,6 +48,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """"auto" -> the Triton kernels on CUDA, the torch reference elsewhere."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' needs a CUDA device; on a CPU use 'torch', or set "
+                         "TRITON_INTERPRET=1 before starting Python to run the kernels in Triton's (slow) interpreter")
+    return backend
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -65,6 +77,8 @@ class Engine:
                              f"minillm has no sliding-window attention, so keep max_model_len <= {window}")
         self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+        self.attention_backend: str | None = None  # the paged cache's; the contiguous cache has one path
+        self.cuda_graphs = False
         if config.batching in ("static", "dynamic"):
             self._build_static()
         else:
@@ -105,7 +119,18 @@ class Engine:
         # vLLM's default watermark: keep 1 % of blocks free at admission so decodes can grow.
         self.scheduler = ContinuousScheduler(self.block_tables, c.max_num_seqs, c.max_num_batched_tokens,
                                              c.scheduling_policy, watermark_blocks=num_blocks // 100)
-        self.runner = PagedRunner(self.model, cache, self.block_tables, self.device, c.seed)
+        self.attention_backend = resolve_attention_backend(c.attention_backend, self.device)
+        make_attention = PagedBatch
+        if self.attention_backend == "triton":
+            from minillm.kv.paged_triton import TritonPagedBatch  # imports triton: only when asked for
+            make_attention = TritonPagedBatch
+        # CUDA graphs need the Triton kernels: the torch reference's shapes follow the context lengths.
+        self.cuda_graphs = self.device.type == "cuda" and not c.enforce_eager and self.attention_backend == "triton"
+        graphs = None
+        if self.cuda_graphs:
+            graphs = DecodeGraphs(self.model, cache, make_attention, min(c.max_num_seqs, num_blocks),
+                                  self.max_model_len, self.device)
+        self.runner = PagedRunner(self.model, cache, self.block_tables, self.device, c.seed, make_attention, graphs)
         self.kv_cache_bytes = cache.nbytes
 
     def _memory_budget(self) -> int | None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from minillm.kv.contiguous import ContiguousKVCache, LeftPaddedBatch
-from minillm.kv.paged import BlockTables, PagedBatch, PagedKVCache
+from minillm.cuda_graphs import DecodeGraphs
+from minillm.kv.paged import BlockTables, PagedBatch, PagedKVCache, PagedStep
 from minillm.model.llama import LlamaForCausalLM
 from minillm.sampling import Sampler
 from minillm.scheduler import ScheduledBatch
@@ -69,9 +70,17 @@ class StaticRunner:
 
 
 class PagedRunner:
+    """Runs continuous-batching steps over the paged cache.
+
+    ``make_attention(cache, step)`` builds the step's attention context (the torch reference
+    ``PagedBatch`` or the Triton kernels' ``TritonPagedBatch``). With ``graphs`` (CUDA only),
+    steps where every sequence brings one token replay a captured CUDA graph instead.
+    """
+
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_tables: BlockTables,
-                 device: torch.device, seed: int = 0):
+                 device: torch.device, seed: int = 0, make_attention=PagedBatch, graphs: DecodeGraphs | None = None):
         self.model, self.cache, self.block_tables, self.device = model, cache, block_tables, device
+        self.make_attention, self.graphs = make_attention, graphs
         self.sampler = Sampler(device, seed)
 
     @torch.inference_mode()
@@ -92,15 +101,18 @@ class PagedRunner:
             if start + n == request.num_tokens:
                 last_index.append(len(ids) - 1)
                 sampling.append(i)
-        width = max(map(len, tables))
-        table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
-        num_decode = sum(1 for n in query_lens if n == 1)
-        attn = PagedBatch(self.cache, torch.tensor(slots, device=self.device), table_tensor,
-                          query_lens, context_lens, num_decode)
-        hidden = self.model(torch.tensor([ids], device=self.device), torch.tensor([positions], device=self.device), attn)
         tokens: list[int | None] = [None] * len(batch.requests)
-        if sampling:
+        if self.graphs is not None and len(ids) == len(query_lens) and self.graphs.fits(len(ids)):
+            logits = self.graphs.run(ids, positions, slots, tables, context_lens)[last_index]
+        else:
+            step = PagedStep.from_host(slots, tables, query_lens, context_lens, self.device)
+            hidden = self.model(self._put([ids]), self._put([positions]), self.make_attention(self.cache, step))
             logits = self.model.compute_logits(hidden[0, last_index])
-            for i, token in zip(sampling, self.sampler(logits, [batch.requests[i] for i in sampling])):
-                tokens[i] = token
+        if not sampling:
+            return tokens  # prefill chunks that end before their prompts do: they only wrote K/V
+        for i, token in zip(sampling, self.sampler(logits, [batch.requests[i] for i in sampling])):
+            tokens[i] = token
         return tokens
+
+    def _put(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)

@@ -10,7 +10,8 @@ tensors (the runner does).
 - ``ContinuousScheduler`` (step 1): iteration-level scheduling (Orca, OSDI 2022) over a paged KV
   cache with one token budget per step (vLLM V1): running requests first, then admissions;
   long prompts are split into chunks (chunked prefill); preemption by recomputation when blocks
-  run out or a more urgent request waits.
+  run out or a more urgent request waits. How one step spends its budget is ``fill_token_budget``,
+  a plain function so that exercise ex03 can swap a learner's version into a live engine.
 """
 
 from __future__ import annotations
@@ -110,6 +111,44 @@ class DynamicScheduler(StaticScheduler):
         return self._fill(same + [r for r in arrived if r.num_prompt_tokens // self.bucket_width != bucket])
 
 
+def fill_token_budget(scheduler: ContinuousScheduler, now: float) -> list[tuple[Request, int]]:
+    """One step's work: ``(request, tokens it computes)`` pairs within ``max_num_batched_tokens``.
+
+    Running requests first, most urgent first (``scheduler.running`` is sorted): each computes
+    what it has not computed yet, capped by the budget left (one decode token, or the next chunk
+    of its prefill); ``reserve`` grows its blocks, preempting from the least urgent end. Then, in
+    a step that preempted nobody, waiting requests are admitted in urgency order while sequence
+    slots, budget and free blocks above the watermark allow; the first that does not fit stops
+    admission, so nobody overtakes it. Exercise ex03 has a learner write this function.
+    """
+    budget = scheduler.max_num_batched_tokens
+    preemptions_before = scheduler.num_preemptions
+    scheduled: list[tuple[Request, int]] = []
+    index = 0  # by index: preemption removes requests from the end of the list while we walk it
+    while index < len(scheduler.running) and budget > 0:
+        request = scheduler.running[index]
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not scheduler.reserve(request, request.num_computed_tokens + n):
+            break  # it was preempted itself: nothing less urgent is left running
+        scheduled.append((request, n))
+        budget -= n
+        index += 1
+    # Admissions; none in a step that had to preempt (the cache is full).
+    if scheduler.num_preemptions > preemptions_before:
+        return scheduled
+    while budget > 0 and len(scheduler.running) < scheduler.max_num_seqs:
+        request = scheduler.next_waiting(now)
+        if request is None:
+            break
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not scheduler.fits(request, n, scheduler.watermark_blocks):
+            break
+        scheduler.admit(request, n, now)
+        scheduled.append((request, n))
+        budget -= n
+    return scheduled
+
+
 class ContinuousScheduler:
     """Continuous batching over a paged KV cache.
 
@@ -122,7 +161,13 @@ class ContinuousScheduler:
     Preemption victim: the least urgent, most recently arrived running request. Preemption is by
     recomputation: its blocks are freed and it waits again (at the front of its level), keeping the
     tokens it generated, which are prefilled again when it is readmitted.
+
+    ``fill_token_budget`` decides the step's work, through ``reserve``, ``next_waiting``, ``fits``
+    and ``admit``. It is a plain attribute: ``scheduler.fill_token_budget = f`` makes the engine
+    call ``f(scheduler, now)`` instead (exercise ex03).
     """
+
+    fill_token_budget = staticmethod(fill_token_budget)
 
     def __init__(self, block_tables, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
                  watermark_blocks: int = 0):
@@ -166,66 +211,55 @@ class ContinuousScheduler:
         self.waiting.insert(0, victim)
         self.num_preemptions += 1
 
-    def _fits(self, request: Request, num_tokens: int, reserve: int) -> bool:
+    def fits(self, request: Request, num_tokens: int, reserve: int) -> bool:
+        """Would growing the request's table to ``num_tokens`` still leave ``reserve`` blocks free?"""
         needed = self.block_tables.extra_blocks_needed(request.request_id, num_tokens)
         return needed + reserve <= self.block_tables.allocator.num_free
 
-    def _next_waiting(self, now: float) -> Request | None:
+    def next_waiting(self, now: float) -> Request | None:
+        """The most urgent waiting request that has arrived by ``now``; None if there is none."""
         arrived = [r for r in self.waiting if r.metrics.arrival_time <= now]
         return min(arrived, key=self._urgency) if arrived else None
+
+    def reserve(self, request: Request, num_tokens: int) -> bool:
+        """Grow a running request's blocks to cover ``num_tokens``, preempting the least urgent
+        running requests (the end of ``running``, which ``schedule`` sorts) while blocks are short.
+        False if the request had to be preempted itself (it is waiting again, with no blocks)."""
+        while not self.fits(request, num_tokens, 0):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        self.block_tables.grow(request.request_id, num_tokens)
+        return True
+
+    def admit(self, request: Request, num_tokens: int, now: float) -> None:
+        """Move a waiting request to ``running`` with blocks for its first ``num_tokens`` tokens."""
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = now
+        self.block_tables.grow(request.request_id, num_tokens)
 
     def _make_room_for_urgent(self, now: float) -> None:
         """priority policy: preempt less urgent running requests while the most urgent waiting one
         cannot be admitted (no sequence slot or too few blocks for its first chunk)."""
         while self.running:
-            candidate = self._next_waiting(now)
+            candidate = self.next_waiting(now)
             victim = max(self.running, key=self._urgency)
             if candidate is None or candidate.priority >= victim.priority:
                 return
             first_chunk = min(candidate.num_tokens, self.max_num_batched_tokens)
-            if len(self.running) < self.max_num_seqs and self._fits(candidate, first_chunk, self.watermark_blocks):
+            if len(self.running) < self.max_num_seqs and self.fits(candidate, first_chunk, self.watermark_blocks):
                 return
             self._preempt(victim)
 
     def schedule(self, now: float) -> ScheduledBatch | None:
         if self.policy == "priority":
             self._make_room_for_urgent(now)
-        budget = self.max_num_batched_tokens
-        self.running.sort(key=self._urgency)
-        scheduled: list[tuple[Request, int]] = []
-        preempted = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self._fits(request, request.num_computed_tokens + n, 0):
-                victim = self.running[-1]  # least urgent: running is sorted by urgency
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                break
-            self.block_tables.grow(request.request_id, request.num_computed_tokens + n)
-            scheduled.append((request, n))
-            budget -= n
-            index += 1
-        # Admissions; none in a step that had to preempt (the cache is full).
-        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self._next_waiting(now)
-            if request is None:
-                break
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._fits(request, n, self.watermark_blocks):
-                break
-            self.waiting.remove(request)
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-            self.block_tables.grow(request.request_id, n)
-            scheduled.append((request, n))
-            budget -= n
+        self.running.sort(key=self._urgency)  # most urgent first: preemption takes from the end
+        scheduled = self.fill_token_budget(self, now)
         if not scheduled:
             return None
         return ScheduledBatch([r for r, _ in scheduled], [n for _, n in scheduled])

@@ -14,6 +14,11 @@ import torch
 # an order of magnitude slower than one thread. Override with MINILLM_TEST_THREADS.
 torch.set_num_threads(int(os.environ.get("MINILLM_TEST_THREADS", "1")))
 
+# Without a GPU the Triton kernels run under Triton's CPU interpreter. The switch is read when a
+# kernel is defined, so it must be set before anything imports minillm.kernels (make test sets it too).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_SHAPE = dict(
     hidden_size=64,
     intermediate_size=128,

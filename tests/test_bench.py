@@ -1,5 +1,5 @@
-"""The benchmark harness: workloads as BENCHMARKS.md defines them, vLLM's metric formulas, the CLI's
-JSON, and the transformers peer that shares minillm's weights."""
+"""The benchmark harness: workloads as BENCHMARKS.md defines them, vLLM's metric formulas, the KV
+memory-waste counts, the CLI's JSON, and the transformers peer that shares minillm's weights."""
 
 import json
 import statistics
@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from minillm import LLM, SamplingParams
+from minillm.bench.harness import bench_throughput
+from minillm.bench.kv_waste import (ServedRequest, contiguous_at_peak, contiguous_over_time, kv_memory_summary,
+                                    paged_at_peak, paged_over_time)
 from minillm.bench.metrics import RequestTiming, serving_metrics
 from minillm.bench.peers import hf_model_sharing_weights, run_hf_continuous, run_hf_static
 from minillm.bench.workloads import WORKLOADS, make_workload
@@ -101,7 +104,11 @@ def test_cli_bench_writes_the_keys_benchmarks_md_asks_for(tmp_path, capsys):
     for run in result["runs"].values():  # ignore_eos: both do exactly the workload's work
         assert run["completed"] == 3 and run["total_output_tokens"] == expected_tokens
     assert 0.0 <= result["greedy_agreement"]["hf_static"] <= 1.0
-    assert "output tok/s" in capsys.readouterr().out
+    kv = result["kv_memory"]  # the static engine's own contiguous cache: batches of --max-num-seqs
+    assert kv["static_batch_size"] == 2 and kv["num_requests"] == 3
+    assert 0 < kv["contiguous_utilisation"] < kv["paged_utilisation"] <= 1
+    printed = capsys.readouterr().out
+    assert "output tok/s" in printed and "KV memory used / reserved" in printed
 
 
 def test_cli_generate_and_info(smollm, capsys):
@@ -143,3 +150,70 @@ def test_hf_continuous_batching_peer_matches_greedy():
     assert tokens == [o.outputs[0].token_ids for o in outs]
     assert [len(t.token_times) for t in timings] == [4, 9, 6]
     assert all(t.arrival_time <= t.token_times[0] for t in timings) and duration > 0
+
+
+# A hand-built mix (max_model_len 16, blocks of 4 tokens), counted from first principles. Lengths are
+# prompt + outputs so far, step by step:
+#   A: prompt 3, 1 output  -> 4
+#   B: prompt 6, 3 outputs -> 7, 8, 9
+#   C: prompt 1, 1 output  -> 2
+# used over time: 4 + (7 + 8 + 9) + 2 = 30 token-steps; at peak: 4 + 9 + 2 = 15 tokens.
+HAND_MIX = [ServedRequest(3, 1), ServedRequest(6, 3), ServedRequest(1, 1)]
+
+
+def test_kv_waste_at_peak_by_hand():
+    contiguous = contiguous_at_peak(HAND_MIX, max_model_len=16)
+    assert (contiguous.used, contiguous.reserved) == (15, 3 * 16)
+    paged = paged_at_peak(HAND_MIX, block_size=4)
+    assert (paged.used, paged.reserved) == (15, 4 + 12 + 4)  # 1, 3 and 1 blocks
+    assert paged.fraction == pytest.approx(0.75)
+
+
+def test_kv_waste_over_time_by_hand():
+    # Paged, per step: A 4 of 4; B 7 of 8, 8 of 8, 9 of 12; C 2 of 4 -> 30 of 36.
+    paged = paged_over_time(HAND_MIX, block_size=4)
+    assert (paged.used, paged.reserved) == (30, 36)
+    # Contiguous, batches of 2: [A, B] lives 3 steps, 2 rows of 16 each (A's row idles after step 1);
+    # [C] lives 1 step, 1 row -> 30 of 2*16*3 + 16 = 112.
+    assert contiguous_over_time(HAND_MIX, max_model_len=16, batch_size=2).reserved == 112
+    # One at a time nothing idles: 16 * (1 + 3 + 1) = 80; all three in one batch: 3 rows * 16 * 3 steps = 144.
+    assert contiguous_over_time(HAND_MIX, max_model_len=16, batch_size=1).reserved == 80
+    assert contiguous_over_time(HAND_MIX, max_model_len=16, batch_size=3).reserved == 144
+    assert contiguous_over_time(HAND_MIX, max_model_len=16, batch_size=3).used == 30
+    summary = kv_memory_summary(HAND_MIX, max_model_len=16, block_size=4, batch_size=2)
+    assert summary["contiguous_utilisation"] == pytest.approx(30 / 112)
+    assert summary["paged_utilisation"] == pytest.approx(30 / 36)
+    assert summary["contiguous_utilisation_at_peak"] == pytest.approx(15 / 48)
+    assert summary["paged_reserved_tokens_at_peak"] == 20
+    # A request that fills its blocks and its row exactly wastes nothing in either layout.
+    exact = [ServedRequest(7, 1)]
+    assert paged_over_time(exact, block_size=4).fraction == 1.0
+    assert contiguous_over_time(exact, max_model_len=8, batch_size=4).fraction == 1.0
+
+
+def test_kv_waste_errors_name_the_bad_value():
+    with pytest.raises(ValueError, match="no requests"):
+        paged_over_time([], block_size=4)
+    with pytest.raises(ValueError, match="request 1 has 20 tokens, more than max_model_len=16"):
+        contiguous_over_time([ServedRequest(2, 2), ServedRequest(15, 5)], max_model_len=16, batch_size=2)
+    with pytest.raises(ValueError, match="request 0 has 3 prompt and 0 output"):
+        paged_at_peak([ServedRequest(3, 0)], block_size=4)
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+        paged_at_peak(HAND_MIX, block_size=0)
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got -1"):
+        contiguous_over_time(HAND_MIX, max_model_len=16, batch_size=-1)
+
+
+def test_bench_reports_kv_memory_of_the_requests_it_served():
+    result = bench_throughput(model="tiny", load_format="dummy", workload="mixed", scale="cpu", num_requests=5,
+                              peers=[], batching="continuous", dtype="float32", device="cpu", block_size=16)
+    kv = result["kv_memory"]
+    assert (kv["max_model_len"], kv["block_size"], kv["static_batch_size"]) == (1024, 16, 16)
+    # ignore_eos: every request generated exactly its max_tokens, so the counts follow from the workload.
+    served = [ServedRequest(len(r.prompt_token_ids), r.max_tokens)
+              for r in make_workload("mixed", "cpu", num_requests=5, vocab_size=512)]
+    assert kv == kv_memory_summary(served, max_model_len=1024, block_size=16, batch_size=16)
+    assert kv["used_tokens_at_peak"] == result["runs"]["minillm"]["total_input_tokens"] + \
+        result["runs"]["minillm"]["total_output_tokens"]
+    # Short requests in 1024-token rows against 16-token blocks: paged wastes under a block per request.
+    assert kv["contiguous_utilisation"] < 0.25 < 0.85 < kv["paged_utilisation"] <= 1

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from minillm import LLM, SamplingParams
 from minillm.config import EngineConfig
 from minillm.engine import Engine
-from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache
+from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache, PagedStep
 from minillm.model.config import PRESETS
 
 VOCAB = PRESETS["tiny"].vocab_size
@@ -26,7 +26,8 @@ def sharpen(engine: Engine) -> Engine:
 
 
 def tiny_engine(**kwargs) -> Engine:
-    return sharpen(Engine(EngineConfig(model="tiny", load_format="dummy", dtype="float32", device="cpu", **kwargs)))
+    defaults = dict(model="tiny", load_format="dummy", dtype="float32", device="cpu")
+    return sharpen(Engine(EngineConfig(**{**defaults, **kwargs})))
 
 
 _solo_cache: dict = {}
@@ -52,17 +53,13 @@ requests_strategy = st.lists(
     min_size=1, max_size=6)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=requests_strategy, block_size=st.sampled_from([1, 2, 4, 16]),
-       token_budget=st.integers(1, 48), spare_blocks=st.integers(0, 12),
-       policy=st.sampled_from(["fcfs", "priority"]), arrivals=st.lists(st.integers(0, 4), min_size=6, max_size=6),
-       max_num_seqs=st.integers(1, 6))
-def test_outputs_equal_solo_runs_under_any_schedule(requests, block_size, token_budget, spare_blocks, policy,
-                                                    arrivals, max_num_seqs):
+def check_outputs_equal_solo_runs(requests, block_size, token_budget, spare_blocks, policy, arrivals, max_num_seqs,
+                                  attention_backend="torch"):
     # The cache holds the largest single request plus a few blocks: tight enough to preempt.
     largest = max(-(-(len(p) + m) // block_size) for p, m, _ in requests)
     engine = tiny_engine(batching="continuous", block_size=block_size, max_num_batched_tokens=token_budget,
-                         num_kv_blocks=largest + spare_blocks, scheduling_policy=policy, max_num_seqs=max_num_seqs)
+                         num_kv_blocks=largest + spare_blocks, scheduling_policy=policy, max_num_seqs=max_num_seqs,
+                         attention_backend=attention_backend)
     pending = sorted(enumerate(requests), key=lambda item: arrivals[item[0]])  # arrival step per request
     finished, step = {}, 0
     while pending or engine.has_unfinished():
@@ -78,6 +75,27 @@ def test_outputs_equal_solo_runs_under_any_schedule(requests, block_size, token_
     allocator = engine.block_tables.allocator
     assert allocator.num_free == allocator.num_blocks and not engine.block_tables.tables
     assert set(allocator.ref_counts) == {0}
+
+
+schedules = dict(token_budget=st.integers(1, 48), spare_blocks=st.integers(0, 12),
+                 policy=st.sampled_from(["fcfs", "priority"]),
+                 arrivals=st.lists(st.integers(0, 4), min_size=6, max_size=6), max_num_seqs=st.integers(1, 6))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=requests_strategy, block_size=st.sampled_from([1, 2, 4, 16]), **schedules)
+def test_outputs_equal_solo_runs_under_any_schedule(requests, block_size, token_budget, spare_blocks, policy,
+                                                    arrivals, max_num_seqs):
+    check_outputs_equal_solo_runs(requests, block_size, token_budget, spare_blocks, policy, arrivals, max_num_seqs)
+
+
+# The same property on the Triton kernels (under the interpreter on a CPU): fewer examples, it is slower.
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=requests_strategy, block_size=st.sampled_from([2, 4, 16]), **schedules)
+def test_triton_backend_outputs_equal_solo_runs(requests, block_size, token_budget, spare_blocks, policy, arrivals,
+                                                max_num_seqs):
+    check_outputs_equal_solo_runs(requests, block_size, token_budget, spare_blocks, policy, arrivals, max_num_seqs,
+                                  attention_backend="triton")
 
 
 def test_preemption_happens_and_keeps_outputs():
@@ -149,7 +167,8 @@ def test_block_allocator_reference_counts():
         allocator.share(a)
 
 
-def test_paged_attention_equals_dense_attention_on_random_blocks():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_paged_attention_equals_dense_attention_on_random_blocks(backend):
     torch.manual_seed(0)
     config = PRESETS["tiny"]
     cache = PagedKVCache(config, num_blocks=32, block_size=4, dtype=torch.float32, device="cpu")
@@ -164,10 +183,13 @@ def test_paged_attention_equals_dense_attention_on_random_blocks():
     N = sum(query_lens)
     q, k, v = torch.randn(1, N, H, D), torch.randn(1, N, Hkv, D), torch.randn(1, N, Hkv, D)
     slots = sum((tables.slots(str(i), c - n, c) for i, (n, c) in enumerate(zip(query_lens, context_lens))), [])
-    width = max(len(t) for t in tables.tables.values())
-    table_tensor = torch.tensor([tables.tables[str(i)] + [0] * (width - len(tables.tables[str(i)]))
-                                 for i in range(4)])
-    out = PagedBatch(cache, torch.tensor(slots), table_tensor, query_lens, context_lens, num_decode=2)(0, q, k, v)
+    step = PagedStep.from_host(slots, [tables.tables[str(i)] for i in range(4)], query_lens, context_lens,
+                               torch.device("cpu"), pad_block=perm[0])  # padding: a live block, never read
+    if backend == "triton":
+        from minillm.kv.paged_triton import TritonPagedBatch as make_attention
+    else:
+        make_attention = PagedBatch
+    out = make_attention(cache, step)(0, q, k, v)
     start = 0
     for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
         flat_k = cache.k[0].reshape(-1, Hkv, D)[tables.slots(str(i), 0, ctx)]

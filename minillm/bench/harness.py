@@ -2,7 +2,9 @@
 
 Each run gets a warm-up first (CUDA context, cuBLAS handles, allocator), then the whole workload
 timed end to end. The result is a JSON document with the keys BENCHMARKS.md asks for
-(benchmark, workload, model, device, date, command, commit, runs) and a short table.
+(benchmark, workload, model, device, date, command, commit, runs) and a short table, plus
+``kv_memory``: how much of a contiguous and of a paged KV cache the requests minillm served would
+fill (``minillm.bench.kv_waste``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from minillm.bench.kv_waste import ServedRequest, kv_memory_summary
 from minillm.bench.metrics import RequestTiming, serving_metrics
 from minillm.bench.peers import hf_model_sharing_weights, run_hf_continuous, run_hf_static
 from minillm.bench.workloads import WorkloadRequest, make_workload
@@ -27,6 +30,10 @@ from minillm.llm import LLM
 from minillm.request import SamplingParams
 
 PEERS = ("hf_static", "hf_cb")
+# minillm itself with a slower attention path, on the same engine (same weights, same KV cache), so
+# each step of the tuning path is measured side by side: Triton kernels without CUDA graphs, and
+# the pure-torch reference backend (eager).
+VARIANTS = ("triton_eager", "torch_eager")
 LATENCY_PEERS = ("hf_static", "hf_compiled")  # hf_compiled: static cache + torch.compile (CUDA graphs)
 
 
@@ -74,6 +81,17 @@ def run_minillm(llm: LLM, workload: list[WorkloadRequest],
     return timings, [o.outputs[0].token_ids for o in outputs], duration
 
 
+def use_variant(engine, variant: str) -> None:
+    """Switch a continuous engine's attention path in place (see VARIANTS)."""
+    from minillm.kv.paged import PagedBatch
+
+    engine.runner.graphs = None
+    if variant == "torch_eager":
+        engine.runner.make_attention = PagedBatch
+    elif engine.attention_backend != "triton":
+        raise ValueError(f"variant {variant!r} needs the engine on attention_backend='triton'")
+
+
 def step_summary(stats) -> dict:
     """Engine statistics over a run: how full the batches and the KV cache were."""
     stats = list(stats)
@@ -86,10 +104,15 @@ def step_summary(stats) -> dict:
 
 def bench_throughput(*, model: str | None, load_format: str, workload: str, scale: str,
                      num_requests: int | None, peers: list[str], seed: int = 0, command: str = "",
-                     peer_batch_size: int | None = None, **engine_kwargs) -> dict:
+                     peer_batch_size: int | None = None, variants: tuple[str, ...] = (), **engine_kwargs) -> dict:
     for peer in peers:
         if peer not in PEERS:
             raise ValueError(f"unknown peer {peer!r}; valid: {', '.join(PEERS)}")
+    for variant in variants:
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    if variants and engine_kwargs.get("batching") != "continuous":
+        raise ValueError("variants change the paged attention path; they need batching='continuous'")
     llm = LLM(model, load_format=load_format, seed=seed, **engine_kwargs)
     engine = llm.engine
     requests = make_workload(workload, scale, num_requests, seed, engine.model_config.vocab_size)
@@ -99,10 +122,23 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
     engine.stats.clear()
     timings, tokens["minillm"], duration = run_minillm(llm, requests)
     runs["minillm"] = serving_metrics(timings, duration) | step_summary(engine.stats)
+    if engine.cuda_graphs:
+        runs["minillm"]["cuda_graph_steps"] = engine.runner.graphs.num_replays
+    for variant in variants:
+        use_variant(engine, variant)
+        run_minillm(llm, warmup)
+        engine.stats.clear()
+        timings_v, tokens[f"minillm_{variant}"], duration_v = run_minillm(llm, requests)
+        runs[f"minillm_{variant}"] = serving_metrics(timings_v, duration_v) | step_summary(engine.stats)
+    served = [ServedRequest(t.num_input_tokens, t.num_output_tokens) for t in timings if t.token_times]
     if peers:
         _release_kv_for_peers(engine)
     # The static peer runs minillm's static batch size, or 16 (BENCHMARKS.md) against a continuous engine.
     peer_batch_size = peer_batch_size or (16 if engine.config.batching == "continuous" else engine.max_batch)
+    # The contiguous layout is the static engine's own, or the static peer's against a continuous engine.
+    static_batch_size = peer_batch_size if engine.config.batching == "continuous" else engine.max_batch
+    kv_memory = kv_memory_summary(served, max_model_len=engine.max_model_len, block_size=engine.config.block_size,
+                                  batch_size=static_batch_size)
     if "hf_static" in peers:
         hf = hf_model_sharing_weights(engine.model, engine.model_config)
         run_hf_static(hf, warmup, peer_batch_size)
@@ -122,11 +158,13 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
         "dtype": str(engine.dtype).removeprefix("torch."),
         "peer_batch_size": peer_batch_size,
         "engine": {"batching": engine.config.batching, "max_batch": engine.max_batch,
+                   "attention_backend": engine.attention_backend, "cuda_graphs": engine.cuda_graphs,
                    "max_model_len": engine.max_model_len, "memory_budget": engine.config.memory_budget,
                    "kv_cache_bytes": engine.kv_cache_bytes, "kv_capacity_tokens": engine.kv_capacity_tokens},
         "runs": runs,
         # Fraction of requests whose greedy tokens equal minillm's exactly (same weights).
         "greedy_agreement": agreement,
+        "kv_memory": kv_memory,
     }
 
 
@@ -207,6 +245,11 @@ def format_table(result: dict) -> str:
         ratio = f"{m['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
         lines.append(f"{name:<12}{m['output_throughput']:>14.1f}{m['request_throughput']:>9.2f}"
                      f"{m['mean_ttft_ms']:>14.1f}{m['mean_tpot_ms']:>14.1f}{ratio:>14}")
+    kv = result.get("kv_memory")
+    if kv:
+        lines.append(f"KV memory used / reserved over the run: contiguous (max_model_len={kv['max_model_len']}, "
+                     f"batches of {kv['static_batch_size']}) {kv['contiguous_utilisation']:.1%}, "
+                     f"paged (block_size={kv['block_size']}) {kv['paged_utilisation']:.1%}")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ a block returns to the free list when its count drops to zero.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -91,44 +92,80 @@ class BlockTables:
 
 
 class PagedKVCache:
-    """The block pool: K and V of shape [layers, num_blocks, block_size, kv_heads, head_dim]."""
+    """The block pool: K and V of shape [layers, num_blocks + 1, block_size, kv_heads, head_dim].
+
+    The extra last block (``scratch_block``) is never handed out: padding rows of a CUDA-graph
+    batch write their K/V there and read only it, so a graph padded to its captured batch size
+    never touches a live request's blocks.
+    """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        # Zeros, not empty: masked-out slots (padding, the tail of a block) are still read, and
-        # their softmax weight of 0 times a NaN left in uninitialised memory would be NaN.
+        shape = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
+        # Zeros, not empty: masked-out slots (padding, the tail of a block) are still read by the
+        # torch backend, and their softmax weight of 0 times a NaN left in uninitialised memory is NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch_block = num_blocks
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
 
-class PagedBatch:
-    """Attention context for one step over a flat batch of sequences (pure torch reference).
+@dataclass
+class PagedStep:
+    """One step's paged-attention metadata: what each new token writes and what it may read.
 
     The step's tokens are packed into one row: first ``num_decode`` sequences with one new token
     each, then prefill chunks. Sequence i brings ``query_lens[i]`` new tokens and then holds
     ``context_lens[i]`` tokens in total (cached + new); its new tokens sit at the end of that
-    context. ``slot_mapping`` says where each new token's K/V go in the pool.
+    context. Device tensors for the kernels, host lists for the torch reference's Python loop.
     """
 
-    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 query_lens: list[int], context_lens: list[int], num_decode: int):
-        self.cache, self.slot_mapping = cache, slot_mapping
-        self.query_lens, self.context_lens, self.num_decode = query_lens, context_lens, num_decode
-        self.block_tables = block_tables  # [num_seqs, max_blocks], padded with 0
-        device = slot_mapping.device
-        if num_decode:
-            # Decodes are batched: gather every decode sequence's blocks, mask past its length.
-            longest = max(context_lens[:num_decode])
+    slot_mapping: torch.Tensor  # [tokens] int64: the pool slot each new token's K/V go to
+    block_tables: torch.Tensor  # [seqs, width] int32, padded with valid ids that are never read
+    context_lens: torch.Tensor  # [seqs] int32
+    cu_prefill_lens: torch.Tensor  # [prefills + 1] int32: prefix sums of the prefill rows' query_lens
+    query_lens: list[int]
+    context_lens_host: list[int]
+    num_decode: int
+
+    @classmethod
+    def from_host(cls, slots: list[int], tables: list[list[int]], query_lens: list[int], context_lens: list[int],
+                  device: torch.device, pad_block: int = 0) -> "PagedStep":
+        """Build the tensors from Python lists. On CUDA they go through pinned memory with
+        non-blocking copies, so building the next step's metadata overlaps the GPU's work."""
+        num_decode = sum(1 for n in query_lens if n == 1)
+        width = max(map(len, tables))
+        cu = [0]
+        for n in query_lens[num_decode:]:
+            cu.append(cu[-1] + n)
+        pin = device.type == "cuda"
+
+        def put(values, dtype):
+            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+
+        return cls(put(slots, torch.int64), put([t + [pad_block] * (width - len(t)) for t in tables], torch.int32),
+                   put(context_lens, torch.int32), put(cu, torch.int32), query_lens, context_lens, num_decode)
+
+
+class PagedBatch:
+    """Attention context for one step over a flat batch of sequences (pure torch reference).
+
+    Decodes are batched (each gathers its blocks, masked past its length); prefill chunks run one
+    sequence at a time, each attending to its cached context with a causal offset.
+    """
+
+    def __init__(self, cache: PagedKVCache, step: PagedStep):
+        self.cache, self.step = cache, step
+        n = step.num_decode
+        if n:
+            longest = max(step.context_lens_host[:n])
             blocks = -(-longest // cache.block_size)
-            self.decode_tables = block_tables[:num_decode, :blocks]
-            key_pos = torch.arange(blocks * cache.block_size, device=device)
-            lens = torch.tensor(context_lens[:num_decode], device=device)
-            allowed = key_pos[None, :] < lens[:, None]
+            self.decode_tables = step.block_tables[:n, :blocks]
+            key_pos = torch.arange(blocks * cache.block_size, device=cache.k.device)
+            allowed = key_pos[None, :] < step.context_lens[:n, None]
             self.decode_mask = additive_mask(allowed, cache.k.dtype)[:, None, None, :]  # [B, 1, 1, S]
 
     def _gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -137,19 +174,16 @@ class PagedBatch:
         return gathered.reshape(tables.shape[0], -1, *pool.shape[-2:])
 
     def __call__(self, layer_idx: int, q, k, v):
-        pool_k, pool_v = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        heads, dim = pool_k.shape[-2:]
-        pool_k.view(-1, heads, dim)[self.slot_mapping] = k[0]
-        pool_v.view(-1, heads, dim)[self.slot_mapping] = v[0]
+        pool_k, pool_v = write_kv(self.cache, self.step, layer_idx, k, v)
         outputs = []
-        n = self.num_decode
+        step, n = self.step, self.step.num_decode
         if n:
             keys, values = self._gather(pool_k, self.decode_tables), self._gather(pool_v, self.decode_tables)
             outputs.append(masked_attention(q[0, :n, None], keys, values, self.decode_mask)[:, 0])
         start = n
-        for i in range(n, len(self.query_lens)):
-            q_len, ctx = self.query_lens[i], self.context_lens[i]
-            table = self.block_tables[i : i + 1, : -(-ctx // self.cache.block_size)]
+        for i in range(n, len(step.query_lens)):
+            q_len, ctx = step.query_lens[i], step.context_lens_host[i]
+            table = step.block_tables[i : i + 1, : -(-ctx // self.cache.block_size)]
             keys = self._gather(pool_k, table)[:, :ctx]
             values = self._gather(pool_v, table)[:, :ctx]
             # The new tokens are the last q_len of the context: causal with an offset.
@@ -159,3 +193,13 @@ class PagedBatch:
             outputs.append(masked_attention(q[:, start : start + q_len], keys, values, mask)[0])
             start += q_len
         return torch.cat(outputs)[None]
+
+
+def write_kv(cache: PagedKVCache, step: PagedStep, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+    """Store the new tokens' K/V ([1, tokens, kv_heads, head_dim]) in their slots; return the
+    layer's pools. An index_put, so it can be captured in a CUDA graph."""
+    pool_k, pool_v = cache.k[layer_idx], cache.v[layer_idx]
+    heads, dim = pool_k.shape[-2:]
+    pool_k.view(-1, heads, dim)[step.slot_mapping] = k[0]
+    pool_v.view(-1, heads, dim)[step.slot_mapping] = v[0]
+    return pool_k, pool_v

@@ -1,0 +1,370 @@
+"""Decode attention over the paged KV cache, split along the context (flash-decoding).
+
+Why it exists: in a decode step every sequence brings one query token, and attention must read all
+of that sequence's cached K/V, scattered over fixed-size blocks of a shared pool (PagedAttention,
+Kwon et al., SOSP 2023, https://arxiv.org/abs/2309.06180). The torch path gathers those blocks into
+a contiguous copy first; this kernel reads them in place through the block table. Decode attention
+does little arithmetic per byte, so its speed is how close it comes to the memory bandwidth.
+
+Two ideas make that possible:
+
+- **GQA packing.** One program handles one KV head and *all* the query heads that share it, as the
+  rows of one tile, so K/V are read from memory once per group instead of once per query head, and
+  the dot products run as ``tl.dot`` on the tensor cores (rows padded to 16, their minimum).
+- **Split-K (Flash-Decoding, Dao, Haziza, Massa, Sizov 2023,
+  https://crfm.stanford.edu/2023/10/12/flashdecoding.html).** With one sequence and 8 KV heads there
+  are only 8 programs for 132 SMs. Stage 1 cuts each sequence's context into ``num_splits`` ranges
+  and runs one program per (sequence, KV head, split), each an online softmax (Milakov & Gimelshein
+  2018, https://arxiv.org/abs/1805.02867) over its range; stage 2 merges the partial results exactly
+  (``merge_attention_partials`` says how). With num_splits == 1 stage 1 writes the output itself.
+
+**CUDA graphs.** The grid, (batch, KV heads, num_splits), depends on tensor *shapes* only, never on
+the values in ``context_lens``: each program reads its sequence's length on the GPU and derives its
+split's token range there (an empty range writes a partial of weight zero). A graph captured once
+can therefore be replayed after new lengths and block tables are copied into the same tensors. The
+partials live in a ``PagedAttentionWorkspace``; pass one allocated for the largest batch and split
+count and every captured graph reuses that one buffer (views of its leading rows), instead of each
+capture keeping its own allocation. Without one the wrapper allocates per call, which is fine eagerly.
+
+Layout (one layer): ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D]; token p of sequence b
+is at ``k_cache[block_tables[b, p // block_size], p % block_size]``; ``context_lens[b]`` counts the
+cached tokens including the new one; q [B, H, D], query head h reads KV head h // (H // Hkv).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+_LN2 = tl.constexpr(math.log(2.0))
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- references (torch)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _gather_sequence(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first ``length`` tokens, [length, Hkv, D], from the block pool."""
+    blocks = table[: _cdiv(length, cache.shape[1])].long()
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def split_partials_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, num_splits: int, scale: float | None = None,
+                       tile: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over each split of its context, in fp32.
+
+    Split s of a sequence of ``ctx`` tokens covers tokens [s * L, min((s + 1) * L, ctx)) with
+    L = ceil(ceil(ctx / num_splits) / tile) * tile; the kernel rounds to its tile, BLOCK_N, so pass
+    that as ``tile`` to compare its partials split by split. Returns ``out`` [B, H, num_splits, D], each split's
+    softmax-normalised output, and ``lse`` [B, H, num_splits], the natural log of its softmax
+    denominator (the log-sum-exp of its scores); an empty split has out 0 and lse -inf.
+    """
+    batch, heads, dim = q.shape
+    group = heads // k_cache.shape[2]
+    scale = dim ** -0.5 if scale is None else scale
+    out = q.new_zeros(batch, heads, num_splits, dim, dtype=torch.float32)
+    lse = q.new_full((batch, heads, num_splits), float("-inf"), dtype=torch.float32)
+    for b in range(batch):
+        ctx = int(context_lens[b])
+        keys = _gather_sequence(k_cache, block_tables[b], ctx).float().repeat_interleave(group, dim=1)
+        values = _gather_sequence(v_cache, block_tables[b], ctx).float().repeat_interleave(group, dim=1)
+        length = _cdiv(_cdiv(ctx, num_splits), tile) * tile
+        for s in range(num_splits):
+            lo, hi = s * length, min((s + 1) * length, ctx)
+            if lo >= hi:
+                continue
+            scores = torch.einsum("hd,nhd->hn", q[b].float(), keys[lo:hi]) * scale
+            lse[b, :, s] = torch.logsumexp(scores, dim=-1)
+            out[b, :, s] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), values[lo:hi])
+    return out, lse
+
+
+def merge_attention_partials(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention results computed over disjoint parts of one context into the result over all.
+
+    ``out`` [..., S, D] holds S partial outputs, each normalised by its own softmax denominator
+    l_i = sum_j exp(score_j) over its part; ``lse`` [..., S] holds log l_i. Attention over the union
+    is the softmax over all scores, so each part's output must be re-weighted by its share of the
+    total denominator:
+
+        lse = log(sum_i exp(lse_i)),    o = sum_i exp(lse_i - lse) * o_i
+
+    In the (max, sum) form that an online softmax carries (m_i = max score, l_i = sum exp(s - m_i)),
+    merging two parts reads m = max(m1, m2), l = l1 exp(m1 - m) + l2 exp(m2 - m),
+    o = (o1 l1 exp(m1 - m) + o2 l2 exp(m2 - m)) / l — the same thing, since lse_i = m_i + log l_i.
+    Subtracting the largest lse before exp keeps every weight in [0, 1] (no overflow); an empty part
+    (lse -inf) gets weight 0. Returns (o [..., D], lse [...]), so merged results can be merged again.
+    """
+    top = lse.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all parts empty: no NaN
+    weights = torch.exp(lse - top)
+    total = weights.sum(dim=-1)
+    merged = (weights.unsqueeze(-1) * out).sum(dim=-2) / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    return merged, top.squeeze(-1) + torch.log(total)
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float | None = None, num_splits: int = 1) -> torch.Tensor:
+    """What ``paged_decode_attention`` computes, in plain torch with fp32 math; returns q's dtype.
+
+    With ``num_splits`` > 1 it goes through ``split_partials_ref`` and the module's
+    ``merge_attention_partials`` (looked up when called, so a replacement patched into this module
+    is the one used) — the same result by the algebra in that function's docstring.
+    """
+    if num_splits > 1:
+        out, lse = split_partials_ref(q, k_cache, v_cache, block_tables, context_lens, num_splits, scale)
+        return merge_attention_partials(out, lse)[0].to(q.dtype)
+    return split_partials_ref(q, k_cache, v_cache, block_tables, context_lens, 1, scale)[0][:, :, 0].to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+
+@triton.jit
+def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
+                  qk_scale, num_splits,
+                  stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  WRITE_LSE: tl.constexpr):
+    """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split."""
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(ContextLens + b)
+    # Splits are whole tiles long (only a sequence's last tile is partial); from the length on the
+    # GPU, so the grid stays the same whatever the lengths are.
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, BLOCK_D)
+    row_dim_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_dim_mask, other=0.0)
+
+    # Online softmax in base 2: qk_scale = scale * log2(e), and exp2 is the GPU's native exp.
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    table = BlockTables + b * stride_bt
+    kv_base = kv_head * stride_kh + dims[None, :]
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        # A tile may span several blocks: gather each position's block id. Padding entries of the
+        # table past the sequence's length are never read (masked).
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # int64: big pools
+        offsets = block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt + kv_base
+        kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+        # A quantized cache (int8 / fp8, the KV-quantization issue) is dequantized right here:
+        # multiply k and v by their per-head scales after the load, before the dots.
+        k = tl.load(K + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(V + offsets, mask=kv_mask, other=0.0)
+
+        # "ieee": fp32 inputs get fp32 products, not TF32's 10-bit mantissa; 16-bit inputs ignore it.
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every tile has a valid position
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    # An empty split (start >= end) ran no tile: l_i = 0, so it writes out 0 and lse -inf.
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_dim_mask)
+    if WRITE_LSE:
+        # Natural log, as the reference returns it; log2(1) for empty splits avoids log2(0) warnings.
+        lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * _LN2, float("-inf"))
+        tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=rows < GROUP)
+
+
+@triton.jit
+def _merge_kernel(O_part, Lse, Out, num_splits,
+                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Stage 2: program (b, h) merges the num_splits partials of one query head (lse form)."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    lse_row = Lse + b * stride_lb + h * stride_lh
+    part_row = O_part + b * stride_pb + h * stride_ph + dims
+    # Split 0 always holds token 0 (context_lens >= 1), so its lse is finite: a safe first maximum.
+    top = tl.load(lse_row)
+    for s in range(1, num_splits):
+        top = tl.maximum(top, tl.load(lse_row + s))
+    total = tl.exp(tl.load(lse_row) - top)
+    acc = total * tl.load(part_row, mask=dim_mask, other=0.0)
+    for s in range(1, num_splits):
+        weight = tl.exp(tl.load(lse_row + s) - top)  # 0 for an empty split (lse -inf)
+        total += weight
+        acc += weight * tl.load(part_row + s * stride_ps, mask=dim_mask, other=0.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + dims, (acc / total).to(Out.dtype.element_ty), mask=dim_mask)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+@dataclass
+class PagedAttentionWorkspace:
+    """Stage 1's partial results: ``out`` [max_batch, H, max_splits, D] fp32 (each split's normalised
+    output) and ``lse`` [max_batch, H, max_splits] fp32 (natural-log softmax denominators). A call
+    with batch B and S splits uses the views [:B, :, :S], so one workspace serves every smaller shape."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_batch: int, num_heads: int, head_dim: int, max_splits: int,
+                 device: torch.device | str) -> PagedAttentionWorkspace:
+        return cls(torch.empty(max_batch, num_heads, max_splits, head_dim, dtype=torch.float32, device=device),
+                   torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device))
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
+                      min_split_tokens: int = 128) -> int:
+    """How many splits per sequence: enough stage-1 programs for about two waves over the SMs, but
+    no split shorter than ``min_split_tokens`` (two 64-token tiles: shorter splits spend more on
+    their partial's write and merge than they gain). ``max_context`` is the table's capacity
+    (max_blocks * block_size), not an actual length, so the choice depends on shapes only.
+
+    Both numbers come from a sweep of split counts (8..128) on the H200 at batch 1, 2k-32k tokens."""
+    programs = batch * num_kv_heads
+    wanted = _cdiv(2 * num_sms, programs)
+    return max(1, min(wanted, max_context // min_split_tokens))
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    # No SMs under the interpreter: one, so that num_splits=None means no split on the CPU.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q has dtype {q.dtype}; valid: float16, bfloat16, float32")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype not in _FLOAT_DTYPES:
+            raise NotImplementedError(f"{name} has dtype {cache.dtype}: a quantized KV cache is not "
+                                      "supported yet (the KV-quantization issue adds it)")
+        if cache.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {cache.dtype} but q has {q.dtype}; they must match")
+    if k_scale is not None or v_scale is not None:
+        raise NotImplementedError("k_scale / v_scale dequantize an int8 / fp8 KV cache, which is not "
+                                  "supported yet (the KV-quantization issue adds it); pass None")
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"q has {heads} heads, not a multiple of the cache's {kv_heads} KV heads")
+    if k_cache.shape[3] != dim:
+        raise ValueError(f"q has head_dim {dim} but the cache has {k_cache.shape[3]}")
+    # The kernel shares one address computation between K and V and steps the last dims by one.
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError(f"k_cache and v_cache need equal strides ending in 1, got {k_cache.stride()} "
+                         f"and {v_cache.stride()}")
+    if q.stride(2) != 1:
+        raise ValueError(f"q needs a contiguous last dim, got strides {q.stride()}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch \
+            or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be int32 [batch={batch}, max_blocks] with contiguous rows, "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)} strides {block_tables.stride()}")
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (batch,) or context_lens.stride(0) != 1:
+        raise ValueError(f"context_lens must be contiguous int32 [batch={batch}], "
+                         f"got {context_lens.dtype} {tuple(context_lens.shape)} strides {context_lens.stride()}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with a contiguous last dim, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    tensors = {"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "context_lens": context_lens}
+    if out is not None:
+        tensors["out"] = out
+    for name, tensor in tensors.items():
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}; all must share one device")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "on", "yes"):
+        raise ValueError("CPU tensors run only under Triton's interpreter: set TRITON_INTERPRET=1 "
+                         "before minillm.kernels is imported, or move the tensors to a GPU")
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
+                           num_splits: int | None = None, out: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
+                           workspace: PagedAttentionWorkspace | None = None,
+                           block_n: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None) -> torch.Tensor:
+    """softmax(q K^T * scale) V for one new token per sequence over the paged cache -> out [B, H, D].
+
+    ``scale`` defaults to head_dim ** -0.5; ``num_splits`` to ``choose_num_splits`` on this GPU.
+    ``out`` and ``workspace`` let a CUDA graph keep its memory (module docstring). ``block_n``
+    (tokens per tile, a power of two >= 16), ``num_warps`` and ``num_stages`` override the launch
+    configuration, for benchmarks. ``context_lens`` values must lie in [1, max_blocks * block_size]
+    and the table's entries below them must be valid block ids; checking that would need a device
+    sync, so it is the caller's promise.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
+    batch, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    on_gpu = q.device.type == "cuda"
+    # Under the interpreter every tile costs Python time: small tiles keep the tests fast.
+    block_n = block_n or (64 if on_gpu else 16)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's minimum), got {block_n}")
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, _num_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    scale = dim ** -0.5 if scale is None else scale
+    out = torch.empty_like(q) if out is None else out
+
+    if num_splits == 1:
+        # No partials to merge: stage 1 writes the output itself (split stride 0, no lse).
+        partial, lse, partial_strides, lse_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
+    else:
+        if workspace is None:
+            workspace = PagedAttentionWorkspace.allocate(batch, heads, dim, num_splits, q.device)
+        ws_batch, ws_heads, ws_splits, ws_dim = workspace.out.shape
+        if (ws_heads, ws_dim) != (heads, dim) or ws_batch < batch or ws_splits < num_splits \
+                or workspace.out.device != q.device or workspace.out.dtype != torch.float32:
+            raise ValueError(f"workspace holds {workspace.out.dtype} [{ws_batch}, {ws_heads}, {ws_splits}, "
+                             f"{ws_dim}] on {workspace.out.device}; this call needs float32 at least "
+                             f"[{batch}, {heads}, {num_splits}, {dim}] on {q.device} "
+                             "(PagedAttentionWorkspace.allocate makes one)")
+        partial, lse = workspace.out[:batch, :, :num_splits], workspace.lse[:batch, :, :num_splits]
+        partial_strides, lse_strides = partial.stride()[:3], lse.stride()[:2]
+
+    block_d = max(16, triton.next_power_of_2(dim))
+    launch = dict(num_warps=num_warps or 4, num_stages=num_stages or 3) if on_gpu else {}
+    _split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, partial, lse,
+        scale * math.log2(math.e), num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *partial_strides, *lse_strides,
+        BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, WRITE_LSE=num_splits > 1, **launch)
+    if num_splits > 1:
+        _merge_kernel[(batch, heads)](
+            partial, lse, out, num_splits, *partial_strides, *lse_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=dim, BLOCK_D=block_d, **({"num_warps": 1} if on_gpu else {}))
+    return out

@@ -1,0 +1,240 @@
+"""``minillm bench kernels``: the Triton attention kernels next to torch's SDPA and the device's ceilings.
+
+Prefill (FlashAttention-style, ``kernels/flash_attention.py``) is compute-bound: we report TFLOP/s
+and the fraction of SDPA's TFLOP/s on the same input (flash and cuDNN backends, each where torch
+offers it). Decode (``kernels/paged_attention.py``) is memory-bound: we report GB/s counting the
+K/V bytes it must read, and the fraction of the measured copy bandwidth (``bench/roofline.py``).
+Every shape is also checked against SDPA, so a fast wrong kernel cannot pass as fast.
+
+FLOPs of causal attention: 4·D per (query, key) pair and head, S(S+1)/2 pairs per sequence — the
+convention of ``bench/roofline.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from minillm.bench.roofline import measure_bandwidth
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_len: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    batch: int
+    heads: int
+    kv_heads: int
+    context: int
+    head_dim: int
+    block_size: int = 16
+
+
+GPU_PREFILL = [PrefillShape(8, 32, 32, s, 128) for s in (512, 1024, 2048, 4096)] + \
+              [PrefillShape(8, 32, 8, 2048, 128), PrefillShape(8, 32, 32, 2048, 64)]
+GPU_DECODE = [DecodeShape(b, 32, 8, c, 128) for b, c in ((1, 2048), (1, 16384), (8, 2048), (32, 2048),
+                                                         (64, 2048), (128, 2048), (64, 512), (64, 8192))]
+# Under the interpreter on a CPU: the same code paths on shapes small enough to finish (no timings worth a claim).
+CPU_PREFILL = [PrefillShape(1, 2, 1, 33, 16)]
+CPU_DECODE = [DecodeShape(2, 4, 2, 37, 16, block_size=8)]
+
+
+def time_ms(fn, device: torch.device, iters: int = 20, repeats: int = 5) -> float:
+    """Milliseconds per call: ``iters`` calls back to back between two CUDA events, best of ``repeats``
+    (launch gaps hide behind the queue, as in an engine's step). On a CPU: wall time."""
+    fn()
+    if device.type != "cuda":
+        import time
+
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize(device)
+    best = math.inf
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        best = min(best, start.elapsed_time(end) / iters)
+    return best
+
+
+def _sdpa(backend: SDPBackend, q, k, v, causal: bool):
+    """q [B, H, S, D], k/v [B, Hkv, S, D] through one SDPA backend; None if it refuses the input."""
+    def call():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+    try:
+        call()
+    except RuntimeError:
+        return None
+    return call
+
+
+def causal_flops(shape: PrefillShape) -> float:
+    pairs = shape.seq_len * (shape.seq_len + 1) / 2
+    return 4 * shape.batch * shape.heads * shape.head_dim * pairs
+
+
+def bench_prefill(shape: PrefillShape, device: torch.device, dtype: torch.dtype) -> dict:
+    from minillm.kernels.flash_attention import flash_attention
+
+    B, H, Hkv, S, D = shape.batch, shape.heads, shape.kv_heads, shape.seq_len, shape.head_dim
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B * S, H, D, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(B * S, Hkv, D, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(B * S, Hkv, D, device=device, dtype=dtype, generator=gen)
+    cu = torch.arange(0, (B + 1) * S, S, device=device, dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+
+    def triton_call():
+        return flash_attention(q, k, v, cu, cu, S, causal=True, out=out)
+
+    def batched(x, heads):
+        return x.view(B, S, heads, D).transpose(1, 2)
+
+    qb, kb, vb = batched(q, H), batched(k, Hkv), batched(v, Hkv)
+    flops = causal_flops(shape)
+    row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "flops": flops}
+    ms = time_ms(triton_call, device)
+    row["triton"] = {"ms": ms, "tflops": flops / ms / 1e9}
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        call = _sdpa(backend, qb, kb, vb, causal=True)
+        if call is None:
+            row[name] = None  # torch offers no such kernel for this input here
+            continue
+        ms = time_ms(call, device)
+        row[name] = {"ms": ms, "tflops": flops / ms / 1e9}
+    reference = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), is_causal=True,
+                                               enable_gqa=Hkv != H).transpose(1, 2).reshape(B * S, H, D)
+    triton_call()
+    row["max_abs_error"] = (out.float() - reference).abs().max().item()
+    best = max((row[n]["tflops"] for n in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient") if row.get(n)), default=None)
+    row["fraction_of_best_sdpa"] = row["triton"]["tflops"] / best if best else None
+    return row
+
+
+def paged_copy(contiguous: torch.Tensor, block_size: int, generator: torch.Generator):
+    """[B, S, Hkv, D] -> (pool [blocks, block_size, Hkv, D], block tables [B, S/bs]) with the blocks shuffled,
+    as a long-running engine's are."""
+    B, S, Hkv, D = contiguous.shape
+    per_seq = S // block_size
+    order = torch.randperm(B * per_seq, generator=generator, device="cpu").to(contiguous.device)
+    pool = torch.empty(B * per_seq, block_size, Hkv, D, dtype=contiguous.dtype, device=contiguous.device)
+    pool[order] = contiguous.reshape(B * per_seq, block_size, Hkv, D)
+    return pool, order.view(B, per_seq).to(torch.int32)
+
+
+def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, bandwidth_gbs: float) -> dict:
+    from minillm.kernels.paged_attention import paged_decode_attention
+
+    B, H, Hkv, S, D = shape.batch, shape.heads, shape.kv_heads, shape.context, shape.head_dim
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B, H, D, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(B, S, Hkv, D, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(B, S, Hkv, D, device=device, dtype=dtype, generator=gen)
+    cpu_gen = torch.Generator().manual_seed(0)
+    k_pool, tables = paged_copy(k, shape.block_size, cpu_gen)
+    v_pool = torch.empty_like(k_pool)
+    v_pool[tables.view(-1).long()] = v.reshape(-1, shape.block_size, Hkv, D)
+    lens = torch.full((B,), S, dtype=torch.int32, device=device)
+    out = torch.full_like(q, float("nan"))
+
+    def triton_call():
+        return paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out)
+
+    kv_bytes = 2 * B * S * Hkv * D * k.element_size()
+    row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes}
+    ms = time_ms(triton_call, device)
+    row["triton"] = {"ms": ms, "gbs": kv_bytes / ms / 1e6}
+    qb, kb, vb = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        call = _sdpa(backend, qb, kb, vb, causal=False)  # on contiguous K/V: no paging to pay for
+        row[name] = None if call is None else {"ms": (ms := time_ms(call, device)), "gbs": kv_bytes / ms / 1e6}
+    reference = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), enable_gqa=Hkv != H)[:, :, 0]
+    triton_call()
+    row["max_abs_error"] = (out.float() - reference).abs().max().item()
+    row["fraction_of_bandwidth"] = row["triton"]["gbs"] / bandwidth_gbs
+    return row
+
+
+def bench_kernels(device: torch.device, dtype: torch.dtype | None = None, prefill=None, decode=None,
+                  progress: bool = True) -> dict:
+    """Run both sweeps; returns {"ceilings", "prefill": [...], "decode": [...]}."""
+    from tqdm.auto import tqdm
+
+    on_gpu = device.type == "cuda"
+    dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    prefill = GPU_PREFILL if on_gpu and prefill is None else (prefill or CPU_PREFILL)
+    decode = GPU_DECODE if on_gpu and decode is None else (decode or CPU_DECODE)
+    bandwidth = measure_bandwidth(device)
+    result = {"ceilings": {"bandwidth_gbs": bandwidth}, "prefill": [], "decode": []}
+    with tqdm(total=len(prefill) + len(decode), desc="kernels", disable=not progress) as bar:
+        for shape in prefill:
+            result["prefill"].append(bench_prefill(shape, device, dtype))
+            bar.update()
+        for shape in decode:
+            result["decode"].append(bench_decode(shape, device, dtype, bandwidth))
+            bar.update()
+    return result
+
+
+def format_kernel_table(result: dict) -> str:
+    lines = [f"{'prefill (B,H,Hkv,S,D)':<26}{'triton TFLOP/s':>15}{'SDPA flash':>12}{'SDPA cuDNN':>12}{'vs best':>9}"]
+    for row in result["runs"]["prefill"]:
+        s = row["shape"]
+        cells = [f"{row[n]['tflops']:.1f}" if row.get(n) else "-" for n in ("triton", "sdpa_flash", "sdpa_cudnn")]
+        frac = row["fraction_of_best_sdpa"]
+        lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['seq_len'], s['head_dim'])):<26}"
+                     f"{cells[0]:>15}{cells[1]:>12}{cells[2]:>12}{(f'{frac:.0%}' if frac else '-'):>9}")
+    lines.append(f"{'decode (B,H,Hkv,ctx,D)':<26}{'triton GB/s':>15}{'SDPA flash':>12}{'of copy BW':>12}")
+    for row in result["runs"]["decode"]:
+        s = row["shape"]
+        flash = f"{row['sdpa_flash']['gbs']:.0f}" if row.get("sdpa_flash") else "-"
+        lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['context'], s['head_dim'])):<26}"
+                     f"{row['triton']['gbs']:>15.0f}{flash:>12}{row['fraction_of_bandwidth']:>12.0%}")
+    return "\n".join(lines)
+
+
+def plot_kernels(result: dict, path: str) -> str:
+    """Two panels: prefill as a fraction of the best SDPA backend, decode as a fraction of copy bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    labels = [f"S={r['shape']['seq_len']}\nHkv={r['shape']['kv_heads']} D={r['shape']['head_dim']}" for r in runs["prefill"]]
+    left.bar(labels, [r["fraction_of_best_sdpa"] or 0 for r in runs["prefill"]], color="tab:blue")
+    left.axhline(1.0, color="gray", lw=1)
+    left.set_ylabel("Triton TFLOP/s / best SDPA TFLOP/s")
+    left.set_title("prefill (causal, B=8, H=32)")
+    labels = [f"B={r['shape']['batch']}\nctx={r['shape']['context']}" for r in runs["decode"]]
+    right.bar(labels, [r["fraction_of_bandwidth"] for r in runs["decode"]], color="tab:orange")
+    right.axhline(1.0, color="gray", lw=1)
+    right.set_ylabel("K/V GB/s / copy bandwidth")
+    right.set_title(f"paged decode (H=32, Hkv=8, D=128); copy {runs['ceilings']['bandwidth_gbs']:.0f} GB/s")
+    for axis in (left, right):
+        axis.tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"{result['device']} · commit {result['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

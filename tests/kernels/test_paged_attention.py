@@ -1,0 +1,215 @@
+"""Paged decode attention (split-K): the Triton kernel against its torch reference, the reference
+against SDPA, the split/merge algebra, buffer reuse as a CUDA graph replays it, the split heuristic
+and the wrapper's errors. On CPU it runs under TRITON_INTERPRET=1 (tests/conftest.py) on small shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import minillm.kernels.paged_attention as pa
+from minillm.kernels.paged_attention import (PagedAttentionWorkspace, choose_num_splits, merge_attention_partials,
+                                             paged_decode_attention, paged_decode_attention_ref, split_partials_ref)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=1e-2),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_inputs(context_lens, heads, kv_heads, dim, block_size, dtype=torch.float32, seed=0, device=DEVICE):
+    """Random q and pool, and a block table whose blocks are shuffled pool ids; the padding past each
+    sequence's blocks holds other valid (garbage) ids, which must not change the result."""
+    g = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in context_lens]
+    max_blocks = max(needed) + 1
+    num_blocks = sum(needed) + 3
+    ids = torch.randperm(num_blocks, generator=g)
+    tables = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=g)
+    start = 0
+    for b, n in enumerate(needed):
+        tables[b, :n] = ids[start : start + n]
+        start += n
+    q = torch.randn(len(context_lens), heads, dim, generator=g)
+    k = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    v = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    to = dict(device=device)
+    return (q.to(dtype=dtype, **to), k.to(dtype=dtype, **to), v.to(dtype=dtype, **to),
+            tables.to(torch.int32).to(**to), torch.tensor(context_lens, dtype=torch.int32, **to))
+
+
+def poisoned(q, batch_splits=None):
+    out = torch.full_like(q, float("nan"))
+    if batch_splits is None:
+        return out, None
+    batch, splits = batch_splits
+    ws = PagedAttentionWorkspace.allocate(batch, q.shape[1], q.shape[2], splits, q.device)
+    ws.out.fill_(float("nan"))
+    ws.lse.fill_(float("nan"))
+    return out, ws
+
+
+def test_ref_matches_sdpa_on_a_gathered_copy():
+    lens = [1, 13, 40]
+    q, k, v, tables, ctx = make_inputs(lens, heads=8, kv_heads=2, dim=16, block_size=8, device="cpu")
+    ref = paged_decode_attention_ref(q, k, v, tables, ctx, scale=0.3)
+    for b, n in enumerate(lens):
+        blocks = tables[b, : -(-n // 8)].long()
+        keys = k[blocks].flatten(0, 1)[:n].transpose(0, 1)  # [Hkv, n, D]
+        values = v[blocks].flatten(0, 1)[:n].transpose(0, 1)
+        want = F.scaled_dot_product_attention(q[b, :, None], keys, values, scale=0.3, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(ref[b], want, atol=1e-5, rtol=1e-5)
+
+
+# (context_lens, heads, kv_heads, head_dim, block_size, num_splits, dtype): lengths 1, odd, whole
+# blocks and partial ones; GQA ratios 1/2/4/8; more splits than a sequence has tiles (empty splits).
+CASES = [
+    ([1, 17, 32, 5], 2, 2, 16, 16, 1, torch.float32),
+    ([33, 8, 1], 4, 2, 32, 8, 3, torch.float32),
+    ([64, 31], 8, 2, 64, 32, 1, torch.float16),
+    ([50, 16, 1], 8, 1, 128, 16, 3, torch.float16),
+    ([40, 3, 24], 8, 2, 32, 8, 16, torch.float32),
+    ([45, 2], 4, 2, 16, 32, 7, torch.float16),
+    ([21, 9], 6, 3, 24, 8, 2, torch.float32),  # head_dim not a power of two: masked columns
+]
+
+
+@pytest.mark.parametrize("lens,heads,kv_heads,dim,block_size,splits,dtype", CASES)
+def test_kernel_matches_ref(lens, heads, kv_heads, dim, block_size, splits, dtype):
+    q, k, v, tables, ctx = make_inputs(lens, heads, kv_heads, dim, block_size, dtype, seed=len(lens) + dim)
+    out, ws = poisoned(q, (len(lens), splits) if splits > 1 else None)
+    got = paged_decode_attention(q, k, v, tables, ctx, num_splits=splits, out=out, workspace=ws)
+    assert got is out
+    torch.testing.assert_close(got, paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[dtype])
+
+
+def test_default_splits_and_scale():
+    q, k, v, tables, ctx = make_inputs([9, 30], 4, 2, 16, 8, seed=3)
+    torch.testing.assert_close(paged_decode_attention(q, k, v, tables, ctx, scale=0.7),
+                               paged_decode_attention_ref(q, k, v, tables, ctx, scale=0.7), **TOL[torch.float32])
+
+
+def test_kernel_partials_match_split_ref():
+    """Stage 1 alone: each split's output and lse, the empty splits' -inf included."""
+    q, k, v, tables, ctx = make_inputs([1, 35, 70], 4, 2, 16, 8, seed=5)
+    out, ws = poisoned(q, (3, 5))
+    paged_decode_attention(q, k, v, tables, ctx, num_splits=5, out=out, workspace=ws, block_n=16)
+    want_out, want_lse = split_partials_ref(q, k, v, tables, ctx, 5, tile=16)
+    assert torch.isinf(want_lse).any() and torch.isfinite(want_lse).any()
+    torch.testing.assert_close(ws.lse, want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ws.out, want_out, atol=1e-5, rtol=1e-5)
+
+
+def test_merged_splits_equal_the_unsplit_ref():
+    q, k, v, tables, ctx = make_inputs([1, 20, 57], 4, 2, 16, 8, seed=6, device="cpu")
+    whole = paged_decode_attention_ref(q, k, v, tables, ctx)
+    for splits in (2, 3, 8, 64):
+        torch.testing.assert_close(paged_decode_attention_ref(q, k, v, tables, ctx, num_splits=splits), whole)
+    # Merging is associative: merging two merged halves gives the merge of all four parts.
+    # Merged results merge again: two merged halves give the whole output and its log-sum-exp.
+    out, lse = split_partials_ref(q, k, v, tables, ctx, 4)
+    left = merge_attention_partials(out[:, :, :2], lse[:, :, :2])
+    right = merge_attention_partials(out[:, :, 2:], lse[:, :, 2:])
+    pair_out, pair_lse = merge_attention_partials(torch.stack([left[0], right[0]], dim=2),
+                                                  torch.stack([left[1], right[1]], dim=2))
+    torch.testing.assert_close(pair_out, whole)
+    torch.testing.assert_close(pair_lse, split_partials_ref(q, k, v, tables, ctx, 1)[1][:, :, 0])
+
+
+def test_reference_uses_the_patched_merge(monkeypatch):
+    q, k, v, tables, ctx = make_inputs([12, 30], 2, 2, 16, 8, device="cpu")
+    monkeypatch.setattr(pa, "merge_attention_partials", lambda out, lse: (out.mean(dim=-2), lse[..., 0]))
+    naive = paged_decode_attention_ref(q, k, v, tables, ctx, num_splits=3)
+    assert not torch.allclose(naive, paged_decode_attention_ref(q, k, v, tables, ctx))
+
+
+def test_reused_buffers_see_new_lengths_and_tables():
+    """What a CUDA graph replay does: the same out / workspace / length and table tensors, new values."""
+    q, k, v, tables, ctx = make_inputs([30, 7], 4, 2, 16, 8, seed=7)
+    out, ws = poisoned(q, (4, 6))  # larger than needed: the call uses its leading views
+    first = paged_decode_attention(q, k, v, tables, ctx, num_splits=3, out=out, workspace=ws).clone()
+    torch.testing.assert_close(first, paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.float32])
+    ctx.copy_(torch.tensor([5, 31], dtype=torch.int32))
+    tables.copy_(tables.flip(1).roll(1, dims=0))  # new block ids, all valid
+    second = paged_decode_attention(q, k, v, tables, ctx, num_splits=3, out=out, workspace=ws)
+    torch.testing.assert_close(second, paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.float32])
+    assert not torch.allclose(first, second)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(1, 8, 32768, 132) == math.ceil(2 * 132 / 8)  # batch 1: two waves
+    assert choose_num_splits(1, 8, 2048, 132) == 16  # capped: no split under 128 tokens
+    assert choose_num_splits(64, 8, 2048, 132) == 1  # 512 programs already >= two waves
+    assert choose_num_splits(33, 8, 4096, 132) == 1
+    assert choose_num_splits(1, 1, 16, 132) == 1
+    for batch in (1, 2, 5, 16, 200):
+        for context in (16, 300, 4096, 131072):
+            splits = choose_num_splits(batch, 4, context, 132)
+            assert splits >= 1 and (splits == 1 or context // splits >= 128)
+
+
+def test_quantized_cache_is_not_implemented_yet():
+    q, k, v, tables, ctx = make_inputs([5], 2, 2, 16, 8)
+    with pytest.raises(NotImplementedError, match="int8.*KV-quantization"):
+        paged_decode_attention(q, k.to(torch.int8), v.to(torch.int8), tables, ctx)
+    with pytest.raises(NotImplementedError, match="k_scale"):
+        paged_decode_attention(q, k, v, tables, ctx, k_scale=torch.ones(2))
+
+
+def _bad(field, value):
+    q, k, v, tables, ctx = make_inputs([5, 9], 4, 2, 16, 8)
+    args = dict(q=q, k_cache=k, v_cache=v, block_tables=tables, context_lens=ctx)
+    args[field] = value(args)
+    return args
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("q", lambda a: a["q"][0], r"q must be \[batch, heads, head_dim\]"),
+    ("q", lambda a: a["q"][:, :3], "not a multiple of the cache's 2 KV heads"),
+    ("q", lambda a: a["q"][:, :, :8], "head_dim 8 but the cache has 16"),
+    ("q", lambda a: a["q"].double(), "valid: float16, bfloat16, float32"),
+    ("v_cache", lambda a: a["v_cache"][:, :4], "must both be"),
+    ("v_cache", lambda a: a["v_cache"].half(), "v_cache has dtype torch.float16 but q has torch.float32"),
+    ("block_tables", lambda a: a["block_tables"].long(), "block_tables must be int32"),
+    ("block_tables", lambda a: a["block_tables"][:1], r"block_tables must be int32 \[batch=2"),
+    ("context_lens", lambda a: a["context_lens"].long(), "context_lens must be contiguous int32"),
+    ("block_tables", lambda a: a["block_tables"].t().contiguous().t(), "with contiguous rows"),
+    ("context_lens", lambda a: a["context_lens"].to("meta"), "context_lens is on meta"),
+])
+def test_errors_name_the_bad_value(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(**_bad(field, value))
+
+
+def test_errors_for_options():
+    q, k, v, tables, ctx = make_inputs([5, 9], 4, 2, 16, 8)
+    with pytest.raises(ValueError, match="num_splits must be >= 1, got 0"):
+        paged_decode_attention(q, k, v, tables, ctx, num_splits=0)
+    with pytest.raises(ValueError, match=r"block_n must be a power of two >= 16 \(tl.dot.s minimum\), got 24"):
+        paged_decode_attention(q, k, v, tables, ctx, block_n=24)
+    with pytest.raises(ValueError, match=r"out must be torch.float32 \(2, 4, 16\)"):
+        paged_decode_attention(q, k, v, tables, ctx, out=q.half())
+    with pytest.raises(ValueError, match=r"this call needs float32 at least \[2, 4, 3, 16\]"):
+        paged_decode_attention(q, k, v, tables, ctx, num_splits=3,
+                               workspace=PagedAttentionWorkspace.allocate(2, 4, 16, 2, q.device))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot and CUDA graphs need a GPU")
+def test_bf16_and_cuda_graph_replay_on_gpu():
+    lens = [1, 100, 333, 2048]
+    q, k, v, tables, ctx = make_inputs(lens, 32, 8, 128, 16, torch.bfloat16)
+    for splits in (1, 4, 37):
+        torch.testing.assert_close(paged_decode_attention(q, k, v, tables, ctx, num_splits=splits),
+                                   paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.bfloat16])
+    out, ws = poisoned(q, (len(lens), 8))
+    paged_decode_attention(q, k, v, tables, ctx, num_splits=8, out=out, workspace=ws)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, k, v, tables, ctx, num_splits=8, out=out, workspace=ws)
+    for new_lens in ([2048, 1, 17, 640], [5, 1999, 64, 1]):
+        ctx.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        tables.copy_(tables.roll(1, dims=0))
+        graph.replay()
+        torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.bfloat16])

@@ -1,0 +1,48 @@
+"""CUDA-graph decode: the capture sizes everywhere; on a GPU, graph replay against eager steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm import SamplingParams
+from minillm.cuda_graphs import capture_sizes
+from test_continuous import tiny_engine  # tests/ is on sys.path (pytest's rootdir-less import)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+@pytest.mark.parametrize("max_batch, expected", [(1, [1]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]),
+                                                 (20, [1, 2, 4, 8, 16, 20]), (32, [1, 2, 4, 8, 16, 24, 32])])
+def test_capture_sizes_cover_every_batch(max_batch, expected):
+    assert capture_sizes(max_batch) == expected
+
+
+def run_staggered(engine, prompts, max_tokens):
+    """Requests arrive one per step, so decode batches grow and shrink through many capture sizes."""
+    outputs, pending, step = {}, list(enumerate(prompts)), 0
+    while pending or engine.has_unfinished():
+        if pending:
+            index, prompt = pending.pop(0)
+            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens[index], temperature=0, ignore_eos=True),
+                               request_id=str(index))
+        outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        step += 1
+    return outputs
+
+
+@needs_cuda
+def test_graph_replay_gives_the_eager_tokens():
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 300, (int(n),), generator=generator).tolist()
+               for n in torch.randint(1, 40, (12,), generator=generator)]
+    max_tokens = torch.randint(1, 30, (12,), generator=generator).tolist()
+    results = {}
+    for eager in (True, False):
+        # A tight cache forces preemptions; a small token budget, chunked prefills.
+        engine = tiny_engine(batching="continuous", device="cuda", enforce_eager=eager, block_size=4,
+                             num_kv_blocks=60, max_num_batched_tokens=24, max_num_seqs=10)
+        results[eager] = run_staggered(engine, prompts, max_tokens)
+        assert (engine.runner.graphs is None) == eager
+    assert engine.runner.graphs.num_replays > 10
+    assert results[False] == results[True]
