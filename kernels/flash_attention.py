@@ -109,7 +109,9 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, k_start,
     return acc, m_i, l_i
 
 
-@triton.jit
+# The table's row stride (its width) changes from step to step in the engine: left specialised,
+# Triton would compile a variant for each of "== 1", "% 16 == 0" and "other" — in the middle of a run.
+@triton.jit(do_not_specialize=["stride_table"])
 def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables,
                       stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kh, stride_kd,
                       stride_vb, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,

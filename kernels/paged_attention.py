@@ -132,7 +132,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # ----------------------------------------------------------------------------- Triton kernels
 
 
-@triton.jit
+# Arguments that change with the batch (table width, split count, workspace strides) are not
+# specialised: Triton would otherwise compile new variants ("== 1", "% 16 == 0") mid-run.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_ob", "stride_oh", "stride_os", "stride_lb",
+                               "stride_lh"])
 def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   qk_scale, num_splits,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
@@ -195,7 +198,8 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
         tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=rows < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh",
+                               "stride_ob", "stride_oh"])
 def _merge_kernel(O_part, Lse, Out, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):

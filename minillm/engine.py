@@ -2,8 +2,9 @@
 
 A step is three moves, as in nano-vllm: the scheduler picks the batch (and how many tokens each
 request computes), the runner runs the model and samples a token wherever a sequence's context is
-complete, and ``_postprocess`` appends the tokens, detokenizes, and checks stop conditions.
-Everything else (which requests, which tensors) lives in the scheduler and the runner.
+complete, and ``_postprocess`` appends the tokens, detokenizes, and checks stop conditions. With
+preemption_mode="swap", the KV copies the scheduler decided (``batch.swaps``) run before the forward
+pass, through ``KVSwapper``. Everything else (which requests, which tensors) lives in the scheduler and the runner.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from minillm.config import EngineConfig
 from minillm.kv.budget import units_that_fit
 from minillm.cuda_graphs import DecodeGraphs
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache
+from minillm.kv.swap import KVSwapper, swap_blocks_that_fit
 from minillm.model.loader import load_model, resolve_dtype
 from minillm.request import Request, RequestOutput, SamplingParams
 from minillm.runner import PagedRunner, StaticRunner
@@ -79,6 +81,7 @@ class Engine:
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
         self.attention_backend: str | None = None  # the paged cache's; the contiguous cache has one path
         self.cuda_graphs = False
+        self.swapper: KVSwapper | None = None  # the CPU swap space (continuous, preemption_mode="swap")
         if config.batching in ("static", "dynamic"):
             self._build_static()
         else:
@@ -116,14 +119,21 @@ class Engine:
         self.kv_capacity_tokens = num_blocks * c.block_size
         self.block_tables = BlockTables(BlockAllocator(num_blocks), c.block_size)
         cache = PagedKVCache(self.model_config, num_blocks, c.block_size, self.dtype, self.device)
+        cpu_block_tables = None
+        if c.preemption_mode == "swap":  # the scheduler allocates CPU block ids, the swapper owns the tensors
+            num_cpu_blocks = swap_blocks_that_fit(c.swap_space, cache)
+            self.swapper = KVSwapper(cache, num_cpu_blocks)
+            cpu_block_tables = BlockTables(BlockAllocator(num_cpu_blocks), c.block_size)
         # vLLM's default watermark: keep 1 % of blocks free at admission so decodes can grow.
         self.scheduler = ContinuousScheduler(self.block_tables, c.max_num_seqs, c.max_num_batched_tokens,
-                                             c.scheduling_policy, watermark_blocks=num_blocks // 100)
+                                             c.scheduling_policy, watermark_blocks=num_blocks // 100,
+                                             cpu_block_tables=cpu_block_tables)
         self.attention_backend = resolve_attention_backend(c.attention_backend, self.device)
         make_attention = PagedBatch
         if self.attention_backend == "triton":
             from minillm.kv.paged_triton import TritonPagedBatch  # imports triton: only when asked for
             make_attention = TritonPagedBatch
+            self.model.enable_fused_kernels()  # the "triton" backend is all of minillm's kernels
         # CUDA graphs need the Triton kernels: the torch reference's shapes follow the context lengths.
         self.cuda_graphs = self.device.type == "cuda" and not c.enforce_eager and self.attention_backend == "triton"
         graphs = None
@@ -185,6 +195,10 @@ class Engine:
         """Run one forward pass; return the requests that got a token (cumulative outputs)."""
         batch = self.scheduler.schedule(time.perf_counter())
         if batch is None:
+            return []
+        if batch.swaps:  # swapped-out blocks leave and swapped-in ones land before the forward pass
+            self.swapper.run(batch.swaps)
+        if not batch.requests:
             return []
         token_ids = self.runner.run(batch)
         outputs = self._postprocess(batch, token_ids)

@@ -96,6 +96,22 @@ def test_full_sequence_logits_match_transformers(case):
     assert diff < 1e-4, f"{name}: max |logit diff| {diff:.3g}"
 
 
+def test_fused_kernels_give_the_same_logits(case):
+    """RMSNorm (+ residual), RoPE and SiLU-and-mul as Triton kernels (the interpreter on a CPU):
+    every architecture's logits as with the torch ops."""
+    name, hf, llm, _ = case
+    ids = random_ids(torch.Generator().manual_seed(7), 1, 24, hf.config.vocab_size)
+    model = llm.engine.model
+    expected = minillm_logits(llm, ids)
+    model.enable_fused_kernels()
+    try:
+        fused = minillm_logits(llm, ids)
+    finally:
+        model.enable_fused_kernels(False)
+    diff = (fused - expected).abs().max().item()
+    assert diff < 1e-4, f"{name}: max |logit diff| {diff:.3g}"
+
+
 def test_positions_matter(case):
     """Positions reach attention: stretching the distances between the same tokens changes the logits
     (a uniform shift would not: RoPE only sees relative positions)."""

@@ -32,12 +32,20 @@ class AttentionContext(Protocol):
 
 
 class RMSNorm(nn.Module):
+    fused_ops = None  # minillm.kernels.fused_layer_ops once enable_fused_kernels() is called
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with ``residual``: (norm(x + residual), x + residual) — the add fused in."""
+        if self.fused_ops is not None:
+            return self.fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self.forward(x), x
         # Normalise in fp32, multiply the weight in the input dtype: the exact order transformers
         # uses, so bf16 results match the oracle bit for bit where possible.
         dtype = x.dtype
@@ -77,6 +85,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    fused_ops = None
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -99,18 +109,27 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
         else:
             qk, v = qkv.split([H + Hkv, Hkv], dim=2)
-        q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)  # one pass over query and key heads
+        if self.fused_ops is not None:  # one kernel, in place, over every query and key head
+            rows = qk.flatten(0, 1)
+            self.fused_ops.rope(rows, cos.flatten(0, 1)[:, 0], sin.flatten(0, 1)[:, 0], out=rows)
+        else:
+            qk = apply_rope(qk, cos, sin)  # one pass over query and key heads
+        q, k = qk.split([H, Hkv], dim=2)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
+    fused_ops = None
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
+        if self.fused_ops is not None:
+            return self.down_proj(self.fused_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -124,8 +143,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        normed, x = self.post_attention_layernorm(attn_out, residual=x)  # x = x + attn_out, normed
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -156,6 +176,16 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq = rope_inverse_frequencies(self.config).to(self.lm_head.weight.device)
+
+    def enable_fused_kernels(self, enabled: bool = True) -> None:
+        """Run RMSNorm (+ residual add), RoPE and SiLU-and-multiply as Triton kernels
+        (``kernels/fused_layer_ops.py``) instead of chains of small torch ops."""
+        ops = None
+        if enabled:
+            from minillm.kernels import fused_layer_ops as ops  # imports triton: only when asked for
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused_ops = ops
 
     def checkpoint_tensor(self, name: str) -> torch.Tensor:
         """The tensor (a view) that holds Hugging Face checkpoint tensor ``name``:

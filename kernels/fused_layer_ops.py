@@ -1,0 +1,168 @@
+"""The small ops of a decoder layer, fused: RMSNorm (optionally with the residual add before it),
+rotary embeddings on q and k, and SiLU-and-multiply.
+
+Why it exists: at batch 1 a decode step is a chain of GEMVs plus ~15 tiny elementwise kernels per
+layer (RMSNorm alone is a cast, the norm, a cast back and a multiply; RoPE is two multiplies, a
+negation, a concatenation and an add). Each costs little work but a launch, and even inside a CUDA
+graph a launch costs microseconds: 32 layers × 15 kernels is ~1 ms of a ~5 ms llama2-7b token
+(figures/h200/profile_decode_step.json counts 910 kernels in an eager step). Fusing each group into
+one kernel reads and writes each activation once. vLLM fuses the same groups (``fused_add_rms_norm``,
+``rotary_embedding``, ``silu_and_mul``).
+
+Numerics follow the torch path of ``minillm/model/llama.py``, which follows transformers: RMSNorm
+normalises in fp32, rounds to the input dtype, then multiplies by the weight (rounded again); the
+residual sum is rounded to the input dtype before it is normalised. RoPE here rounds once at the
+end, where the torch path rounds after each of its ops, so bf16 results may differ in the last bit.
+
+Each op: a plain-torch ``*_ref``, the kernel, and a wrapper that checks its inputs. One program per
+row (token); rows are short (hidden size ≤ 8192), so a row fits in one tile.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _check_tensor(name: str, t: torch.Tensor) -> None:
+    _check(t.dtype in DTYPES, f"{name}.dtype is {t.dtype}; expected one of {DTYPES}")
+    _check(t.is_cuda or INTERPRET, f"{name} is on {t.device}; the Triton kernels need CUDA tensors "
+           "(or TRITON_INTERPRET=1 set before minillm.kernels is imported)")
+    _check(t.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {t.stride()}")
+
+
+# ----------------------------------------------------------------------------- RMSNorm (+ residual)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+    """weight * (s / sqrt(mean(s²) + eps)) with s = x (+ residual); returns y, or (y, s) with a residual."""
+    s = x if residual is None else x + residual
+    y = weight * torch.nn.functional.rms_norm(s.float(), (s.shape[-1],), eps=eps).to(s.dtype)
+    return y if residual is None else (y, s)
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)  # rounded to the dtype, as in torch
+        tl.store(S + row * stride_s + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * inv_rms).to(X.dtype.element_ty)  # round, then multiply by the weight: transformers' order
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Y + row * stride_y + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Fused ``rms_norm_ref``: x (and residual) [..., hidden]; one kernel, one read of each input."""
+    _check_tensor("x", x)
+    _check(weight.shape == (x.shape[-1],), f"weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},)")
+    _check(weight.dtype == x.dtype, f"weight.dtype is {weight.dtype} but x.dtype is {x.dtype}; they must match")
+    rows = x.reshape(-1, x.shape[-1])  # a view for the model's [1, tokens, hidden] activations
+    y = torch.empty_like(rows)
+    s = r = rows
+    if residual is not None:
+        _check(residual.shape == x.shape and residual.dtype == x.dtype,
+               f"residual is {residual.dtype} {tuple(residual.shape)}; expected {x.dtype} {tuple(x.shape)}")
+        r = residual.reshape(-1, x.shape[-1])
+        s = torch.empty_like(rows)
+    _rms_norm_kernel[(rows.shape[0],)](rows, r, weight, y, s, rows.stride(0), r.stride(0), y.stride(0), s.stride(0),
+                                       rows.shape[1], eps, HAS_RESIDUAL=residual is not None,
+                                       BLOCK=triton.next_power_of_2(rows.shape[1]))
+    y = y.view(x.shape)
+    return y if residual is None else (y, s.view(x.shape))
+
+
+# ----------------------------------------------------------------------------- rotary embeddings
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, D]; cos/sin [tokens, D] (halves duplicated, the HF layout) -> rotated x."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos[:, None].float() + rotated.float() * sin[:, None].float()).to(x.dtype)
+
+
+@triton.jit
+def _rope_kernel(X, Cos, Sin, Y, stride_xt, stride_xh, stride_yt, stride_yh, stride_c, num_heads,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    cos = tl.load(Cos + t * stride_c + dims).to(tl.float32)
+    sin = tl.load(Sin + t * stride_c + dims).to(tl.float32)
+    x_ptr = X + t * stride_xt + heads * stride_xh + dims
+    x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    y_ptr = Y + t * stride_yt + heads * stride_yh + dims
+    tl.store(y_ptr, (x1 * cos - x2 * sin).to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + HALF, (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=mask)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused ``rope_ref`` for all heads of each token in one program; ``out=x`` rotates in place."""
+    _check_tensor("x", x)
+    _check(x.dim() == 3, f"x must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
+    tokens, heads, dim = x.shape
+    _check(dim % 2 == 0 and (dim // 2) & (dim // 2 - 1) == 0,
+           f"head_dim is {dim}; expected twice a power of two")
+    _check(cos.shape == sin.shape == (tokens, dim), f"cos/sin have shapes {tuple(cos.shape)}, {tuple(sin.shape)}; "
+           f"expected ({tokens}, {dim})")
+    _check(cos.stride() == sin.stride() and cos.stride(-1) == 1, "cos and sin need equal strides ending in 1")
+    out = torch.empty_like(x) if out is None else out
+    _check(out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1,
+           f"out is {out.dtype} {tuple(out.shape)}; expected {x.dtype} {tuple(x.shape)} with a contiguous last dim")
+    _rope_kernel[(tokens,)](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
+                            heads, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads))
+    return out
+
+
+# ----------------------------------------------------------------------------- SiLU and multiply
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> silu(gate) * up, [..., I] (gate first, as in the fused gate_up projection)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    # torch rounds silu(gate) to the dtype before multiplying by up; so do we.
+    silu = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty)
+    tl.store(Y + row * stride_y + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    _check_tensor("gate_up", gate_up)
+    _check(gate_up.shape[-1] % 2 == 0, f"gate_up's last dim is {gate_up.shape[-1]}; expected an even size")
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    n = rows.shape[1] // 2
+    out = torch.empty(rows.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 64 if INTERPRET else 1024
+    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), out.stride(0), n,
+                                                                 BLOCK=block)
+    return out.view(*gate_up.shape[:-1], n)
