@@ -32,6 +32,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default 8 static, 256 continuous)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (continuous)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV capacity in blocks (continuous)")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="a preempted request recomputes its prefill when readmitted, or swaps its KV blocks "
+                        "to CPU memory and back (continuous)")
+    g.add_argument("--swap-space", default="4GiB",
+                   help="CPU memory for swapped-out KV blocks, e.g. 4GiB (--preemption-mode swap)")
     g.add_argument("--memory-budget", default=None, help="emulate a smaller card, e.g. 24GB")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="paged attention (continuous): auto = triton kernels on CUDA, torch reference elsewhere")
@@ -54,6 +59,7 @@ def _engine_kwargs(args) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, batching=args.batching,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                 memory_budget=args.memory_budget, attention_backend=args.attention_backend,
+                preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 enforce_eager=args.enforce_eager, seed=args.seed)
 
 
@@ -133,8 +139,13 @@ def cmd_info(args) -> None:
         "KV per token": f"{kv_token / 2**10:.1f} KiB",
         "max_model_len": engine.max_model_len,
         "batching": f"{engine.config.batching}, up to {engine.max_batch} sequences",
+        "attention": "contiguous KV, torch SDPA" if engine.attention_backend is None else
+                     f"paged KV, {engine.attention_backend} backend, CUDA graphs {'on' if engine.cuda_graphs else 'off'}",
         "KV cache": f"{engine.kv_cache_bytes / 2**20:.1f} MiB for {engine.kv_capacity_tokens} tokens",
     }
+    if engine.swapper is not None:
+        swapper = engine.swapper
+        rows["swap space"] = f"{swapper.nbytes / 2**20:.1f} MiB of CPU memory for {swapper.num_blocks} blocks"
     for key, value in rows.items():
         print(f"{key:>13}: {value}")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 BATCHING_MODES = ("static", "dynamic", "continuous")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -26,6 +27,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block (paged cache)
     num_kv_blocks: int | None = None  # explicit KV capacity in blocks, overriding the memory-derived one
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower value = more urgent; ties by arrival)
+    preemption_mode: str = "recompute"  # a preempted request "recompute"s its prefill when readmitted,
+    #                                     or "swap"s its KV blocks to CPU memory and back (continuous)
+    swap_space: int | str = "4GiB"  # CPU memory for swapped-out KV blocks (preemption_mode="swap"), e.g. "512MiB"
     memory_budget: int | str | None = None  # emulate a smaller card: weights + workspace + KV must fit ("24GB")
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory minillm may use (without memory_budget)
     batching: str = "static"  # "static": fixed left-padded batches until the longest ends (contiguous KV)
@@ -43,6 +47,19 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy {self.scheduling_policy!r} is not supported; "
                              f"valid: {SCHEDULING_POLICIES}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode {self.preemption_mode!r} is not supported; valid: {PREEMPTION_MODES}")
+        if self.preemption_mode == "swap" and self.batching != "continuous":
+            raise ValueError(f"preemption_mode='swap' needs batching='continuous' (now {self.batching!r}): "
+                             f"only continuous batching preempts")
+        if isinstance(self.swap_space, bool):
+            raise ValueError(f"swap_space must be a memory size such as 4GiB, 512MiB or a byte count, "
+                             f"got {self.swap_space!r}")
+        try:
+            self.swap_space = parse_bytes(self.swap_space)
+        except ValueError:
+            raise ValueError(f"swap_space {self.swap_space!r} is not a memory size; write e.g. 4GiB, 512MiB "
+                             f"or a byte count > 0") from None
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not supported; valid: {ATTENTION_BACKENDS}")
         if not isinstance(self.enforce_eager, bool):

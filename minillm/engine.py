@@ -3,8 +3,8 @@
 A step is three moves, as in nano-vllm: the scheduler picks the batch (and how many tokens each
 request computes), the runner runs the model and samples a token wherever a sequence's context is
 complete, and ``_postprocess`` appends the tokens, detokenizes, and checks stop conditions. With
-preemption_mode="swap", the KV copies the scheduler decided (``batch.swaps``) run before the forward
-pass, through ``KVSwapper``. Everything else (which requests, which tensors) lives in the scheduler and the runner.
+preemption_mode="swap", the KV copies the scheduler decided (``batch.swaps``) run first, through
+``KVSwapper``. Everything else (which requests, which tensors) lives in the scheduler and the runner.
 """
 
 from __future__ import annotations

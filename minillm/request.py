@@ -62,6 +62,7 @@ class SamplingParams:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its K/V in CPU swap space; waits to be swapped back in
     FINISHED = "finished"
 
 

@@ -9,14 +9,15 @@ tensors (the runner does).
   full batch, and group requests of similar prompt length (length buckets) to pad less.
 - ``ContinuousScheduler`` (step 1): iteration-level scheduling (Orca, OSDI 2022) over a paged KV
   cache with one token budget per step (vLLM V1): running requests first, then admissions;
-  long prompts are split into chunks (chunked prefill); preemption by recomputation when blocks
-  run out or a more urgent request waits. How one step spends its budget is ``fill_token_budget``,
-  a plain function so that exercise ex03 can swap a learner's version into a live engine.
+  long prompts are split into chunks (chunked prefill); preemption when blocks run out or a more
+  urgent request waits, by recomputation or, with CPU swap space, by swapping (``minillm.kv.swap``).
+  How one step spends its budget is ``fill_token_budget``, a plain function so that exercise ex03
+  can swap a learner's version into a live engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minillm.request import Request, RequestStatus
 
@@ -26,6 +27,9 @@ class ScheduledBatch:
     requests: list[Request]  # static: the batch's rows, fixed for the batch's life
     num_new_tokens: list[int]  # tokens each request computes this step (a prefill chunk or 1)
     is_prefill: bool = False  # static batching: the batch's first step
+    # KV copies to do before the forward pass, in order: ("out", GPU blocks, CPU blocks) for a
+    # swapped-out request, ("in", CPU blocks, GPU blocks) for a swapped-in one (preemption_mode="swap").
+    swaps: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
 
 
 def output_budget(request: Request, max_model_len: int) -> int:
@@ -141,9 +145,10 @@ def fill_token_budget(scheduler: ContinuousScheduler, now: float) -> list[tuple[
         if request is None:
             break
         n = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not scheduler.fits(request, n, scheduler.watermark_blocks):
+        # Totals: a swapped-out request brings its computed context back (num_computed_tokens > 0).
+        if not scheduler.fits(request, request.num_computed_tokens + n, scheduler.watermark_blocks):
             break
-        scheduler.admit(request, n, now)
+        scheduler.admit(request, request.num_computed_tokens + n, now)
         scheduled.append((request, n))
         budget -= n
     return scheduled
@@ -158,9 +163,13 @@ class ContinuousScheduler:
     ``watermark_blocks`` free so running decodes are not starved of blocks at once.
 
     Urgency: ``fcfs`` orders by arrival; ``priority`` by (priority, arrival), lower = more urgent.
-    Preemption victim: the least urgent, most recently arrived running request. Preemption is by
-    recomputation: its blocks are freed and it waits again (at the front of its level), keeping the
-    tokens it generated, which are prefilled again when it is readmitted.
+    Preemption victim: the least urgent, most recently arrived running request. Its blocks are
+    freed and it waits again (at the front of its level), keeping the tokens it generated. By
+    default it recomputes: its whole context is prefilled again when it is readmitted. Given
+    ``cpu_block_tables`` (preemption_mode="swap"), its computed blocks are swapped out to CPU blocks
+    instead (status SWAPPED, ``num_computed_tokens`` kept) and swapped back in at readmission; when
+    the CPU pool is full it falls back to recomputation. The scheduler only allocates block ids and
+    lists the copies on the batch (``ScheduledBatch.swaps``); the engine's ``KVSwapper`` copies.
 
     ``fill_token_budget`` decides the step's work, through ``reserve``, ``next_waiting``, ``fits``
     and ``admit``. It is a plain attribute: ``scheduler.fill_token_budget = f`` makes the engine
@@ -170,13 +179,16 @@ class ContinuousScheduler:
     fill_token_budget = staticmethod(fill_token_budget)
 
     def __init__(self, block_tables, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
-                 watermark_blocks: int = 0):
-        self.block_tables = block_tables
+                 watermark_blocks: int = 0, cpu_block_tables=None):
+        self.block_tables, self.cpu_block_tables = block_tables, cpu_block_tables
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.policy, self.watermark_blocks = policy, watermark_blocks
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0  # total, for step statistics
+        self.num_swap_outs = self.num_swap_ins = 0  # swap mode: preemptions that swapped, readmissions
+        self.num_swap_fallbacks = 0  # swap mode: preemptions that recomputed, the CPU pool being full
+        self._swaps: list[tuple[str, list[int], list[int]]] = []  # decided, not yet handed to a batch
 
     def _urgency(self, request: Request) -> tuple:
         priority = request.priority if self.policy == "priority" else 0
@@ -192,6 +204,8 @@ class ContinuousScheduler:
                 if request.request_id == request_id:
                     queue.remove(request)
                     self.block_tables.free(request_id)
+                    if self.cpu_block_tables is not None:
+                        self.cpu_block_tables.free(request_id)  # a swapped-out request's CPU blocks
                     return request
         return None
 
@@ -204,12 +218,31 @@ class ContinuousScheduler:
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
+        if self._swap_out(victim):
+            victim.status = RequestStatus.SWAPPED  # keeps num_computed_tokens: its K/V wait in CPU blocks
+        else:
+            victim.num_computed_tokens = 0  # recompute: prefilled again at readmission
+            victim.status = RequestStatus.WAITING
         self.block_tables.free(victim.request_id)
-        victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        victim.status = RequestStatus.WAITING
         self.waiting.insert(0, victim)
         self.num_preemptions += 1
+
+    def _swap_out(self, victim: Request) -> bool:
+        """Swap mode: give the victim CPU blocks for its computed tokens and list the copy. The
+        GPU blocks are freed right after, but nothing overwrites them before the copy: the engine
+        runs the step's copies before its forward pass. False (recompute) without swap space."""
+        if self.cpu_block_tables is None or victim.num_computed_tokens == 0:
+            return False
+        cpu = self.cpu_block_tables
+        if cpu.extra_blocks_needed(victim.request_id, victim.num_computed_tokens) > cpu.allocator.num_free:
+            self.num_swap_fallbacks += 1
+            return False
+        cpu.grow(victim.request_id, victim.num_computed_tokens)
+        cpu_blocks = cpu.tables[victim.request_id]
+        self._swaps.append(("out", self.block_tables.tables[victim.request_id][:len(cpu_blocks)], list(cpu_blocks)))
+        self.num_swap_outs += 1
+        return True
 
     def fits(self, request: Request, num_tokens: int, reserve: int) -> bool:
         """Would growing the request's table to ``num_tokens`` still leave ``reserve`` blocks free?"""
@@ -234,13 +267,23 @@ class ContinuousScheduler:
         return True
 
     def admit(self, request: Request, num_tokens: int, now: float) -> None:
-        """Move a waiting request to ``running`` with blocks for its first ``num_tokens`` tokens."""
+        """Move a waiting request to ``running`` with blocks for its first ``num_tokens`` tokens in
+        all; a swapped-out one gets its CPU blocks copied back into the first of them."""
+        if num_tokens <= request.num_computed_tokens:
+            raise ValueError(f"admit wants the total tokens to hold, computed ones included: request "
+                             f"{request.request_id} has {request.num_computed_tokens} computed, got {num_tokens}")
+        swapped = request.status is RequestStatus.SWAPPED
         self.waiting.remove(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = now
         self.block_tables.grow(request.request_id, num_tokens)
+        if swapped:
+            cpu_blocks = self.cpu_block_tables.tables[request.request_id]
+            self._swaps.append(("in", list(cpu_blocks), self.block_tables.tables[request.request_id][:len(cpu_blocks)]))
+            self.cpu_block_tables.free(request.request_id)  # reusable by a later swap out: copies run in order
+            self.num_swap_ins += 1
 
     def _make_room_for_urgent(self, now: float) -> None:
         """priority policy: preempt less urgent running requests while the most urgent waiting one
@@ -250,7 +293,8 @@ class ContinuousScheduler:
             victim = max(self.running, key=self._urgency)
             if candidate is None or candidate.priority >= victim.priority:
                 return
-            first_chunk = min(candidate.num_tokens, self.max_num_batched_tokens)
+            computed = candidate.num_computed_tokens  # > 0 for a swapped-out request
+            first_chunk = computed + min(candidate.num_tokens - computed, self.max_num_batched_tokens)
             if len(self.running) < self.max_num_seqs and self.fits(candidate, first_chunk, self.watermark_blocks):
                 return
             self._preempt(victim)
@@ -260,6 +304,8 @@ class ContinuousScheduler:
             self._make_room_for_urgent(now)
         self.running.sort(key=self._urgency)  # most urgent first: preemption takes from the end
         scheduled = self.fill_token_budget(self, now)
-        if not scheduled:
+        swaps, self._swaps = self._swaps, []
+        if not scheduled and not swaps:
             return None
-        return ScheduledBatch([r for r, _ in scheduled], [n for _, n in scheduled])
+        # A batch with swaps and no requests still goes to the engine: the copies must happen.
+        return ScheduledBatch([r for r, _ in scheduled], [n for _, n in scheduled], swaps=swaps)

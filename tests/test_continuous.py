@@ -54,12 +54,14 @@ requests_strategy = st.lists(
 
 
 def check_outputs_equal_solo_runs(requests, block_size, token_budget, spare_blocks, policy, arrivals, max_num_seqs,
-                                  attention_backend="torch"):
+                                  attention_backend="torch", **engine_kwargs) -> Engine:
+    """Run the requests as scheduled; every output equals its solo run and every block (GPU, and
+    CPU swap space if any) is free at the end. Returns the engine for further checks."""
     # The cache holds the largest single request plus a few blocks: tight enough to preempt.
     largest = max(-(-(len(p) + m) // block_size) for p, m, _ in requests)
     engine = tiny_engine(batching="continuous", block_size=block_size, max_num_batched_tokens=token_budget,
                          num_kv_blocks=largest + spare_blocks, scheduling_policy=policy, max_num_seqs=max_num_seqs,
-                         attention_backend=attention_backend)
+                         attention_backend=attention_backend, **engine_kwargs)
     pending = sorted(enumerate(requests), key=lambda item: arrivals[item[0]])  # arrival step per request
     finished, step = {}, 0
     while pending or engine.has_unfinished():
@@ -72,9 +74,11 @@ def check_outputs_equal_solo_runs(requests, block_size, token_budget, spare_bloc
         assert step < 2000, "the engine stopped making progress"
     for index, (prompt, max_tokens, _) in enumerate(requests):
         assert finished[str(index)].outputs[0].token_ids == solo_output(prompt, max_tokens), index
-    allocator = engine.block_tables.allocator
-    assert allocator.num_free == allocator.num_blocks and not engine.block_tables.tables
-    assert set(allocator.ref_counts) == {0}
+    for tables in (engine.block_tables, engine.scheduler.cpu_block_tables):
+        if tables is not None:
+            assert tables.allocator.num_free == tables.allocator.num_blocks and not tables.tables
+            assert set(tables.allocator.ref_counts) == {0}
+    return engine
 
 
 schedules = dict(token_budget=st.integers(1, 48), spare_blocks=st.integers(0, 12),

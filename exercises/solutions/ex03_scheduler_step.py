@@ -62,9 +62,9 @@ def fill_token_budget(scheduler, now: float) -> list[tuple]:
             - ``scheduler.next_waiting(now)``: the most urgent waiting request that has arrived,
               or ``None``.
             - ``scheduler.fits(request, num_tokens, reserve) -> bool``: are there enough free
-              blocks for ``num_tokens`` tokens of it, with ``reserve`` blocks to spare?
+              blocks for ``num_tokens`` tokens of it in all, with ``reserve`` blocks to spare?
             - ``scheduler.admit(request, num_tokens, now)``: move a waiting request to ``running``
-              with blocks for its first ``num_tokens`` tokens.
+              with blocks for ``num_tokens`` tokens in all.
 
             And of a request: ``request.num_tokens`` (prompt + generated so far) and
             ``request.num_computed_tokens`` (those whose K/V are in the cache already).
@@ -76,15 +76,16 @@ def fill_token_budget(scheduler, now: float) -> list[tuple]:
 
     Hints:
         - A request's tokens this step: ``min(request.num_tokens - request.num_computed_tokens,
-          budget_left)``. ``reserve`` and ``fits`` want totals: the running request needs
-          ``num_computed_tokens + n`` tokens of blocks; a waiting one has none yet, so ``n``.
+          budget_left)``. ``reserve``, ``fits`` and ``admit`` want totals: ``num_computed_tokens + n``
+          tokens of blocks (a waiting request usually has none computed; one swapped out to CPU
+          memory, ``preemption_mode="swap"``, brings its computed tokens back).
         - Walk ``running`` with an index and a ``while`` loop, not ``for request in running``:
           ``reserve`` may remove requests from the end of the list while you walk it. When it
           returns ``False``, stop.
         - Compare ``scheduler.num_preemptions`` before and after the running requests: if it grew,
           return without admitting anybody.
         - Admission stops at the first request that cannot come in: no budget left, ``max_num_seqs``
-          requests running, or ``fits(request, n, scheduler.watermark_blocks)`` is False. Only
+          requests running, or ``fits(request, total, scheduler.watermark_blocks)`` is False. Only
           admissions keep the watermark; running requests may take the last free blocks.
     """
     # BEGIN SOLUTION: running requests first (reserve their blocks), then admit waiting ones in order
@@ -113,9 +114,10 @@ def fill_token_budget(scheduler, now: float) -> list[tuple]:
         if request is None:
             break
         n = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not scheduler.fits(request, n, scheduler.watermark_blocks):
+        total = request.num_computed_tokens + n
+        if not scheduler.fits(request, total, scheduler.watermark_blocks):
             break
-        scheduler.admit(request, n, now)
+        scheduler.admit(request, total, now)
         scheduled.append((request, n))
         budget -= n
     return scheduled
