@@ -217,3 +217,19 @@ def test_bench_reports_kv_memory_of_the_requests_it_served():
         result["runs"]["minillm"]["total_output_tokens"]
     # Short requests in 1024-token rows against 16-token blocks: paged wastes under a block per request.
     assert kv["contiguous_utilisation"] < 0.25 < 0.85 < kv["paged_utilisation"] <= 1
+
+
+def test_kernel_bench_runs_and_checks_its_kernels(tmp_path):
+    """The sweep's code path on the interpreter's tiny shapes: every row carries its error against
+    SDPA, so a wrong kernel shows up in the JSON next to its speed."""
+    from minillm.bench.kernels import bench_kernels, format_kernel_table, plot_kernels
+
+    runs = bench_kernels(torch.device("cpu"), progress=False)
+    assert runs["prefill"] and runs["decode"]
+    for row in runs["prefill"] + runs["decode"]:
+        assert row["max_abs_error"] < 1e-4
+        assert row["triton"]["ms"] > 0
+    result = {"runs": runs, "device": "cpu", "commit": "test"}
+    assert "prefill" in format_kernel_table(result)
+    plot_kernels(result, str(tmp_path / "k.png"))
+    assert (tmp_path / "k.png").stat().st_size > 0
