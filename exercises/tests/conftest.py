@@ -12,15 +12,22 @@ ex01_top_p), and so stay ordinary pytest tests; the stub check is a report hook 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXERCISES = Path(__file__).resolve().parent.parent
 STUB_MESSAGE = re.compile(r"ex\d\d: ")  # what make_stubs.py puts in every stub's NotImplementedError
 _stub_passes = pytest.StashKey[dict]()
+
+# Without a GPU the Triton kernels (exercise 04) run under Triton's CPU interpreter. The switch is read
+# when a kernel is defined, so it must be set before any test module imports minillm.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):
