@@ -42,6 +42,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="paged attention (continuous): auto = triton kernels on CUDA, torch reference elsewhere")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (continuous)")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV of shared prompt prefixes through a radix tree (continuous)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -61,7 +63,7 @@ def _engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                 memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                enforce_eager=args.enforce_eager, seed=args.seed)
+                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
 
 
 def _sampling(args):
@@ -238,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),
                    help="peers run in the same process on the same workload")
     t.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
-                   help="also run minillm with a slower attention path on the same engine (continuous): "
-                        "triton_eager = no CUDA graphs, torch_eager = the torch reference backend")
+                   help="also run minillm on the same engine with a step of the tuning path undone, in the "
+                        "order given (continuous): prefix_cache_off (needs --enable-prefix-caching), "
+                        "triton_eager = no CUDA graphs, torch_eager = the torch reference attention")
     t.add_argument("--peer-batch-size", type=int, default=None,
                    help="hf_static's batch size (default: minillm's static batch, or 16 against continuous)")
     t.add_argument("--output", default=None, help="write the JSON result here")

@@ -38,8 +38,11 @@ class EngineConfig:
     batch_timeout: float = 0.05  # dynamic: seconds the oldest request waits for a full batch
     bucket_width: int = 128  # dynamic: prompts within the same multiple of this many tokens batch together
     attention_backend: str = "auto"  # paged attention: "torch" (reference) | "triton" (kernels); auto = triton on CUDA
+    enable_prefix_caching: bool = False  # continuous: reuse cached KV of shared prompt prefixes (radix tree)
     enforce_eager: bool = False  # True: no CUDA graphs (continuous decode steps replay graphs on CUDA otherwise)
     seed: int = 0  # seeds dummy weights and unseeded sampling
+    tensor_parallel_size: int = 1  # processes (GPUs) one model is split over; > 1 needs batching="continuous"
+    #                                and runs eagerly (no CUDA graphs, which would have to capture the collectives)
 
     def __post_init__(self):
         if self.batching not in BATCHING_MODES:
@@ -62,6 +65,11 @@ class EngineConfig:
                              f"or a byte count > 0") from None
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not supported; valid: {ATTENTION_BACKENDS}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.enable_prefix_caching and self.batching != "continuous":
+            raise ValueError(f"enable_prefix_caching needs batching='continuous' (the paged cache), "
+                             f"got batching={self.batching!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.max_num_seqs is None:
@@ -82,6 +90,18 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} is not supported; valid: 'auto', 'cpu', 'cuda', 'cuda:N'")
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget)
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1:
+            # Only the paged runner broadcasts its steps to the other ranks; the CPU swap space
+            # would have to move every rank's KV blocks, not just rank 0's.
+            if self.batching != "continuous":
+                raise ValueError(f"tensor_parallel_size > 1 needs batching='continuous', got {self.batching!r}")
+            if self.preemption_mode != "recompute":
+                raise ValueError(f"tensor_parallel_size > 1 needs preemption_mode='recompute', "
+                                 f"got {self.preemption_mode!r}")
+            self.enforce_eager = True
 
 
 def parse_bytes(value: int | str) -> int:

@@ -21,8 +21,10 @@ from minillm.config import EngineConfig
 from minillm.kv.budget import units_that_fit
 from minillm.cuda_graphs import DecodeGraphs
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache
+from minillm.kv.radix import RadixCache
 from minillm.kv.swap import KVSwapper, swap_blocks_that_fit
 from minillm.model.loader import load_model, resolve_dtype
+from minillm.parallel.workers import TensorParallel
 from minillm.request import Request, RequestOutput, SamplingParams
 from minillm.runner import PagedRunner, StaticRunner
 from minillm.scheduler import ContinuousScheduler, DynamicScheduler, ScheduledBatch, StaticScheduler
@@ -64,8 +66,13 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        self.tp: TensorParallel | None = None  # this process's rank, with tensor_parallel_size > 1
+        if config.tensor_parallel_size > 1:
+            self.tp = TensorParallel.start(config, self.device)
+            self.device = self.tp.device
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, config.load_format, self.dtype, self.device, config.seed)
+        loaded = load_model(config.model, config.load_format, self.dtype, self.device, config.seed,
+                            None if self.tp is None else self.tp.shard)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_source = loaded.source
         model_limit = self.model_config.max_position_embeddings
@@ -81,11 +88,14 @@ class Engine:
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
         self.attention_backend: str | None = None  # the paged cache's; the contiguous cache has one path
         self.cuda_graphs = False
+        self.prefix_cache: RadixCache | None = None  # continuous, enable_prefix_caching
         self.swapper: KVSwapper | None = None  # the CPU swap space (continuous, preemption_mode="swap")
         if config.batching in ("static", "dynamic"):
             self._build_static()
         else:
             self._build_paged()
+        if self.tp is not None:
+            self.tp.connect(self.runner)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -128,6 +138,11 @@ class Engine:
         self.scheduler = ContinuousScheduler(self.block_tables, c.max_num_seqs, c.max_num_batched_tokens,
                                              c.scheduling_policy, watermark_blocks=num_blocks // 100,
                                              cpu_block_tables=cpu_block_tables)
+        self.prefix_cache = None
+        if c.enable_prefix_caching:
+            self.prefix_cache = RadixCache(self.block_tables.allocator, c.block_size)
+            self.scheduler.prefix_cache = self.prefix_cache
+            self.block_tables.evict = self.prefix_cache.evict
         self.attention_backend = resolve_attention_backend(c.attention_backend, self.device)
         make_attention = PagedBatch
         if self.attention_backend == "triton":
@@ -220,6 +235,11 @@ class Engine:
         self.scheduler.remove(request_id)
         request.finish("abort")
         return request.to_output()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do in one process)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -2,6 +2,8 @@
 
 It only translates between users and the Engine: prompts in, RequestOutputs out, in the order the
 prompts were given. ``stream`` yields text as it is produced; ``chat`` applies the chat template.
+With ``tensor_parallel_size=N`` it starts N - 1 worker processes; ``close()`` (or ``with LLM(...)``)
+stops them, as does the end of the program.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from tqdm.auto import tqdm
 
 from minillm.config import EngineConfig
 from minillm.engine import Engine
+from minillm.parallel.workers import live_driver
 from minillm.request import RequestOutput, SamplingParams
 from minillm.tokenizer import encode_chat
 
@@ -21,7 +24,29 @@ Prompt = str | list[int] | dict
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = Engine(self.config)
+        running = live_driver()
+        try:
+            self.engine = Engine(self.config)
+        except BaseException:
+            driver = live_driver()  # workers started for this Engine, which then failed to build: stop them
+            if driver is not None and driver is not running:
+                driver.close()
+            raise
+        if self.engine.tp is not None and self.engine.tp.rank != 0:
+            # Under torchrun every rank runs the script: ranks > 0 follow rank 0's steps, and the
+            # rest of the script runs on rank 0 only.
+            self.engine.tp.serve(self.engine.runner)
+            raise SystemExit(0)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any. The LLM cannot generate afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

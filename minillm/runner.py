@@ -75,6 +75,10 @@ class PagedRunner:
     ``make_attention(cache, step)`` builds the step's attention context (the torch reference
     ``PagedBatch`` or the Triton kernels' ``TritonPagedBatch``). With ``graphs`` (CUDA only),
     steps where every sequence brings one token replay a captured CUDA graph instead.
+
+    ``forward`` is the model's part of a step, from plain lists; ``on_forward`` (set by tensor
+    parallelism on rank 0) receives those lists first and sends them to the other ranks, which
+    replay the same ``forward`` on their shards.
     """
 
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_tables: BlockTables,
@@ -82,6 +86,7 @@ class PagedRunner:
         self.model, self.cache, self.block_tables, self.device = model, cache, block_tables, device
         self.make_attention, self.graphs = make_attention, graphs
         self.sampler = Sampler(device, seed)
+        self.on_forward = None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
@@ -102,17 +107,26 @@ class PagedRunner:
                 last_index.append(len(ids) - 1)
                 sampling.append(i)
         tokens: list[int | None] = [None] * len(batch.requests)
-        if self.graphs is not None and len(ids) == len(query_lens) and self.graphs.fits(len(ids)):
-            logits = self.graphs.run(ids, positions, slots, tables, context_lens)[last_index]
-        else:
-            step = PagedStep.from_host(slots, tables, query_lens, context_lens, self.device)
-            hidden = self.model(self._put([ids]), self._put([positions]), self.make_attention(self.cache, step))
-            logits = self.model.compute_logits(hidden[0, last_index])
+        logits = self.forward(ids, positions, slots, tables, query_lens, context_lens, last_index)
         if not sampling:
             return tokens  # prefill chunks that end before their prompts do: they only wrote K/V
         for i, token in zip(sampling, self.sampler(logits, [batch.requests[i] for i in sampling])):
             tokens[i] = token
         return tokens
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+                query_lens: list[int], context_lens: list[int], last_index: list[int]) -> torch.Tensor | None:
+        """Write the step's K/V and return the logits of the ``last_index`` tokens (None: no row samples)."""
+        if self.on_forward is not None:
+            self.on_forward((ids, positions, slots, tables, query_lens, context_lens, last_index))
+        if self.graphs is not None and len(ids) == len(query_lens) and self.graphs.fits(len(ids)):
+            return self.graphs.run(ids, positions, slots, tables, context_lens)[last_index]
+        step = PagedStep.from_host(slots, tables, query_lens, context_lens, self.device)
+        hidden = self.model(self._put([ids]), self._put([positions]), self.make_attention(self.cache, step))
+        if not last_index:
+            return None  # skipped on every rank alike: the tensor-parallel LM head is a collective
+        return self.model.compute_logits(hidden[0, last_index])
 
     def _put(self, values: list) -> torch.Tensor:
         return torch.tensor(values, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)

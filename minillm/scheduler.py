@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minillm.kv.radix import RadixCache, RadixNode
 from minillm.request import Request, RequestStatus
 
 
@@ -189,6 +190,12 @@ class ContinuousScheduler:
         self.num_swap_outs = self.num_swap_ins = 0  # swap mode: preemptions that swapped, readmissions
         self.num_swap_fallbacks = 0  # swap mode: preemptions that recomputed, the CPU pool being full
         self._swaps: list[tuple[str, list[int], list[int]]] = []  # decided, not yet handed to a batch
+        # Prefix caching (enable_prefix_caching): the radix tree, the node each request has locked,
+        # the requests whose prompt is cached already, and waiting requests matched this step.
+        self.prefix_cache: RadixCache | None = None
+        self._prefix_nodes: dict[str, RadixNode] = {}
+        self._prompt_cached: set[str] = set()
+        self._matched_waiting: list[Request] = []
 
     def _urgency(self, request: Request) -> tuple:
         priority = request.priority if self.policy == "priority" else 0
@@ -203,6 +210,7 @@ class ContinuousScheduler:
             for request in queue:
                 if request.request_id == request_id:
                     queue.remove(request)
+                    self._release_prefix(request)
                     self.block_tables.free(request_id)
                     if self.cpu_block_tables is not None:
                         self.cpu_block_tables.free(request_id)  # a swapped-out request's CPU blocks
@@ -211,6 +219,8 @@ class ContinuousScheduler:
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)
+        self._cache_prefix(request)  # its prompt and output can serve later requests (multi-turn)
+        self._release_prefix(request)
         self.block_tables.free(request.request_id)
 
     def has_unfinished(self) -> bool:
@@ -218,6 +228,8 @@ class ContinuousScheduler:
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
+        self._cache_prefix(victim)  # recompute then starts from whatever of it is still cached
+        self._release_prefix(victim)
         if self._swap_out(victim):
             victim.status = RequestStatus.SWAPPED  # keeps num_computed_tokens: its K/V wait in CPU blocks
         else:
@@ -247,12 +259,19 @@ class ContinuousScheduler:
     def fits(self, request: Request, num_tokens: int, reserve: int) -> bool:
         """Would growing the request's table to ``num_tokens`` still leave ``reserve`` blocks free?"""
         needed = self.block_tables.extra_blocks_needed(request.request_id, num_tokens)
-        return needed + reserve <= self.block_tables.allocator.num_free
+        available = self.block_tables.allocator.num_free
+        if self.prefix_cache is not None:
+            available += self.prefix_cache.num_evictable_blocks  # cached, unused: evicted on demand
+        return needed + reserve <= available
 
     def next_waiting(self, now: float) -> Request | None:
         """The most urgent waiting request that has arrived by ``now``; None if there is none."""
         arrived = [r for r in self.waiting if r.metrics.arrival_time <= now]
-        return min(arrived, key=self._urgency) if arrived else None
+        if not arrived:
+            return None
+        request = min(arrived, key=self._urgency)
+        self._match_prefix(request)
+        return request
 
     def reserve(self, request: Request, num_tokens: int) -> bool:
         """Grow a running request's blocks to cover ``num_tokens``, preempting the least urgent
@@ -273,6 +292,9 @@ class ContinuousScheduler:
             raise ValueError(f"admit wants the total tokens to hold, computed ones included: request "
                              f"{request.request_id} has {request.num_computed_tokens} computed, got {num_tokens}")
         swapped = request.status is RequestStatus.SWAPPED
+        if self.prefix_cache is not None and not swapped:
+            self.prefix_cache.queries += request.num_tokens
+            self.prefix_cache.hits += request.num_computed_tokens  # what the match skipped
         self.waiting.remove(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
@@ -284,6 +306,56 @@ class ContinuousScheduler:
             self._swaps.append(("in", list(cpu_blocks), self.block_tables.tables[request.request_id][:len(cpu_blocks)]))
             self.cpu_block_tables.free(request.request_id)  # reusable by a later swap out: copies run in order
             self.num_swap_ins += 1
+
+    # -- prefix caching ----------------------------------------------------------------------------
+
+    def _match_prefix(self, request: Request) -> None:
+        """A waiting request about to be considered takes the cached blocks of its longest cached
+        prefix (whole blocks, and never its last token: that one must be computed to give logits);
+        it then computes only the rest. Undone at the end of the step if it is not admitted."""
+        cache = self.prefix_cache
+        if cache is None or request.num_computed_tokens or request.request_id in self._prefix_nodes:
+            return
+        limit = (request.num_tokens - 1) // cache.block_size * cache.block_size
+        node, blocks = cache.match_prefix(request.all_token_ids[:limit])
+        if not blocks:
+            return
+        for block in blocks:
+            cache.allocator.share(block)
+        self.block_tables.tables[request.request_id] = list(blocks)
+        cache.lock(node)
+        self._prefix_nodes[request.request_id] = node
+        request.num_computed_tokens = len(blocks) * cache.block_size
+        self._matched_waiting.append(request)
+
+    def _unmatch_still_waiting(self) -> None:
+        for request in self._matched_waiting:
+            if request.status is RequestStatus.WAITING:  # not admitted: give the blocks back
+                self._release_prefix(request)
+                self.block_tables.free(request.request_id)
+                request.num_computed_tokens = 0
+        self._matched_waiting.clear()
+
+    def _cache_prefix(self, request: Request) -> None:
+        """Put the request's computed whole blocks in the tree and lock the path it now uses."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        full = request.num_computed_tokens // cache.block_size
+        if full:
+            node = cache.insert(request.all_token_ids[:full * cache.block_size],
+                                self.block_tables.tables[request.request_id][:full])
+            cache.lock(node)
+            self._release_prefix(request)
+            self._prefix_nodes[request.request_id] = node
+        if request.num_computed_tokens >= request.num_prompt_tokens:
+            self._prompt_cached.add(request.request_id)
+
+    def _release_prefix(self, request: Request) -> None:
+        node = self._prefix_nodes.pop(request.request_id, None)
+        if node is not None:
+            self.prefix_cache.unlock(node)
+        self._prompt_cached.discard(request.request_id)
 
     def _make_room_for_urgent(self, now: float) -> None:
         """priority policy: preempt less urgent running requests while the most urgent waiting one
@@ -303,7 +375,12 @@ class ContinuousScheduler:
         if self.policy == "priority":
             self._make_room_for_urgent(now)
         self.running.sort(key=self._urgency)  # most urgent first: preemption takes from the end
+        for request in self.running:  # a prompt prefilled in full is cached at once: others may share it
+            if request.num_computed_tokens >= request.num_prompt_tokens and \
+                    request.request_id not in self._prompt_cached:
+                self._cache_prefix(request)
         scheduled = self.fill_token_budget(self, now)
+        self._unmatch_still_waiting()
         swaps, self._swaps = self._swaps, []
         if not scheduled and not swaps:
             return None

@@ -74,6 +74,10 @@ def check_outputs_equal_solo_runs(requests, block_size, token_budget, spare_bloc
         assert step < 2000, "the engine stopped making progress"
     for index, (prompt, max_tokens, _) in enumerate(requests):
         assert finished[str(index)].outputs[0].token_ids == solo_output(prompt, max_tokens), index
+    if engine.prefix_cache is not None:  # nothing runs: every cached block is unlocked and evictable
+        assert engine.prefix_cache.num_evictable_blocks == engine.prefix_cache.num_cached_blocks
+        engine.prefix_cache.reset()
+        assert engine.prefix_cache.num_cached_blocks == 0 and not engine.prefix_cache.root.children
     for tables in (engine.block_tables, engine.scheduler.cpu_block_tables):
         if tables is not None:
             assert tables.allocator.num_free == tables.allocator.num_blocks and not tables.tables

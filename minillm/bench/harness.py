@@ -33,7 +33,7 @@ PEERS = ("hf_static", "hf_cb")
 # minillm itself with a slower attention path, on the same engine (same weights, same KV cache), so
 # each step of the tuning path is measured side by side: Triton kernels without CUDA graphs, and
 # the pure-torch reference backend (eager).
-VARIANTS = ("triton_eager", "torch_eager")
+VARIANTS = ("prefix_cache_off", "triton_eager", "torch_eager")
 LATENCY_PEERS = ("hf_static", "hf_compiled")  # hf_compiled: static cache + torch.compile (CUDA graphs)
 
 
@@ -82,15 +82,45 @@ def run_minillm(llm: LLM, workload: list[WorkloadRequest],
 
 
 def use_variant(engine, variant: str) -> None:
-    """Switch a continuous engine's attention path in place (see VARIANTS)."""
+    """Switch a continuous engine in place (see VARIANTS); variants apply in the order given, each on
+    top of the ones before."""
     from minillm.kv.paged import PagedBatch
 
+    if variant == "prefix_cache_off":
+        if engine.prefix_cache is None:
+            raise ValueError("variant 'prefix_cache_off' compares against the cache: run with enable_prefix_caching")
+        engine.prefix_cache.reset()
+        engine.scheduler.prefix_cache = engine.block_tables.evict = None
+        engine.prefix_cache = None
+        return
     engine.runner.graphs = None
     if variant == "torch_eager":
         engine.runner.make_attention = PagedBatch
         engine.model.enable_fused_kernels(False)
     elif engine.attention_backend != "triton":
         raise ValueError(f"variant {variant!r} needs the engine on attention_backend='triton'")
+
+
+def _timed_run(llm: LLM, requests, warmup) -> tuple[dict, list[list[int]]]:
+    """Warm up, then run the workload once; serving metrics, step statistics, prefix-cache hits."""
+    engine = llm.engine
+    run_minillm(llm, warmup)
+    engine.stats.clear()
+    graphs = getattr(engine.runner, "graphs", None)  # the static runner has none
+    if graphs is not None:
+        graphs.num_replays = 0
+    cache = engine.prefix_cache
+    if cache is not None:  # the warm-up's prompts must not count as hits
+        cache.reset()
+        cache.queries = cache.hits = 0
+    timings, tokens, duration = run_minillm(llm, requests)
+    metrics = serving_metrics(timings, duration) | step_summary(engine.stats)
+    if graphs is not None:
+        metrics["cuda_graph_steps"] = graphs.num_replays
+    if cache is not None:  # vLLM's names, in tokens
+        metrics |= {"prefix_cache_queries": cache.queries, "prefix_cache_hits": cache.hits,
+                    "prefix_cache_hit_rate": cache.hit_rate}
+    return metrics, tokens, timings
 
 
 def step_summary(stats) -> dict:
@@ -122,20 +152,10 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
     # its first call, and that should happen on realistic lengths and outside the timed run.
     minillm_warmup = [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:4]]
     runs, tokens = {}, {}
-    run_minillm(llm, minillm_warmup)
-    engine.stats.clear()
-    if engine.cuda_graphs:
-        engine.runner.graphs.num_replays = 0
-    timings, tokens["minillm"], duration = run_minillm(llm, requests)
-    runs["minillm"] = serving_metrics(timings, duration) | step_summary(engine.stats)
-    if engine.cuda_graphs:
-        runs["minillm"]["cuda_graph_steps"] = engine.runner.graphs.num_replays
+    runs["minillm"], tokens["minillm"], timings = _timed_run(llm, requests, minillm_warmup)
     for variant in variants:
         use_variant(engine, variant)
-        run_minillm(llm, minillm_warmup)
-        engine.stats.clear()
-        timings_v, tokens[f"minillm_{variant}"], duration_v = run_minillm(llm, requests)
-        runs[f"minillm_{variant}"] = serving_metrics(timings_v, duration_v) | step_summary(engine.stats)
+        runs[f"minillm_{variant}"], tokens[f"minillm_{variant}"], _ = _timed_run(llm, requests, minillm_warmup)
     served = [ServedRequest(t.num_input_tokens, t.num_output_tokens) for t in timings if t.token_times]
     if peers:
         _release_kv_for_peers(engine)
@@ -165,6 +185,7 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
         "peer_batch_size": peer_batch_size,
         "engine": {"batching": engine.config.batching, "max_batch": engine.max_batch,
                    "attention_backend": engine.attention_backend, "cuda_graphs": engine.cuda_graphs,
+                   "enable_prefix_caching": engine.config.enable_prefix_caching,
                    "max_model_len": engine.max_model_len, "memory_budget": engine.config.memory_budget,
                    "kv_cache_bytes": engine.kv_cache_bytes, "kv_capacity_tokens": engine.kv_capacity_tokens},
         "runs": runs,
@@ -251,6 +272,10 @@ def format_table(result: dict) -> str:
         ratio = f"{m['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
         lines.append(f"{name:<12}{m['output_throughput']:>14.1f}{m['request_throughput']:>9.2f}"
                      f"{m['mean_ttft_ms']:>14.1f}{m['mean_tpot_ms']:>14.1f}{ratio:>14}")
+    for name, m in runs.items():
+        if "prefix_cache_hit_rate" in m:
+            lines.append(f"{name}: prefix cache hit rate {m['prefix_cache_hit_rate']:.1%} "
+                         f"({m['prefix_cache_hits']} of {m['prefix_cache_queries']} prompt tokens)")
     kv = result.get("kv_memory")
     if kv:
         lines.append(f"KV memory used / reserved over the run: contiguous (max_model_len={kv['max_model_len']}, "

@@ -100,6 +100,19 @@ def _sdpa(backend: SDPBackend, q, k, v, causal: bool):
     return call
 
 
+SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def time_against_sdpa(triton_call, qkv, causal: bool, device: torch.device, rate) -> dict:
+    """{"triton": ..., "sdpa_flash": ..., ...}: each {"ms", **rate(ms)}, None where torch offers no
+    such SDPA kernel for this input."""
+    timed = {"triton": triton_call}
+    timed |= {name: _sdpa(backend, *qkv, causal=causal) for name, backend in SDPA_BACKENDS.items()}
+    return {name: None if call is None else {"ms": (ms := time_ms(call, device)), **rate(ms)}
+            for name, call in timed.items()}
+
+
 def causal_flops(shape: PrefillShape) -> float:
     pairs = shape.seq_len * (shape.seq_len + 1) / 2
     return 4 * shape.batch * shape.heads * shape.head_dim * pairs
@@ -125,21 +138,12 @@ def bench_prefill(shape: PrefillShape, device: torch.device, dtype: torch.dtype)
     qb, kb, vb = batched(q, H), batched(k, Hkv), batched(v, Hkv)
     flops = causal_flops(shape)
     row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "flops": flops}
-    ms = time_ms(triton_call, device)
-    row["triton"] = {"ms": ms, "tflops": flops / ms / 1e9}
-    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        call = _sdpa(backend, qb, kb, vb, causal=True)
-        if call is None:
-            row[name] = None  # torch offers no such kernel for this input here
-            continue
-        ms = time_ms(call, device)
-        row[name] = {"ms": ms, "tflops": flops / ms / 1e9}
+    row |= time_against_sdpa(triton_call, (qb, kb, vb), True, device, lambda ms: {"tflops": flops / ms / 1e9})
     reference = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), is_causal=True,
                                                enable_gqa=Hkv != H).transpose(1, 2).reshape(B * S, H, D)
     triton_call()
     row["max_abs_error"] = (out.float() - reference).abs().max().item()
-    best = max((row[n]["tflops"] for n in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient") if row.get(n)), default=None)
+    best = max((row[n]["tflops"] for n in SDPA_BACKENDS if row[n]), default=None)
     row["fraction_of_best_sdpa"] = row["triton"]["tflops"] / best if best else None
     return row
 
@@ -175,13 +179,8 @@ def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, b
 
     kv_bytes = 2 * B * S * Hkv * D * k.element_size()
     row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes}
-    ms = time_ms(triton_call, device)
-    row["triton"] = {"ms": ms, "gbs": kv_bytes / ms / 1e6}
-    qb, kb, vb = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)
-    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION),
-                          ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-        call = _sdpa(backend, qb, kb, vb, causal=False)  # on contiguous K/V: no paging to pay for
-        row[name] = None if call is None else {"ms": (ms := time_ms(call, device)), "gbs": kv_bytes / ms / 1e6}
+    qb, kb, vb = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)  # SDPA reads contiguous K/V: no paging
+    row |= time_against_sdpa(triton_call, (qb, kb, vb), False, device, lambda ms: {"gbs": kv_bytes / ms / 1e6})
     reference = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), enable_gqa=Hkv != H)[:, :, 0]
     triton_call()
     row["max_abs_error"] = (out.float() - reference).abs().max().item()
@@ -236,7 +235,8 @@ def plot_kernels(result: dict, path: str) -> str:
 
     runs = result["runs"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-    labels = [f"S={r['shape']['seq_len']}\nHkv={r['shape']['kv_heads']} D={r['shape']['head_dim']}" for r in runs["prefill"]]
+    labels = [f"S={r['shape']['seq_len']}\nHkv={r['shape']['kv_heads']} D={r['shape']['head_dim']}"
+              for r in runs["prefill"]]
     left.bar(labels, [r["fraction_of_best_sdpa"] or 0 for r in runs["prefill"]], color="tab:blue")
     left.axhline(1.0, color="gray", lw=1)
     left.set_ylabel("Triton TFLOP/s / best SDPA TFLOP/s")

@@ -68,6 +68,8 @@ class BlockTables:
     def __init__(self, allocator: BlockAllocator, block_size: int):
         self.allocator, self.block_size = allocator, block_size
         self.tables: dict[str, list[int]] = {}
+        # Prefix caching: evict(n) frees at least n cached, unused blocks when the free list is short.
+        self.evict = None
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -77,8 +79,11 @@ class BlockTables:
         return max(0, self.blocks_for(num_tokens) - len(self.tables.get(request_id, ())))
 
     def grow(self, request_id: str, num_tokens: int) -> None:
+        needed = self.extra_blocks_needed(request_id, num_tokens)
+        if needed > self.allocator.num_free and self.evict is not None:
+            self.evict(needed - self.allocator.num_free)
         table = self.tables.setdefault(request_id, [])
-        for _ in range(self.extra_blocks_needed(request_id, num_tokens)):
+        for _ in range(needed):
             table.append(self.allocator.allocate())
 
     def free(self, request_id: str) -> None:

