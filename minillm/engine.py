@@ -138,7 +138,6 @@ class Engine:
         self.scheduler = ContinuousScheduler(self.block_tables, c.max_num_seqs, c.max_num_batched_tokens,
                                              c.scheduling_policy, watermark_blocks=num_blocks // 100,
                                              cpu_block_tables=cpu_block_tables)
-        self.prefix_cache = None
         if c.enable_prefix_caching:
             self.prefix_cache = RadixCache(self.block_tables.allocator, c.block_size)
             self.scheduler.prefix_cache = self.prefix_cache
