@@ -13,6 +13,7 @@ import pytest
 from minillm.kv.paged import BlockAllocator, BlockTables
 from minillm.request import Request, RequestStatus, SamplingParams
 from minillm.scheduler import ContinuousScheduler
+from drive import run_requests  # exercises/tests is on sys.path (pytest)
 
 
 def make_scheduler(fill, *, num_blocks=64, block_size=4, max_num_seqs=8, budget=16, watermark=0,
@@ -271,17 +272,9 @@ PROMPTS = [[5 + i + 7 * j for j in range(4 + 5 * i)] for i in range(6)]  # 4 .. 
 
 
 def run_engine(engine, max_steps=1000):
-    """Drive the engine step by step (a broken scheduler could otherwise stall it forever)."""
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    for index, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, params, request_id=str(index))
-    finished, steps = {}, 0
-    while engine.has_unfinished():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-        steps += 1
-        assert steps < max_steps, "the engine stopped making progress"
-    work = [(s.num_seqs, s.num_tokens) for s in engine.stats]
-    return [finished[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))], work
+    """The prompts through the engine: outputs, and each step's (sequences, tokens)."""
+    outputs = run_requests(engine, PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), max_steps)
+    return outputs, [(s.num_seqs, s.num_tokens) for s in engine.stats]
 
 
 def test_wired_into_minillm(impl):

@@ -14,6 +14,7 @@ import pytest
 
 from minillm.kv.paged import BlockAllocator
 from minillm.kv.radix import RadixCache
+from drive import run_requests  # exercises/tests is on sys.path (pytest)
 
 
 def fresh(impl, block_size=2, num_blocks=64, allocated=True):
@@ -267,15 +268,8 @@ def run_engine(engine, max_steps=1000):
 
     engine.block_tables.evict = counted_evict
 
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for index, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, params, request_id=str(index))
-    finished, steps = {}, 0
-    while engine.has_unfinished():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-        steps += 1
-        assert steps < max_steps, "the engine stopped making progress"
-    return [finished[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))], evicted[0]
+    outputs = run_requests(engine, PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), max_steps)
+    return outputs, evicted[0]
 
 
 @pytest.mark.parametrize("num_kv_blocks", [80, 24])  # roomy, and tight enough that the cache must evict
