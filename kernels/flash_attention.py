@@ -32,15 +32,17 @@ interpreter, to keep compile times and tests short. ``config=`` pins one, e.g. f
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
+from minillm.kernels.checks import check as _check
+from minillm.kernels.checks import check_runnable, interpreter_on
+
+INTERPRET = interpreter_on()
 LOG2E = 1.4426950408889634
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Small on purpose: every config is compiled and timed the first time a key is seen. Picked from a
 # wider sweep on the H200 (bf16, D=128): 128x128 tiles with 8 warps led for contiguous K/V,
@@ -223,16 +225,10 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 # Wrappers: check everything that can be checked without reading device memory, then launch.
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
-
 def _check_common(q, k, v, kv_name: str, out, scale):
     _check(q.dim() == 3, f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
     _check(q.dtype in DTYPES, f"q.dtype is {q.dtype}; expected one of {DTYPES}")
-    _check(q.is_cuda or INTERPRET, f"q is on {q.device}; the Triton kernel needs CUDA tensors "
-           "(or TRITON_INTERPRET=1 set before minillm.kernels is imported)")
+    check_runnable("q", q)
     for name, t in ((f"k{kv_name}", k), (f"v{kv_name}", v)):
         _check(t.dtype == q.dtype, f"{name}.dtype is {t.dtype} but q.dtype is {q.dtype}; they must match")
         _check(t.device == q.device, f"{name} is on {t.device} but q is on {q.device}")

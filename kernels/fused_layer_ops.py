@@ -20,25 +20,20 @@ row (token); rows are short (hidden size ≤ 8192), so a row fits in one tile.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
+from minillm.kernels.checks import check as _check
+from minillm.kernels.checks import check_runnable, interpreter_on
 
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
+INTERPRET = interpreter_on()
 
 
 def _check_tensor(name: str, t: torch.Tensor) -> None:
     _check(t.dtype in DTYPES, f"{name}.dtype is {t.dtype}; expected one of {DTYPES}")
-    _check(t.is_cuda or INTERPRET, f"{name} is on {t.device}; the Triton kernels need CUDA tensors "
-           "(or TRITON_INTERPRET=1 set before minillm.kernels is imported)")
+    check_runnable(name, t)
     _check(t.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {t.stride()}")
 
 

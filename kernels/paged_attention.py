@@ -34,7 +34,6 @@ cached tokens including the new one; q [B, H, D], query head h reads KV head h /
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -42,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
+
 _LN2 = tl.constexpr(math.log(2.0))
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # ----------------------------------------------------------------------------- references (torch)
@@ -266,10 +266,10 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale,
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim], "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if q.dtype not in _FLOAT_DTYPES:
+    if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q has dtype {q.dtype}; valid: float16, bfloat16, float32")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dtype not in _FLOAT_DTYPES:
+        if cache.dtype not in FLOAT_DTYPES:
             raise NotImplementedError(f"{name} has dtype {cache.dtype}: a quantized KV cache is not "
                                       "supported yet (the KV-quantization issue adds it)")
         if cache.dtype != q.dtype:
@@ -305,9 +305,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale,
     for name, tensor in tensors.items():
         if tensor.device != q.device:
             raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}; all must share one device")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "on", "yes"):
-        raise ValueError("CPU tensors run only under Triton's interpreter: set TRITON_INTERPRET=1 "
-                         "before minillm.kernels is imported, or move the tensors to a GPU")
+    check_runnable("q", q)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

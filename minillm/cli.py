@@ -6,7 +6,6 @@ Thin wrappers over the Python API, so every number the course shows can be rerun
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 
@@ -180,9 +179,10 @@ def cmd_bench_kernels(args) -> None:
 
     from minillm.bench.harness import result_header, write_result
     from minillm.bench.kernels import bench_kernels, format_kernel_table, plot_kernels
+    from minillm.kernels.checks import interpreter_on
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and not interpreter_on():
         raise ValueError("bench kernels needs a CUDA device; on a CPU, TRITON_INTERPRET=1 runs a tiny sweep "
                          "through Triton's interpreter (a check that it works, not a measurement)")
     result = result_header("kernels", "attention sweep", "-", args.command_line)

@@ -10,7 +10,6 @@ preemption_mode="swap", the KV copies the scheduler decided (``batch.swaps``) ru
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.config import EngineConfig
+from minillm.kernels.checks import interpreter_on
 from minillm.kv.budget import units_that_fit
 from minillm.cuda_graphs import DecodeGraphs
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache
@@ -56,7 +56,7 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
     """"auto" -> the Triton kernels on CUDA, the torch reference elsewhere."""
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and device.type != "cuda" and not interpreter_on():
         raise ValueError("attention_backend='triton' needs a CUDA device; on a CPU use 'torch', or set "
                          "TRITON_INTERPRET=1 before starting Python to run the kernels in Triton's (slow) interpreter")
     return backend

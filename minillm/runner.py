@@ -14,7 +14,7 @@ import torch
 
 from minillm.kv.contiguous import ContiguousKVCache, LeftPaddedBatch
 from minillm.cuda_graphs import DecodeGraphs
-from minillm.kv.paged import BlockTables, PagedBatch, PagedKVCache, PagedStep
+from minillm.kv.paged import BlockTables, PagedBatch, PagedKVCache, PagedStep, to_device
 from minillm.model.llama import LlamaForCausalLM
 from minillm.sampling import Sampler
 from minillm.scheduler import ScheduledBatch
@@ -123,10 +123,9 @@ class PagedRunner:
         if self.graphs is not None and len(ids) == len(query_lens) and self.graphs.fits(len(ids)):
             return self.graphs.run(ids, positions, slots, tables, context_lens)[last_index]
         step = PagedStep.from_host(slots, tables, query_lens, context_lens, self.device)
-        hidden = self.model(self._put([ids]), self._put([positions]), self.make_attention(self.cache, step))
+        hidden = self.model(to_device([ids], torch.long, self.device), to_device([positions], torch.long, self.device),
+                            self.make_attention(self.cache, step))
         if not last_index:
             return None  # skipped on every rank alike: the tensor-parallel LM head is a collective
         return self.model.compute_logits(hidden[0, last_index])
 
-    def _put(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)

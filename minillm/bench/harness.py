@@ -30,9 +30,9 @@ from minillm.llm import LLM
 from minillm.request import SamplingParams
 
 PEERS = ("hf_static", "hf_cb")
-# minillm itself with a slower attention path, on the same engine (same weights, same KV cache), so
-# each step of the tuning path is measured side by side: Triton kernels without CUDA graphs, and
-# the pure-torch reference backend (eager).
+# minillm itself with one step of the tuning path undone, on the same engine (same weights, same KV
+# cache), so each step is measured side by side: no prefix cache, Triton kernels without CUDA
+# graphs, and the pure-torch reference backend (eager).
 VARIANTS = ("prefix_cache_off", "triton_eager", "torch_eager")
 LATENCY_PEERS = ("hf_static", "hf_compiled")  # hf_compiled: static cache + torch.compile (CUDA graphs)
 
@@ -101,7 +101,7 @@ def use_variant(engine, variant: str) -> None:
         raise ValueError(f"variant {variant!r} needs the engine on attention_backend='triton'")
 
 
-def _timed_run(llm: LLM, requests, warmup) -> tuple[dict, list[list[int]]]:
+def _timed_run(llm: LLM, requests, warmup) -> tuple[dict, list[list[int]], list[RequestTiming]]:
     """Warm up, then run the workload once; serving metrics, step statistics, prefix-cache hits."""
     engine = llm.engine
     run_minillm(llm, warmup)
@@ -143,7 +143,7 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
     if variants and engine_kwargs.get("batching") != "continuous":
-        raise ValueError("variants change the paged attention path; they need batching='continuous'")
+        raise ValueError("variants switch parts of the paged engine; they need batching='continuous'")
     llm = LLM(model, load_format=load_format, seed=seed, **engine_kwargs)
     engine = llm.engine
     requests = make_workload(workload, scale, num_requests, seed, engine.model_config.vocab_size)

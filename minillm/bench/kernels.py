@@ -13,6 +13,7 @@ convention of ``bench/roofline.py``.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +58,6 @@ def time_ms(fn, device: torch.device, iters: int = 20, repeats: int = 5) -> floa
     On a CPU: the wall time of one call (no claim rests on it)."""
     fn()  # warm-up: compiles, autotunes
     if device.type != "cuda":
-        import time
-
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3

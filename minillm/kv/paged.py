@@ -139,20 +139,22 @@ class PagedStep:
     @classmethod
     def from_host(cls, slots: list[int], tables: list[list[int]], query_lens: list[int], context_lens: list[int],
                   device: torch.device, pad_block: int = 0) -> "PagedStep":
-        """Build the tensors from Python lists. On CUDA they go through pinned memory with
-        non-blocking copies, so building the next step's metadata overlaps the GPU's work."""
+        """Build the tensors from Python lists (through ``to_device``)."""
         num_decode = sum(1 for n in query_lens if n == 1)
         width = max(map(len, tables))
         cu = [0]
         for n in query_lens[num_decode:]:
             cu.append(cu[-1] + n)
-        pin = device.type == "cuda"
+        padded = [t + [pad_block] * (width - len(t)) for t in tables]
+        return cls(to_device(slots, torch.int64, device), to_device(padded, torch.int32, device),
+                   to_device(context_lens, torch.int32, device), to_device(cu, torch.int32, device),
+                   query_lens, context_lens, num_decode)
 
-        def put(values, dtype):
-            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
-        return cls(put(slots, torch.int64), put([t + [pad_block] * (width - len(t)) for t in tables], torch.int32),
-                   put(context_lens, torch.int32), put(cu, torch.int32), query_lens, context_lens, num_decode)
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (nested) list as a tensor on ``device``. On CUDA through pinned memory with a non-blocking
+    copy, so the CPU goes on building the step while the copy runs."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 class PagedBatch:
