@@ -1,6 +1,7 @@
 """Where a decode step's time goes: ``python -m minillm.bench.profile --model llama2-7b --load-format dummy``.
 
-"Measure first, then optimise": this profiles a few static-batch decode steps of minillm and of
+"Measure first, then optimise": this profiles a few decode steps of minillm (static batching, or
+the continuous engine with its kernels and CUDA graphs: ``--batching continuous``) and of
 transformers' ``generate`` (same weights, same batch) with ``torch.profiler`` and prints, per step,
 the wall time, the number of kernels launched and the GPU time they took. When wall time is far
 above GPU time, the step is bound by launch overhead on the CPU, not by the GPU.
@@ -91,12 +92,16 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batching", default="static", choices=["static", "continuous"],
+                        help="continuous: the paged engine (Triton kernels and CUDA-graph decode on CUDA)")
+    parser.add_argument("--enforce-eager", action="store_true", help="continuous without CUDA graphs")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--no-hf", action="store_true", help="profile minillm only")
     parser.add_argument("--output", default=None, help="write the per-step figures as JSON here")
     args = parser.parse_args()
-    llm = LLM(args.model, load_format=args.load_format, max_num_seqs=args.batch)
+    llm = LLM(args.model, load_format=args.load_format, max_num_seqs=args.batch, batching=args.batching,
+              enforce_eager=args.enforce_eager, max_model_len=args.prompt_len + 3 * args.steps + 8)
     results = {"minillm": profile_minillm(llm, args.batch, args.prompt_len, args.steps)}
     if not args.no_hf:
         results["hf_generate"] = profile_hf(llm, args.batch, args.prompt_len, args.steps)
@@ -105,7 +110,7 @@ def main() -> None:
     for name, r in results.items():
         print(f"{name:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()))
     if args.output:
-        workload = f"static batch {args.batch}, {args.prompt_len}-token prompts, {args.steps} profiled decode steps"
+        workload = f"{args.batching} batch {args.batch}, {args.prompt_len}-token prompts, {args.steps} profiled decode steps"
         command = shlex.join(["python", "-m", "minillm.bench.profile", *sys.argv[1:]])
         result = {**result_header("profile-decode-step", workload, llm.engine.model_source, command), "runs": results,
                   "note": "wall time is under torch.profiler (inflated); compare kernels and GPU time per step"}
