@@ -9,8 +9,8 @@ same way).
 A graph replays fixed kernels on fixed addresses with fixed shapes, so:
 - one graph per *capture size* (1, 2, 4, 8, then every 8 up to ``max_num_seqs``, as vLLM does);
   a batch runs in the smallest that holds it;
-- every input lives in a static buffer that each step overwrites (copied from pinned host memory
-  without blocking the CPU);
+- every input lives in a static buffer that each step overwrites (filled in pinned host memory
+  and copied without blocking the CPU);
 - padding rows (batch 5 in the graph of 8) get token 0 at position 0, one token of context, and
   the cache's scratch block, so they write and read only memory that no request owns;
 - the attention kernels' launch grids depend on shapes only, never on the context lengths, which
@@ -41,12 +41,22 @@ class DecodeGraphs:
         self.scratch_slot = cache.scratch_block * cache.block_size
         width = -(-max_model_len // cache.block_size)
         largest = self.sizes[-1]
-        # The static inputs, holding padding values until a step overwrites its rows.
-        self.input_ids = torch.zeros(1, largest, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), self.scratch_slot, dtype=torch.long, device=device)
-        self.block_tables = torch.full((largest, width), cache.scratch_block, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        # The static inputs live in two device buffers, each with a pinned host twin that a step
+        # fills in place (through numpy views: no tensor built per step) and copies over without
+        # blocking: int64 rows [token ids, positions, slots] and int32 [context lengths, block table].
+        # They start out holding padding values (see the module docstring).
+        self._host_long = torch.zeros(3, largest, dtype=torch.long).pin_memory()
+        self._host_int = torch.zeros(largest * (1 + width), dtype=torch.int32).pin_memory()
+        self._long, self._int = self._host_long.numpy(), self._host_int.numpy()
+        self._long[2] = self.scratch_slot
+        self._int[:largest] = 1
+        self._int[largest:] = cache.scratch_block
+        self._dev_long, self._dev_int = self._host_long.to(device), self._host_int.to(device)
+        self.input_ids, self.positions = self._dev_long[0:1], self._dev_long[1:2]  # [1, largest]
+        self.slot_mapping = self._dev_long[2]
+        self.context_lens = self._dev_int[:largest]
+        self.block_tables = self._dev_int[largest:].view(largest, width)
+        self._copied = torch.cuda.Event()  # the last step's copies have read the host buffers
         self.num_replays = 0  # decode steps served from a graph (the benchmarks report it)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -87,20 +97,21 @@ class DecodeGraphs:
         """Copy one decode step's inputs into the static buffers, replay, return [batch, vocab] logits."""
         batch = len(ids)
         size = next(s for s in self.sizes if s >= batch)
-        pad = size - batch
-        width = max(map(len, tables))
-        scratch = self.cache.scratch_block
-        rows = [t + [scratch] * (width - len(t)) for t in tables] + [[scratch] * width] * pad
-
-        def put(buffer: torch.Tensor, values) -> None:
-            host = torch.tensor(values, dtype=buffer.dtype, pin_memory=True)
-            buffer.copy_(host, non_blocking=True)
-
-        put(self.input_ids[0, :size], ids + [0] * pad)
-        put(self.positions[0, :size], positions + [0] * pad)
-        put(self.slot_mapping[:size], slots + [self.scratch_slot] * pad)
-        put(self.context_lens[:size], context_lens + [1] * pad)
-        put(self.block_tables[:size, :width], rows)  # columns past width: stale ids, never read
+        largest, width = self.block_tables.shape
+        self._copied.synchronize()  # normally long done: the last step's tokens were read since
+        longs, lens, table = self._long, self._int[:largest], self._int[largest:].reshape(largest, width)
+        longs[0, :batch], longs[1, :batch], longs[2, :batch] = ids, positions, slots
+        lens[:batch] = context_lens
+        for row, blocks in enumerate(tables):
+            table[row, :len(blocks)] = blocks  # columns past a row's length: stale ids, never read
+        # Padding rows: token 0 at position 0, one token of context in the scratch block.
+        longs[:2, batch:size], longs[2, batch:size], lens[batch:size] = 0, self.scratch_slot, 1
+        table[batch:size, 0] = self.cache.scratch_block
+        self._dev_long.copy_(self._host_long, non_blocking=True)  # whole rows: one dense copy of a few KB
+        self.context_lens[:size].copy_(self._host_int[:size], non_blocking=True)
+        self._dev_int[largest:largest + size * width].copy_(self._host_int[largest:largest + size * width],
+                                                            non_blocking=True)
+        self._copied.record()
         self.graphs[size].replay()
         self.num_replays += 1
         return self.logits[size][:batch]

@@ -97,7 +97,7 @@ class PagedRunner:
         for i in order:
             request, n = batch.requests[i], batch.num_new_tokens[i]
             start = request.num_computed_tokens
-            ids += request.all_token_ids[start:start + n]
+            ids += request.token_ids(start, start + n)
             positions += range(start, start + n)
             slots += self.block_tables.slots(request.request_id, start, start + n)
             query_lens.append(n)
@@ -121,7 +121,9 @@ class PagedRunner:
         if self.on_forward is not None:
             self.on_forward((ids, positions, slots, tables, query_lens, context_lens, last_index))
         if self.graphs is not None and len(ids) == len(query_lens) and self.graphs.fits(len(ids)):
-            return self.graphs.run(ids, positions, slots, tables, context_lens)[last_index]
+            logits = self.graphs.run(ids, positions, slots, tables, context_lens)
+            # Every decode row samples, in order, so last_index is 0..B-1: no gather needed.
+            return logits if len(last_index) == len(ids) else logits[last_index]
         step = PagedStep.from_host(slots, tables, query_lens, context_lens, self.device)
         hidden = self.model(to_device([ids], torch.long, self.device), to_device([positions], torch.long, self.device),
                             self.make_attention(self.cache, step))

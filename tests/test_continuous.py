@@ -2,6 +2,7 @@
 (arrival order, chunk sizes, block sizes, KV budgets small enough to force preemption, priorities),
 and every block comes back."""
 
+import random
 from collections import deque
 
 import pytest
@@ -14,6 +15,7 @@ from minillm.config import EngineConfig
 from minillm.engine import Engine
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache, PagedStep
 from minillm.model.config import PRESETS
+from minillm.request import Request
 
 VOCAB = PRESETS["tiny"].vocab_size
 
@@ -262,3 +264,15 @@ def test_block_ids_out_of_range_are_refused():
             allocator.release(bad)
         with pytest.raises(ValueError, match=f"block {bad} is not a block id"):
             allocator.share(bad)
+
+
+def test_request_token_ids_slices_prompt_and_output_without_joining():
+    rng = random.Random(7)
+    for _ in range(200):
+        prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 12))]
+        request = Request("r", None, prompt, SamplingParams())
+        request.output_token_ids = [rng.randrange(1000) for _ in range(rng.randint(0, 12))]
+        whole = prompt + request.output_token_ids
+        start = rng.randint(0, len(whole))
+        end = rng.randint(start, len(whole))
+        assert request.token_ids(start, end) == whole[start:end]

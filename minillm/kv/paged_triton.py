@@ -1,7 +1,7 @@
 """The paged attention context on minillm's Triton kernels: the default backend on CUDA.
 
 Same contract and metadata as the torch reference ``PagedBatch`` (``kv/paged.py``), but no Python
-loop over sequences and no gathered copy of the context: decode rows go to the split-K paged
+loop over sequences and no gathered copy of the context; new K/V are stored by one kernel; decode rows go to the split-K paged
 decode kernel, prefill chunks to the paged FlashAttention kernel, both reading K/V in place
 through the block tables. Its launch grids depend on the batch's shape only, so a decode step
 can be captured in a CUDA graph (``minillm/cuda_graphs.py``).
@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from minillm.kernels.flash_attention import paged_prefill_attention
+from minillm.kernels.kv_store import store_kv
 from minillm.kernels.paged_attention import paged_decode_attention
-from minillm.kv.paged import PagedKVCache, PagedStep, write_kv
+from minillm.kv.paged import PagedKVCache, PagedStep
 
 
 class TritonPagedBatch:
@@ -22,7 +23,8 @@ class TritonPagedBatch:
         self.max_prefill_len = max(step.query_lens[step.num_decode:], default=0)
 
     def __call__(self, layer_idx: int, q, k, v):
-        pool_k, pool_v = write_kv(self.cache, self.step, layer_idx, k, v)
+        pool_k, pool_v = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        store_kv(k[0], v[0], pool_k, pool_v, self.step.slot_mapping)
         step, n = self.step, self.step.num_decode
         q = q[0]
         out = torch.empty_like(q)
