@@ -28,7 +28,10 @@ def sharpen(engine: Engine) -> Engine:
 
 
 def tiny_engine(**kwargs) -> Engine:
-    defaults = dict(model="tiny", load_format="dummy", dtype="float32", device="cpu")
+    # The Triton backend runs on the GPU where there is one (CUDA graphs included), else under the
+    # interpreter (tests/conftest.py switches it on when torch sees no CUDA).
+    on_gpu = kwargs.get("attention_backend") == "triton" and torch.cuda.is_available()
+    defaults = dict(model="tiny", load_format="dummy", dtype="float32", device="cuda" if on_gpu else "cpu")
     return sharpen(Engine(EngineConfig(**{**defaults, **kwargs})))
 
 
