@@ -32,6 +32,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default 8 static, 256 continuous)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (continuous)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV capacity in blocks (continuous)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "lpm"],
+                   help="continuous: fcfs = arrival order; priority = per-request priority, then arrival; "
+                        "lpm = longest cached prefix first (with --enable-prefix-caching)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="a preempted request recomputes its prefill when readmitted, or swaps its KV blocks "
                         "to CPU memory and back (continuous)")
@@ -60,7 +63,7 @@ def _engine_kwargs(args) -> dict:
     return dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, batching=args.batching,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                memory_budget=args.memory_budget, attention_backend=args.attention_backend,
+                scheduling_policy=args.scheduling_policy, memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -27,6 +27,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block (paged cache)
     num_kv_blocks: int | None = None  # explicit KV capacity in blocks, overriding the memory-derived one
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower value = more urgent; ties by arrival)
+    #                                  | "lpm": admit the longest cached prefix first (needs enable_prefix_caching)
     preemption_mode: str = "recompute"  # a preempted request "recompute"s its prefill when readmitted,
     #                                     or "swap"s its KV blocks to CPU memory and back (continuous)
     swap_space: int | str = "4GiB"  # CPU memory for swapped-out KV blocks (preemption_mode="swap"), e.g. "512MiB"
@@ -70,6 +71,9 @@ class EngineConfig:
         if self.enable_prefix_caching and self.batching != "continuous":
             raise ValueError(f"enable_prefix_caching needs batching='continuous' (the paged cache), "
                              f"got batching={self.batching!r}")
+        if self.scheduling_policy == "lpm" and not self.enable_prefix_caching:
+            raise ValueError("scheduling_policy='lpm' orders waiting requests by their cached prefix, so it "
+                             "needs enable_prefix_caching=True")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.max_num_seqs is None:

@@ -164,6 +164,11 @@ class ContinuousScheduler:
     ``watermark_blocks`` free so running decodes are not starved of blocks at once.
 
     Urgency: ``fcfs`` orders by arrival; ``priority`` by (priority, arrival), lower = more urgent.
+    ``lpm`` (longest prefix match, SGLang's policy of that name; needs the prefix cache) admits the
+    waiting request with the most cached prompt tokens first, ties by arrival: requests that share
+    a prefix run together while it is cached, rather than after it was evicted. Like SGLang it
+    falls back to arrival order when more than ``LPM_MAX_WAITING`` requests wait, where matching
+    every one of them each step would cost more than it saves.
     Preemption victim: the least urgent, most recently arrived running request. Its blocks are
     freed and it waits again (at the front of its level), keeping the tokens it generated. By
     default it recomputes: its whole context is prefilled again when it is readmitted. Given
@@ -178,6 +183,7 @@ class ContinuousScheduler:
     """
 
     fill_token_budget = staticmethod(fill_token_budget)
+    LPM_MAX_WAITING = 128  # SGLang's threshold for the same fallback (schedule_policy.py)
 
     def __init__(self, block_tables, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
                  watermark_blocks: int = 0, cpu_block_tables=None):
@@ -196,6 +202,7 @@ class ContinuousScheduler:
         self._prefix_nodes: dict[str, RadixNode] = {}
         self._prompt_cached: set[str] = set()
         self._matched_waiting: list[Request] = []
+        self._cached_lens: dict[str, int] = {}  # lpm: waiting request -> cached prefix tokens, this step
 
     def _urgency(self, request: Request) -> tuple:
         priority = request.priority if self.policy == "priority" else 0
@@ -269,9 +276,19 @@ class ContinuousScheduler:
         arrived = [r for r in self.waiting if r.metrics.arrival_time <= now]
         if not arrived:
             return None
-        request = min(arrived, key=self._urgency)
+        if self.policy == "lpm" and len(arrived) <= self.LPM_MAX_WAITING:
+            request = min(arrived, key=lambda r: (-self._cached_len(r), self._urgency(r)))
+        else:
+            request = min(arrived, key=self._urgency)
         self._match_prefix(request)
         return request
+
+    def _cached_len(self, request: Request) -> int:
+        if request.request_id not in self._cached_lens:
+            computed = request.num_computed_tokens  # a swapped-out request's K/V come back whole
+            self._cached_lens[request.request_id] = computed or \
+                self.prefix_cache.cached_prefix_len(request.all_token_ids[:request.num_tokens - 1])
+        return self._cached_lens[request.request_id]
 
     def reserve(self, request: Request, num_tokens: int) -> bool:
         """Grow a running request's blocks to cover ``num_tokens``, preempting the least urgent
@@ -381,6 +398,7 @@ class ContinuousScheduler:
                 self._cache_prefix(request)
         scheduled = self.fill_token_budget(self, now)
         self._unmatch_still_waiting()
+        self._cached_lens.clear()  # the tree changes between steps
         swaps, self._swaps = self._swaps, []
         if not scheduled and not swaps:
             return None

@@ -183,7 +183,7 @@ shared_requests = st.lists(
 @given(stems=st.lists(st.lists(st.integers(2, VOCAB - 1), min_size=0, max_size=30), min_size=3, max_size=3),
        picks=shared_requests, block_size=st.sampled_from([1, 2, 4]),
        preemption_mode=st.sampled_from(["recompute", "swap"]),
-       **schedules)
+       **{**schedules, "policy": st.sampled_from(["fcfs", "priority", "lpm"])})
 def test_outputs_with_the_prefix_cache_equal_solo_runs(stems, picks, block_size, preemption_mode, token_budget,
                                                        spare_blocks, policy, arrivals, max_num_seqs):
     requests = [(tuple(stems[stem] + suffix), max_tokens, priority) for stem, suffix, max_tokens, priority in picks]
@@ -199,3 +199,45 @@ def test_prefix_caching_needs_the_paged_cache():
         EngineConfig(enable_prefix_caching=True, batching="static")
     with pytest.raises(ValueError, match="True or False"):
         EngineConfig(enable_prefix_caching="yes", batching="continuous")
+
+
+def test_cached_prefix_len_agrees_with_match_prefix_and_changes_nothing():
+    rng = random.Random(3)
+    allocator = BlockAllocator(200)
+    cache = RadixCache(allocator, 2)
+    stems = [[rng.randrange(50) for _ in range(rng.randint(0, 12))] for _ in range(4)]
+    for _ in range(8):
+        tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randint(0, 6))]
+        tokens = tokens[:len(tokens) // 2 * 2]
+        cache.insert(tokens, [allocator.allocate() for _ in range(len(tokens) // 2)])
+    for _ in range(50):
+        query = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randint(0, 6))]
+        shape_before = sorted((n.tokens, tuple(n.blocks), n.last_access) for n in cache._nodes())
+        length = cache.cached_prefix_len(query)
+        assert sorted((n.tokens, tuple(n.blocks), n.last_access) for n in cache._nodes()) == shape_before
+        assert length == len(cache.match_prefix(query)[1]) * 2
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    system = list(range(3, 43))  # 10 blocks of 4, cached by the first request
+    order = {}
+    for policy in ("fcfs", "lpm"):
+        engine = tiny_engine(batching="continuous", block_size=BS, num_kv_blocks=60, max_num_seqs=1,
+                             enable_prefix_caching=True, scheduling_policy=policy)
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        engine.add_request(system + [100], params, request_id="warm")
+        while engine.has_unfinished():
+            engine.step()
+        # One sequence at a time: the order of admission is the order of first tokens.
+        engine.add_request(list(range(200, 230)), params, request_id="cold")
+        engine.add_request(system + [101, 102], params, request_id="hot")
+        firsts = []
+        while engine.has_unfinished():
+            firsts += [o.request_id for o in engine.step() if len(o.outputs[0].token_ids) == 1]
+        order[policy] = firsts
+    assert order == {"fcfs": ["cold", "hot"], "lpm": ["hot", "cold"]}
+
+
+def test_lpm_needs_the_prefix_cache():
+    with pytest.raises(ValueError, match="lpm.*enable_prefix_caching"):
+        EngineConfig(scheduling_policy="lpm", batching="continuous")

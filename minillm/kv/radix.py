@@ -85,6 +85,22 @@ class RadixCache:
             node = child
         return node, blocks
 
+    def cached_prefix_len(self, tokens: list[int]) -> int:
+        """Tokens of ``tokens``' longest cached prefix (whole blocks), changing nothing: no edge
+        split, no access time. The scheduler's longest-prefix-match ordering asks this of every
+        waiting request."""
+        bs, node, pos = self.block_size, self.root, 0
+        while len(tokens) - pos >= bs:
+            child = node.children.get(self._first_block(tokens, pos))
+            if child is None:
+                break
+            matched = self._matching_blocks(child, tokens, pos)
+            pos += matched * bs
+            if matched < len(child.blocks):
+                break
+            node = child
+        return pos
+
     # -- changes ----------------------------------------------------------------------------------
 
     def insert(self, tokens: list[int], blocks: list[int]) -> RadixNode:
