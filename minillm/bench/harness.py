@@ -92,6 +92,8 @@ def use_variant(engine, variant: str) -> None:
         engine.prefix_cache.reset()
         engine.scheduler.prefix_cache = engine.block_tables.evict = None
         engine.prefix_cache = None
+        if engine.scheduler.policy == "lpm":  # nothing cached to order by: arrival order
+            engine.scheduler.policy = "fcfs"
         return
     engine.runner.graphs = None
     if variant == "torch_eager":
