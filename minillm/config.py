@@ -42,8 +42,8 @@ class EngineConfig:
     enable_prefix_caching: bool = False  # continuous: reuse cached KV of shared prompt prefixes (radix tree)
     enforce_eager: bool = False  # True: no CUDA graphs (continuous decode steps replay graphs on CUDA otherwise)
     seed: int = 0  # seeds dummy weights and unseeded sampling
-    tensor_parallel_size: int = 1  # processes (GPUs) one model is split over; > 1 needs batching="continuous"
-    #                                and runs eagerly (no CUDA graphs, which would have to capture the collectives)
+    tensor_parallel_size: int = 1  # processes (GPUs) one model is split over; > 1 needs batching="continuous".
+    #                                On GPUs every rank captures the same decode graphs, NCCL collectives inside
 
     def __post_init__(self):
         if self.batching not in BATCHING_MODES:
@@ -105,7 +105,6 @@ class EngineConfig:
             if self.preemption_mode != "recompute":
                 raise ValueError(f"tensor_parallel_size > 1 needs preemption_mode='recompute', "
                                  f"got {self.preemption_mode!r}")
-            self.enforce_eager = True
 
 
 def parse_bytes(value: int | str) -> int:
