@@ -46,6 +46,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (continuous)")
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV of shared prompt prefixes through a radix tree (continuous)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs (processes) the model is split over (continuous; NCCL on GPUs, gloo on a CPU)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -65,7 +67,8 @@ def _engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                 scheduling_policy=args.scheduling_policy, memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
 
 
 def _sampling(args):

@@ -244,7 +244,8 @@ def bench_latency(*, model: str | None, load_format: str, scale: str, num_reques
     return {
         **result_header("latency", "latency", engine.model_source, command),
         "scale": scale, "num_requests": len(requests), "dtype": str(engine.dtype).removeprefix("torch."),
-        "engine": {"batching": engine.config.batching, "max_model_len": engine.max_model_len},
+        "engine": {"batching": engine.config.batching, "max_model_len": engine.max_model_len,
+                   "tensor_parallel_size": engine.config.tensor_parallel_size},
         "ceilings": {"bandwidth_gbs": ceilings.bandwidth_gbs, "peak_tflops": ceilings.peak_tflops,
                      "decode_context": context},
         "runs": runs,
