@@ -307,14 +307,21 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def _launch(fmt: str, x: torch.Tensor, n: int, weights: tuple, path: str | None, config: dict | None) -> torch.Tensor:
-    """x [M, K] -> y [M, N] through format ``fmt``'s GEMV or dot kernel; ``weights`` are the kernel's
-    arguments after the strides of x and y."""
+def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: str | None, config: dict | None,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] -> y [..., N] through format ``fmt``'s GEMV or dot kernel; ``weights`` are the
+    kernel's arguments after the strides of x and y."""
+    x = x_in.reshape(-1, k)
+    x = x if x.stride(-1) == 1 else x.contiguous()
     rows = x.shape[0]
     path = path or ("gemv" if rows <= GEMV_MAX_M else "dot")
     check(path in ("gemv", "dot"), f"path is {path!r}; expected 'gemv', 'dot' or None (chosen by M)")
     name = f"{fmt}_{path}"
-    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    shape = (*x_in.shape[:-1], n)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+    check(out.shape == shape and out.dtype == x.dtype and out.device == x.device and out.is_contiguous(),
+          f"out is {out.dtype} {tuple(out.shape)} on {out.device}; expected a contiguous {x.dtype} {shape} on {x.device}")
+    y = out.view(rows, n)
     if rows == 0 or n == 0:
         return y
     if config is None and INTERPRET:
@@ -341,16 +348,13 @@ def _launch(fmt: str, x: torch.Tensor, n: int, weights: tuple, path: str | None,
         tuned[grid](*args, **consts)
     else:
         plain[grid(config)](*args, **consts, **config)
-    return y
+    return out
 
 
-def _check_x(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x [..., K] -> a 2-d view [M, K] with unit stride along K."""
+def _check_x(x: torch.Tensor, k: int) -> None:
     check(x.dtype in FLOAT_DTYPES, f"x.dtype is {x.dtype}; expected one of {FLOAT_DTYPES}")
     check_runnable("x", x)
     check(x.dim() >= 1 and x.shape[-1] == k, f"x has shape {tuple(x.shape)}; its last dim must be K = {k}")
-    rows = x.reshape(-1, k)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, x: torch.Tensor) -> None:
@@ -361,17 +365,18 @@ def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, 
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, path: str | None = None, config: dict | None = None) -> torch.Tensor:
+                 group_size: int, path: str | None = None, config: dict | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (fp16/bf16, or fp32) @ the INT4 weight (layout in the module docstring) -> [..., N].
 
     ``path`` forces "gemv" or "dot" (default: GEMV for M <= GEMV_MAX_M); ``config`` pins a launch
     configuration instead of autotuning, e.g. {"BLOCK_N": 64, "BLOCK_KP": 16, "SPLIT_K": 4,
     "num_warps": 4} for the GEMV (BLOCK_KP: packed rows per tile, 8 inputs each), plus "BLOCK_M"
-    for the dot (BLOCK_M, BLOCK_KP >= 16).
+    for the dot (BLOCK_M, BLOCK_KP >= 16). ``out`` [..., N], contiguous, receives y if given.
     """
     check(qweight.dim() == 2, f"qweight must be int32 [K // 8, N], got shape {tuple(qweight.shape)}")
     k, n = 8 * qweight.shape[0], qweight.shape[1]
-    rows = _check_x(x, k)
+    _check_x(x, k)
     group = k if group_size in (-1, k) else group_size
     check(isinstance(group, int) and group > 0 and group % 8 == 0,
           f"group_size is {group_size!r}; expected a positive multiple of 8 (e.g. 32, 64, 128), or -1 or K = {k} "
@@ -382,17 +387,16 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     _check_tensor("scales", scales, x.dtype, (groups, n), x)
     _check_tensor("zeros", zeros, torch.int32, (groups, n // 8), x)
     weights = (qweight, scales, zeros, group, _ONE_BITS, qweight.stride(0), scales.stride(0), zeros.stride(0))
-    y = _launch("w4", rows, n, weights, path, config)
-    return y.view(*x.shape[:-1], n)
+    return _launch("w4", x, k, n, weights, path, config, out)
 
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, path: str | None = None,
-                 config: dict | None = None) -> torch.Tensor:
-    """x [..., K] @ (int8 qweight [K, N] * scales [N]) -> [..., N]; ``path`` and ``config`` as in
-    ``w4a16_matmul`` (BLOCK_K in place of BLOCK_KP: rows of qweight per tile)."""
+                 config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (int8 qweight [K, N] * scales [N]) -> [..., N]; ``path``, ``config`` and ``out`` as
+    in ``w4a16_matmul`` (BLOCK_K in place of BLOCK_KP: rows of qweight per tile)."""
     check(qweight.dim() == 2, f"qweight must be int8 [K, N], got shape {tuple(qweight.shape)}")
     k, n = qweight.shape
-    rows = _check_x(x, k)
+    _check_x(x, k)
     _check_tensor("qweight", qweight, torch.int8, (k, n), x)
     _check_tensor("scales", scales, x.dtype, (n,), x)
-    return _launch("w8", rows, n, (qweight, scales, qweight.stride(0)), path, config).view(*x.shape[:-1], n)
+    return _launch("w8", x, k, n, (qweight, scales, qweight.stride(0)), path, config, out)
