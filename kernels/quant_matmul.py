@@ -62,10 +62,9 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
-from minillm.kernels.quant_pack import dequantize_int4, pack_int4, pack_int4_along_n, unpack_int4, unpack_int4_along_n
-
-__all__ = ["w4a16_matmul", "w4a16_matmul_ref", "w8a16_matmul", "w8a16_matmul_ref", "dequantize_int4", "pack_int4",
-           "unpack_int4", "pack_int4_along_n", "unpack_int4_along_n", "GEMV_MAX_M"]
+# The layout's helpers live in a Triton-free file; re-exported so that one import serves.
+from minillm.kernels.quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
+                                        unpack_int4, unpack_int4_along_n)
 
 INTERPRET = interpreter_on()
 # M up to this takes the GEMV. Its programs each dequantize their tile for one row, so from M = 2
@@ -148,12 +147,16 @@ def _nibble(packed, j: tl.constexpr, one_bits):
 
 
 @triton.jit
-def _group_params(S, Z, r, n, mask, group_size, one_bits, stride_s, stride_z):
-    """For packed rows r and columns n, [len(r), len(n)]: the scales (fp32) and 1 + zero / 16."""
+def _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits, stride_q, stride_s, stride_z, BLOCK_KP: tl.constexpr):
+    """Packed rows r = r0 .. r0 + BLOCK_KP (those below end) of columns n: (r, the packed int32 words,
+    their scales in fp32, 1 + zero / 16), each [BLOCK_KP, len(n)] but r."""
+    r = r0 + tl.arange(0, BLOCK_KP)
+    mask = (r < end)[:, None] & (n < N)[None, :]
+    packed = tl.load(QW + r[:, None] * stride_q + n[None, :], mask=mask, other=0)
     g = (8 * r) // group_size  # all eight weights of packed row r share this group (group_size % 8 == 0)
     scale = tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
     packed_zero = tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0)
-    return scale, _one_plus_sixteenth((packed_zero >> ((n % 8) * 4)[None, :]) << 19, one_bits)
+    return r, packed, scale, _one_plus_sixteenth((packed_zero >> ((n % 8) * 4)[None, :]) << 19, one_bits)
 
 
 @triton.jit
@@ -195,10 +198,8 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
     start, end = _split_range(K // 8, BLOCK_KP, SPLIT_K)
     acc = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
     for r0 in range(start, end, BLOCK_KP):
-        r = r0 + tl.arange(0, BLOCK_KP)
-        tile_mask = (r < end)[:, None] & (n < N)[None, :]
-        packed = tl.load(QW + r[:, None] * stride_q + n[None, :], mask=tile_mask, other=0)
-        scale, zero = _group_params(S, Z, r, n, tile_mask, group_size, one_bits, stride_s, stride_z)
+        r, packed, scale, zero = _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
+                                            stride_q, stride_s, stride_z, BLOCK_KP)
         part = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
         x_sum = tl.zeros((BLOCK_KP,), tl.float32)
         for j in tl.static_range(8):  # nibble j of row r is input k = 8r + j
@@ -222,10 +223,8 @@ def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
     start, end = _split_range(K // 8, BLOCK_KP, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for r0 in range(start, end, BLOCK_KP):
-        r = r0 + tl.arange(0, BLOCK_KP)
-        tile_mask = (r < end)[:, None] & (n < N)[None, :]
-        packed = tl.load(QW + r[:, None] * stride_q + n[None, :], mask=tile_mask, other=0)
-        scale, zero = _group_params(S, Z, r, n, tile_mask, group_size, one_bits, stride_s, stride_z)
+        r, packed, scale, zero = _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
+                                            stride_q, stride_s, stride_z, BLOCK_KP)
         scale *= 16.0
         for j in tl.static_range(8):
             w = ((_nibble(packed, j, one_bits) - zero) * scale).to(X.dtype.element_ty)  # scale carries the 16
@@ -349,6 +348,12 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
     else:
         plain[grid(config)](*args, **consts, **config)
     return out
+
+
+def autotuned_config(fmt: str, path: str) -> str | None:
+    """The config the autotuner chose at the last autotuned call of ``fmt`` ("w4", "w8") on ``path``, for benchmarks."""
+    chosen = getattr(_KERNELS[f"{fmt}_{path}"][1], "best_config", None)
+    return None if chosen is None else str(chosen)
 
 
 def _check_x(x: torch.Tensor, k: int) -> None:
