@@ -18,7 +18,8 @@ Two kernels per format, chosen by M (the number of tokens):
 - **GEMV** (decode, M <= GEMV_MAX_M): one program per row of x, so every tensor is 2-d and stays in
   the layout it was loaded in (no trips through shared memory). A tile of packed weights is
   unpacked nibble by nibble; each nibble plane is multiplied into an fp32 accumulator with plain
-  FMAs; the group's scale is applied once per tile and the reduction over K runs once, at the end.
+  FMAs; the group's scale is applied once per packed row, and the reduction over K once, at the end.
+  (The weight stays fp32 where the reference rounds it to x's dtype: 16-bit y may differ in a bit.)
   At M = 1 a tensor-core dot would be 1/16 useful work plus a shared-memory round trip. The M
   programs of a column tile are neighbours in the grid, so rows after the first find its weights
   in L2; but each dequantizes them again, which is why larger M goes to the dot.
