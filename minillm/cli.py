@@ -184,15 +184,16 @@ def cmd_bench_kernels(args) -> None:
     import torch
 
     from minillm.bench.harness import result_header, write_result
-    from minillm.bench.kernels import bench_kernels, format_kernel_table, plot_kernels
+    from minillm.bench.kernels import SECTIONS, bench_kernels, format_kernel_table, plot_kernels
     from minillm.kernels.checks import interpreter_on
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not interpreter_on():
         raise ValueError("bench kernels needs a CUDA device; on a CPU, TRITON_INTERPRET=1 runs a tiny sweep "
                          "through Triton's interpreter (a check that it works, not a measurement)")
-    result = result_header("kernels", "attention sweep", "-", args.command_line)
-    result["runs"] = bench_kernels(device)
+    chosen = args.only or list(SECTIONS)
+    result = result_header("kernels", " + ".join(chosen) + " sweep", "-", args.command_line)
+    result["runs"] = bench_kernels(device, **{name: None if name in chosen else [] for name in SECTIONS})
     if args.output:
         print(f"wrote {write_result(result, args.output)}")
         print(f"wrote {plot_kernels(result, args.output.removesuffix('.json') + '.png')}")
@@ -262,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", default=None, help="write the JSON result here")
     _add_model_args(t)
     t.set_defaults(func=cmd_bench_latency)
-    t = bench.add_parser("kernels", help="Triton attention kernels vs torch SDPA and the measured ceilings")
+    t = bench.add_parser("kernels", help="Triton kernels (attention, quantized matmul) vs torch and the measured ceilings")
+    t.add_argument("--only", nargs="+", default=None, choices=["prefill", "decode", "quant"],
+                   help="run only these sweeps (default: all)")
     t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
     t.set_defaults(func=cmd_bench_kernels)
     t = bench.add_parser("load", help="GGUF load time: first (convert and cache) vs second (from cache)")

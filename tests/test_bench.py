@@ -225,11 +225,16 @@ def test_kernel_bench_runs_and_checks_its_kernels(tmp_path):
     from minillm.bench.kernels import bench_kernels, format_kernel_table, plot_kernels
 
     runs = bench_kernels(torch.device("cpu"), progress=False)
-    assert runs["prefill"] and runs["decode"]
+    assert runs["prefill"] and runs["decode"] and runs["quant"]
     for row in runs["prefill"] + runs["decode"]:
         assert row["max_abs_error"] < 1e-4
         assert row["triton"]["ms"] > 0
+    for row in runs["quant"]:  # each format on its default path, and on the GEMV and the dot where both are timed
+        for fmt in ("w8a16", "w4a16"):
+            timed = [row[fmt][path] for path in ("gemv", "dot") if path in row[fmt]]
+            assert row[fmt]["auto_path"] in row[fmt] and timed
+            assert all(run["max_rel_error"] < 1e-5 and run["ms"] > 0 and run["speedup"] > 0 for run in timed)
     result = {"runs": runs, "device": "cpu", "commit": "test"}
-    assert "prefill" in format_kernel_table(result)
+    assert "prefill" in format_kernel_table(result) and "w4a16" in format_kernel_table(result)
     plot_kernels(result, str(tmp_path / "k.png"))
     assert (tmp_path / "k.png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""``minillm bench kernels``: the Triton attention kernels next to torch's SDPA and the device's ceilings.
+"""``minillm bench kernels``: the Triton kernels next to torch's own ops and the device's ceilings.
 
 Prefill (FlashAttention-style, ``kernels/flash_attention.py``) is compute-bound: we report TFLOP/s
 and the fraction of SDPA's TFLOP/s on the same input (flash and cuDNN backends, each where torch
@@ -7,7 +7,8 @@ K/V bytes it must read, and the fraction of the measured copy bandwidth (``bench
 Every shape is also checked against SDPA, so a fast wrong kernel cannot pass as fast.
 
 FLOPs of causal attention: 4·D per (query, key) pair and head, S(S+1)/2 pairs per sequence — the
-convention of ``bench/roofline.py``.
+convention of ``bench/roofline.py``. The weight-only quantized matmuls (W8A16, W4A16 against
+``torch.matmul``) have a section of their own, ``bench/quant_kernels.py``.
 """
 
 from __future__ import annotations
@@ -187,65 +188,92 @@ def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, b
     return row
 
 
-def bench_kernels(device: torch.device, dtype: torch.dtype | None = None, prefill=None, decode=None,
+SECTIONS = ("prefill", "decode", "quant")
+
+
+def bench_kernels(device: torch.device, dtype: torch.dtype | None = None, prefill=None, decode=None, quant=None,
                   progress: bool = True) -> dict:
-    """Run both sweeps; returns {"ceilings", "prefill": [...], "decode": [...]}."""
+    """Run the sweeps; returns {"ceilings", "prefill": [...], "decode": [...], "quant": [...]}. A sweep
+    left as None gets its default shapes (GPU or CPU); an empty list skips it."""
     from tqdm.auto import tqdm
+
+    from minillm.bench.quant_kernels import CPU_QUANT, GPU_QUANT, bench_quant_matmul
 
     on_gpu = device.type == "cuda"
     dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
-    prefill = GPU_PREFILL if on_gpu and prefill is None else (prefill or CPU_PREFILL)
-    decode = GPU_DECODE if on_gpu and decode is None else (decode or CPU_DECODE)
+    defaults = {"prefill": (GPU_PREFILL, CPU_PREFILL), "decode": (GPU_DECODE, CPU_DECODE), "quant": (GPU_QUANT, CPU_QUANT)}
+    given = {"prefill": prefill, "decode": decode, "quant": quant}
+    shapes = {name: defaults[name][0 if on_gpu else 1] if given[name] is None else given[name] for name in SECTIONS}
     bandwidth = measure_bandwidth(device)
-    result = {"ceilings": {"bandwidth_gbs": bandwidth}, "prefill": [], "decode": []}
-    with tqdm(total=len(prefill) + len(decode), desc="kernels", disable=not progress) as bar:
-        for shape in prefill:
-            result["prefill"].append(bench_prefill(shape, device, dtype))
-            bar.update()
-        for shape in decode:
-            result["decode"].append(bench_decode(shape, device, dtype, bandwidth))
-            bar.update()
+    run = {"prefill": lambda s: bench_prefill(s, device, dtype), "decode": lambda s: bench_decode(s, device, dtype, bandwidth),
+           "quant": lambda s: bench_quant_matmul(s, device, dtype, bandwidth)}
+    result = {"ceilings": {"bandwidth_gbs": bandwidth}} | {name: [] for name in SECTIONS}
+    with tqdm(total=sum(map(len, shapes.values())), desc="kernels", disable=not progress) as bar:
+        for name in SECTIONS:
+            for shape in shapes[name]:
+                result[name].append(run[name](shape))
+                bar.update()
     return result
 
 
 def format_kernel_table(result: dict) -> str:
-    lines = [f"{'prefill (B,H,Hkv,S,D)':<26}{'triton TFLOP/s':>15}{'SDPA flash':>12}{'SDPA cuDNN':>12}{'vs best':>9}"]
-    for row in result["runs"]["prefill"]:
+    """One block per section the result holds (older results have no "quant")."""
+    from minillm.bench.quant_kernels import format_quant_table
+
+    runs = result["runs"]
+    lines = []
+    if runs.get("prefill"):
+        lines.append(f"{'prefill (B,H,Hkv,S,D)':<26}{'triton TFLOP/s':>15}{'SDPA flash':>12}{'SDPA cuDNN':>12}{'vs best':>9}")
+    for row in runs.get("prefill", []):
         s = row["shape"]
         cells = [f"{row[n]['tflops']:.1f}" if row.get(n) else "-" for n in ("triton", "sdpa_flash", "sdpa_cudnn")]
         frac = row["fraction_of_best_sdpa"]
         lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['seq_len'], s['head_dim'])):<26}"
                      f"{cells[0]:>15}{cells[1]:>12}{cells[2]:>12}{(f'{frac:.0%}' if frac else '-'):>9}")
-    lines.append(f"{'decode (B,H,Hkv,ctx,D)':<26}{'triton GB/s':>15}{'SDPA flash':>12}{'of copy BW':>12}")
-    for row in result["runs"]["decode"]:
+    if runs.get("decode"):
+        lines.append(f"{'decode (B,H,Hkv,ctx,D)':<26}{'triton GB/s':>15}{'SDPA flash':>12}{'of copy BW':>12}")
+    for row in runs.get("decode", []):
         s = row["shape"]
         flash = f"{row['sdpa_flash']['gbs']:.0f}" if row.get("sdpa_flash") else "-"
         lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['context'], s['head_dim'])):<26}"
                      f"{row['triton']['gbs']:>15.0f}{flash:>12}{row['fraction_of_bandwidth']:>12.0%}")
+    if runs.get("quant"):
+        lines.append(format_quant_table(runs["quant"]))
     return "\n".join(lines)
 
 
+def _plot_prefill(axis, rows: list[dict], ceilings: dict) -> None:
+    labels = [f"S={r['shape']['seq_len']}\nHkv={r['shape']['kv_heads']} D={r['shape']['head_dim']}" for r in rows]
+    axis.bar(labels, [r["fraction_of_best_sdpa"] or 0 for r in rows], color="tab:blue")
+    axis.axhline(1.0, color="gray", lw=1)
+    axis.set_ylabel("Triton TFLOP/s / best SDPA TFLOP/s")
+    axis.set_title("prefill (causal, B=8, H=32)")
+
+
+def _plot_decode(axis, rows: list[dict], ceilings: dict) -> None:
+    labels = [f"B={r['shape']['batch']}\nctx={r['shape']['context']}" for r in rows]
+    axis.bar(labels, [r["fraction_of_bandwidth"] for r in rows], color="tab:orange")
+    axis.axhline(1.0, color="gray", lw=1)
+    axis.set_ylabel("K/V GB/s / copy bandwidth")
+    axis.set_title(f"paged decode (H=32, Hkv=8, D=128); copy {ceilings['bandwidth_gbs']:.0f} GB/s")
+
+
 def plot_kernels(result: dict, path: str) -> str:
-    """Two panels: prefill as a fraction of the best SDPA backend, decode as a fraction of copy bandwidth."""
+    """A panel per section the result holds: prefill as a fraction of the best SDPA backend, decode as a
+    fraction of copy bandwidth, quantized matmuls as a speed-up over torch's dense matmul."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from minillm.bench.quant_kernels import plot_quant
+
     runs = result["runs"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-    labels = [f"S={r['shape']['seq_len']}\nHkv={r['shape']['kv_heads']} D={r['shape']['head_dim']}"
-              for r in runs["prefill"]]
-    left.bar(labels, [r["fraction_of_best_sdpa"] or 0 for r in runs["prefill"]], color="tab:blue")
-    left.axhline(1.0, color="gray", lw=1)
-    left.set_ylabel("Triton TFLOP/s / best SDPA TFLOP/s")
-    left.set_title("prefill (causal, B=8, H=32)")
-    labels = [f"B={r['shape']['batch']}\nctx={r['shape']['context']}" for r in runs["decode"]]
-    right.bar(labels, [r["fraction_of_bandwidth"] for r in runs["decode"]], color="tab:orange")
-    right.axhline(1.0, color="gray", lw=1)
-    right.set_ylabel("K/V GB/s / copy bandwidth")
-    right.set_title(f"paged decode (H=32, Hkv=8, D=128); copy {runs['ceilings']['bandwidth_gbs']:.0f} GB/s")
-    for axis in (left, right):
+    panels = {"prefill": _plot_prefill, "decode": _plot_decode, "quant": lambda axis, rows, _: plot_quant(axis, rows)}
+    present = [name for name in SECTIONS if runs.get(name)]
+    fig, axes = plt.subplots(1, len(present), figsize=(6 * len(present), 4), squeeze=False)
+    for axis, name in zip(axes[0], present):
+        panels[name](axis, runs[name], runs["ceilings"])
         axis.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"{result['device']} · commit {result['commit']}")
     fig.tight_layout()

@@ -1,0 +1,408 @@
+"""Weight-only quantized matmul: y = x @ W with W stored as 4-bit (W4A16) or 8-bit (W8A16) integers.
+
+Why it exists: a batch-1 decode step reads every weight once and does two FLOPs with it, so its
+time is bytes / bandwidth. INT4 weights are a quarter of bf16's bytes and INT8 half, but only if the
+matmul reads them packed and dequantizes in registers; unpacking to a bf16 copy first reads more
+than the bf16 layer did. The kernels here never write a dequantized weight.
+
+Layout (GPTQ's "v1" packing, which AutoGPTQ, AutoAWQ's GEMM format and vLLM read too):
+- ``qweight`` int32 [K // 8, N]: input index k = 8i + j lives in bits 4j..4j+3 of row i;
+- ``scales`` [ceil(K / G), N] in x's dtype, ``zeros`` int32 [ceil(K / G), N // 8] packed the same
+  way along N (n = 8c + j in bits 4j..4j+3 of column c), holding the true zero point 0..15;
+- w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]. The last group may be short (K % G != 0);
+  group_size = K (or -1) is one group per column. G must be a multiple of 8 so that the eight
+  weights of a packed row share their group; then every tile row needs only one scale and zero.
+W8A16: ``qweight`` int8 [K, N], ``scales`` [N]: y = (x @ q) * s (symmetric, per output channel).
+
+Two kernels per format, chosen by M (the number of tokens):
+- **GEMV** (decode, M <= GEMV_MAX_M): one program per row of x, so every tensor is 2-d and stays in
+  the layout it was loaded in (no trips through shared memory). A tile of packed weights is
+  unpacked nibble by nibble; each nibble plane is multiplied into an fp32 accumulator with plain
+  FMAs; the group's scale is applied once per packed row, and the reduction over K once, at the end.
+  (The weight stays fp32 where the reference rounds it to x's dtype: 16-bit y may differ in a bit.)
+  At M = 1 a tensor-core dot would be 1/16 useful work plus a shared-memory round trip. The M
+  programs of a column tile are neighbours in the grid, so rows after the first find its weights
+  in L2; but each dequantizes them again, which is why larger M goes to the dot.
+- **dot** (M up to a few hundred): the tile is dequantized to x's dtype and fed to ``tl.dot``.
+  Since y = sum_k x_k w_k in any order of k, the eight nibble planes of a packed row tile are eight
+  dots of [BLOCK_M, BLOCK_KP] x [BLOCK_KP, BLOCK_N], with x read at stride 8: no interleaving.
+
+Both are memory-bound at small M, and then the limit is how many bytes are in flight: N / BLOCK_N
+programs alone leave most of the 132 SMs of an H200 idle when N = 4096. So the K dimension is
+also split over SPLIT_K programs (split-K), each writing an fp32 partial; the *last* program of a
+column tile to finish sums the partials in split order and writes y (the "serial split-K" or
+Stream-K fix-up: Osama et al., "Stream-K", PPoPP 2023, https://arxiv.org/abs/2301.03598). Compared
+with a second reduction kernel this saves a launch (microseconds, on a kernel that should take ~6);
+compared with atomic adds into y it needs no zeroed output and stays deterministic. It needs a
+per-tile arrival counter: a small int32 buffer per device, zeroed once and reset to zero by the
+last program, so CUDA-graph replays find it clean. (Two streams must not run these kernels on one
+device at once; minillm runs one.)
+
+Integer to float without the converter: an int->float conversion issues at 1/8 of the FMA rate
+(CUDA C Programming Guide, arithmetic instruction throughput, cc 9.0), slower than HBM delivers
+nibbles. Instead the integer is written into the mantissa of a float (the trick of FasterTransformer's
+and Marlin's converters: Kim et al., https://arxiv.org/abs/2211.10017; Frantar et al.,
+https://arxiv.org/abs/2408.11743):
+- a nibble q shifted into mantissa bits 19..22 under the exponent of 1.0 (bits 0x3F800000) *is*
+  the float 1 + q / 16: one shift and one LOP3 per weight. The GEMV multiplies x into 1 + q / 16
+  and corrects once per packed row: sum_j x_j (q_j - z) = 16 (sum_j x_j (1 + q_j / 16) - (1 + z / 16)
+  sum_j x_j), so a weight costs a shift, a LOP3 and one FMA (about 5.5 instructions per weight in
+  all on sm_90, by the SASS);
+- an int8 v added to the bits of 1.5 * 2**23 (0x4B400000), whose last mantissa bit is worth 1,
+  is the float 12582912 + v; one subtraction gives v.
+Computing 1 + q / 16 rather than q keeps the products and sums near 1, so fp32 loses nothing.
+
+On CUDA the tile sizes and SPLIT_K are autotuned per (N, K, bucket of M); under Triton's CPU
+interpreter one small pinned config runs (with SPLIT_K = 2, so the fix-up path is what is tested).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
+# The layout's helpers live in a Triton-free file; re-exported so that one import serves.
+from minillm.kernels.quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
+                                        unpack_int4, unpack_int4_along_n)
+
+INTERPRET = interpreter_on()
+# M up to this takes the GEMV. Its programs each dequantize their tile for one row, so from M = 2
+# on the dot (one dequantization per tile, tensor cores for the rows) does less work.
+GEMV_MAX_M = 1
+_SPLIT_MAX_M = 64  # above this, enough programs come from M tiles alone: no split-K, no partials
+_ONE_BITS = 0x3F800000  # the float 1.0: mantissa bits 19..22 under its exponent count sixteenths
+_MAGIC_BITS = tl.constexpr(0x4B400000)  # the float 1.5 * 2**23, whose last mantissa bit is worth 1
+_MAGIC = tl.constexpr(12582912.0)
+_MAX_TILES = 1 << 16  # arrival counters per device: column tiles x row tiles of one split-K launch
+
+
+def _configs(rows: list[tuple], names: tuple[str, ...]) -> list[triton.Config]:
+    """(meta..., num_warps, num_stages) rows -> triton.Configs."""
+    return [triton.Config(dict(zip(names, r[:-2])), num_warps=r[-2], num_stages=r[-1]) for r in rows]
+
+
+# Small on purpose (each config is compiled and timed for every new key). For Hopper's 132 SMs: the
+# GEMV wants a few hundred programs (N / BLOCK_N x SPLIT_K) each streaming 16-byte loads along N.
+_W4_GEMV = _configs([(64, 16, 1, 4, 3), (128, 16, 1, 4, 3), (64, 16, 2, 4, 3), (64, 16, 4, 4, 3), (128, 16, 4, 4, 3),
+                     (64, 16, 8, 4, 3), (128, 32, 4, 8, 3), (256, 16, 8, 8, 3)], ("BLOCK_N", "BLOCK_KP", "SPLIT_K"))
+_W8_GEMV = _configs([(128, 32, 1, 4, 3), (256, 16, 1, 4, 3), (128, 32, 4, 4, 3), (256, 32, 2, 8, 3),
+                     (256, 16, 4, 4, 3), (128, 32, 8, 4, 3), (256, 64, 4, 8, 3)], ("BLOCK_N", "BLOCK_K", "SPLIT_K"))
+_W4_DOT = _configs([(16, 64, 16, 1, 4, 3), (16, 128, 16, 1, 4, 3), (16, 64, 16, 4, 4, 3), (16, 128, 16, 4, 4, 3),
+                    (32, 64, 16, 2, 4, 3), (64, 64, 16, 1, 4, 3), (64, 128, 32, 1, 8, 3), (128, 128, 16, 1, 8, 3)],
+                   ("BLOCK_M", "BLOCK_N", "BLOCK_KP", "SPLIT_K"))
+_W8_DOT = _configs([(16, 64, 64, 1, 4, 3), (16, 128, 64, 1, 4, 3), (16, 64, 64, 4, 4, 3), (16, 128, 128, 4, 4, 3),
+                    (32, 64, 64, 2, 4, 3), (64, 64, 64, 1, 4, 3), (64, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 3)],
+                   ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
+_INTERPRETER = {"w4_gemv": dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=2), "w8_gemv": dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2),
+                "w4_dot": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_KP=16, SPLIT_K=2),
+                "w8_dot": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2)}
+# fp32 dots are exact ("ieee") and compile slowly in big tiles; fp32 on a GPU is for checks only.
+_GPU_FP32_DOT = {"w4_dot": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_KP=16, SPLIT_K=1, num_warps=4, num_stages=2),
+                 "w8_dot": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)}
+
+
+# ----------------------------------------------------------------------------- references (torch)
+
+
+def w4a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int) -> torch.Tensor:
+    """What ``w4a16_matmul`` computes: the weight dequantized to x's dtype (as a dense layer would hold
+    it), then x @ w with fp32 accumulation, rounded to x's dtype. x [..., K] -> [..., N]."""
+    w = dequantize_int4(qweight, scales, zeros, group_size, x.dtype)
+    return (x.float() @ w.float()).to(x.dtype)
+
+
+def w8a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What ``w8a16_matmul`` computes: (x @ q) * s in fp32, rounded to x's dtype. x [..., K] -> [..., N]."""
+    return ((x.float() @ qweight.float()) * scales.float()).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+@triton.jit
+def _split_range(rows, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's part [start, end) of the reduction dim: SPLIT_K runs of whole tiles (some may be empty)."""
+    per_split = tl.cdiv(tl.cdiv(rows, SPLIT_K), BLOCK) * BLOCK
+    start = tl.program_id(1) * per_split
+    return start, tl.minimum(start + per_split, rows)
+
+
+@triton.jit
+def _one_plus_sixteenth(v, one_bits):
+    """1 + v / 16 as fp32, exactly, for int32 v whose bits 19..22 hold v (all other bits are ignored).
+    ``one_bits`` is 0x3F800000, the float 1.0, passed in as an argument: as a second immediate next to
+    the mask it would cost an extra instruction per weight (ptxas re-creates it before every LOP3)."""
+    return ((v & 0x00780000) | one_bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibble(packed, j: tl.constexpr, one_bits):
+    """1 + q / 16 for nibble j (bits 4j..4j+3) of each packed int32: one shift and one LOP3 each."""
+    if 4 * j <= 19:
+        return _one_plus_sixteenth(packed << (19 - 4 * j), one_bits)
+    else:
+        return _one_plus_sixteenth(packed >> (4 * j - 19), one_bits)
+
+
+@triton.jit
+def _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits, stride_q, stride_s, stride_z, BLOCK_KP: tl.constexpr):
+    """Packed rows r = r0 .. r0 + BLOCK_KP (those below end) of columns n: (r, the packed int32 words,
+    their scales in fp32, 1 + zero / 16), each [BLOCK_KP, len(n)] but r."""
+    r = r0 + tl.arange(0, BLOCK_KP)
+    mask = (r < end)[:, None] & (n < N)[None, :]
+    packed = tl.load(QW + r[:, None] * stride_q + n[None, :], mask=mask, other=0)
+    g = (8 * r) // group_size  # all eight weights of packed row r share this group (group_size % 8 == 0)
+    scale = tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
+    packed_zero = tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0)
+    return r, packed, scale, _one_plus_sixteenth((packed_zero >> ((n % 8) * 4)[None, :]) << 19, one_bits)
+
+
+@triton.jit
+def _int8_to_float(q):
+    return (q.to(tl.int32) + _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC
+
+
+@triton.jit
+def _finish(acc, Y, Partials, Counters, m, n, mask, M, N, stride_ym, tile, SPLIT_K: tl.constexpr):
+    """Write the [BLOCK_M, BLOCK_N] result; with split-K, the last program of the tile sums the partials."""
+    y_ptrs = Y + m[:, None] * stride_ym + n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask)
+    else:
+        part_ptrs = Partials + m[:, None] * N + n[None, :]  # Partials [SPLIT_K, M, N] fp32
+        tl.store(part_ptrs + tl.program_id(1) * M * N, acc, mask=mask)
+        # Every thread's stores happen before thread 0's release (barrier, then acq_rel atomic), so
+        # the program that sees SPLIT_K - 1 earlier arrivals sees every partial (CUTLASS's semaphore).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT_K):  # in split order, whichever program came last: deterministic
+                total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")  # L2, not L1
+            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=mask)
+            tl.store(Counters + tile, 0)  # clean for the next launch or graph replay
+
+
+# ----------------------------------------------------------------------------- W4A16 kernels
+
+
+@triton.jit
+def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
+                    QW, S, Z, group_size, one_bits, stride_q, stride_s, stride_z,
+                    BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Program (row m and column tile, split): one row of x, BLOCK_N columns, a split of the K // 8 packed rows."""
+    m = tl.program_id(0) % M  # the M programs of a column tile run side by side and share its weights in L2
+    n = tl.program_id(0) // M * BLOCK_N + tl.arange(0, BLOCK_N)
+    start, end = _split_range(K // 8, BLOCK_KP, SPLIT_K)
+    acc = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
+    for r0 in range(start, end, BLOCK_KP):
+        r, packed, scale, zero = _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
+                                            stride_q, stride_s, stride_z, BLOCK_KP)
+        part = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
+        x_sum = tl.zeros((BLOCK_KP,), tl.float32)
+        for j in tl.static_range(8):  # nibble j of row r is input k = 8r + j
+            x = tl.load(X + m * stride_xm + 8 * r + j, mask=r < end, other=0.0).to(tl.float32)
+            x_sum += x
+            part += x[:, None] * _nibble(packed, j, one_bits)  # sum_j x_j (1 + q_j / 16): one FMA per weight
+        # sum_j x_j (q_j - z) = 16 (part - (1 + z / 16) sum_j x_j); the 16 waits for the end.
+        acc += scale * (part - zero * x_sum[:, None])
+    _finish(16.0 * tl.sum(acc, axis=0)[None, :], Y, Partials, Counters, m + tl.arange(0, 1), n, (n < N)[None, :],
+            M, N, stride_ym, tl.program_id(0), SPLIT_K)
+
+
+@triton.jit
+def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
+                   QW, S, Z, group_size, one_bits, stride_q, stride_s, stride_z, M_BUCKET,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Program (column tile, split, row tile). M_BUCKET is only the autotuner's key."""
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_rows = X + m.to(tl.int64)[:, None] * stride_xm
+    start, end = _split_range(K // 8, BLOCK_KP, SPLIT_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for r0 in range(start, end, BLOCK_KP):
+        r, packed, scale, zero = _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
+                                            stride_q, stride_s, stride_z, BLOCK_KP)
+        scale *= 16.0
+        for j in tl.static_range(8):
+            w = ((_nibble(packed, j, one_bits) - zero) * scale).to(X.dtype.element_ty)  # scale carries the 16
+            x = tl.load(x_rows + (8 * r + j)[None, :], mask=(m < M)[:, None] & (r < end)[None, :], other=0.0)
+            acc = tl.dot(x, w, acc, input_precision="ieee")  # "ieee": fp32 x gets fp32 products, not TF32
+    _finish(acc, Y, Partials, Counters, m.to(tl.int64), n, (m < M)[:, None] & (n < N)[None, :], M, N, stride_ym,
+            tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), SPLIT_K)
+
+
+# ----------------------------------------------------------------------------- W8A16 kernels
+
+
+@triton.jit
+def _w8_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym, QW, S, stride_q,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    m = tl.program_id(0) % M
+    n = tl.program_id(0) // M * BLOCK_N + tl.arange(0, BLOCK_N)
+    start, end = _split_range(K, BLOCK_K, SPLIT_K)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(QW + k[:, None] * stride_q + n[None, :], mask=(k < end)[:, None] & (n < N)[None, :], other=0)
+        x = tl.load(X + m * stride_xm + k, mask=k < end, other=0.0).to(tl.float32)
+        acc += x[:, None] * _int8_to_float(q)
+    scale = tl.load(S + n, mask=n < N, other=0.0).to(tl.float32)
+    _finish((tl.sum(acc, axis=0) * scale)[None, :], Y, Partials, Counters, m + tl.arange(0, 1), n,
+            (n < N)[None, :], M, N, stride_ym, tl.program_id(0), SPLIT_K)
+
+
+@triton.jit
+def _w8_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym, QW, S, stride_q, M_BUCKET,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_rows = X + m.to(tl.int64)[:, None] * stride_xm
+    start, end = _split_range(K, BLOCK_K, SPLIT_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(QW + k[:, None] * stride_q + n[None, :], mask=(k < end)[:, None] & (n < N)[None, :], other=0)
+        x = tl.load(x_rows + k[None, :], mask=(m < M)[:, None] & (k < end)[None, :], other=0.0)
+        # |q| <= 128 is exact in every float dtype: the per-channel scale waits for the end.
+        acc = tl.dot(x, _int8_to_float(q).to(X.dtype.element_ty), acc, input_precision="ieee")
+    scale = tl.load(S + n, mask=n < N, other=0.0).to(tl.float32)
+    _finish(acc * scale[None, :], Y, Partials, Counters, m.to(tl.int64), n, (m < M)[:, None] & (n < N)[None, :],
+            M, N, stride_ym, tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), SPLIT_K)
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def _fit_dot_tiles(configs, named_args, **kwargs):
+    """Row tiles between a quarter of M's bucket and the bucket; split-K only where M is small."""
+    bucket = {**named_args, **kwargs}["M_BUCKET"]
+    kept = [c for c in configs if bucket // 4 <= c.kwargs["BLOCK_M"] <= max(16, bucket)
+            and (c.kwargs["SPLIT_K"] == 1 or bucket <= _SPLIT_MAX_M)]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
+
+
+_KERNELS = {
+    "w4_gemv": (_w4_gemv_kernel, triton.autotune(_W4_GEMV, key=["N", "K", "M"])),
+    "w4_dot": (_w4_dot_kernel, triton.autotune(_W4_DOT, key=["N", "K", "M_BUCKET"],
+                                               prune_configs_by={"early_config_prune": _fit_dot_tiles})),
+    "w8_gemv": (_w8_gemv_kernel, triton.autotune(_W8_GEMV, key=["N", "K", "M"])),
+    "w8_dot": (_w8_dot_kernel, triton.autotune(_W8_DOT, key=["N", "K", "M_BUCKET"],
+                                               prune_configs_by={"early_config_prune": _fit_dot_tiles})),
+}
+_MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in _W4_GEMV + _W4_DOT + _W8_GEMV + _W8_DOT)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K arrival counters, zeroed once; the kernels leave them at zero."""
+    if device not in _COUNTERS:
+        check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
+              "the first quantized matmul on a device allocates its split-K counters; run one before capturing "
+              "a CUDA graph (the autotuner needs an eager call anyway)")
+        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: str | None, config: dict | None,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] -> y [..., N] through format ``fmt``'s GEMV or dot kernel; ``weights`` are the
+    kernel's arguments after the strides of x and y."""
+    x = x_in.reshape(-1, k)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows = x.shape[0]
+    path = path or ("gemv" if rows <= GEMV_MAX_M else "dot")
+    check(path in ("gemv", "dot"), f"path is {path!r}; expected 'gemv', 'dot' or None (chosen by M)")
+    name = f"{fmt}_{path}"
+    shape = (*x_in.shape[:-1], n)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+    check(out.shape == shape and out.dtype == x.dtype and out.device == x.device and out.is_contiguous(),
+          f"out is {out.dtype} {tuple(out.shape)} on {out.device}; expected a contiguous {x.dtype} {shape} on {x.device}")
+    y = out.view(rows, n)
+    if rows == 0 or n == 0:
+        return y
+    if config is None and INTERPRET:
+        config = _INTERPRETER[name]
+    elif config is None and x.dtype == torch.float32 and path == "dot":
+        config = _GPU_FP32_DOT[name]
+    # Autotuned split-K configs exist only for M <= _SPLIT_MAX_M (see the pruning): no partials beyond.
+    splits = config["SPLIT_K"] if config else (_MAX_SPLIT_K if rows <= _SPLIT_MAX_M else 1)
+    partials = torch.empty(splits * rows * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
+    check(splits == 1 or triton.cdiv(n, 32) * triton.cdiv(rows, 16) <= _MAX_TILES,
+          f"a split-K launch with N = {n}, M = {rows} needs more than {_MAX_TILES} tile counters")
+    args = (x, y, partials, _tile_counters(x.device), rows, n, x.shape[1], x.stride(0), y.stride(0), *weights)
+    if path == "gemv":
+        consts = {}
+        grid = lambda meta: (rows * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+    else:
+        # The autotuner's key: tile choices are made per power-of-two bucket of M, not per M, so a
+        # prefill of any new length does not start a new round of timing.
+        consts = {"M_BUCKET": min(256, triton.next_power_of_2(max(16, rows)))}
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"],  # noqa: E731
+                             triton.cdiv(rows, meta["BLOCK_M"]))
+    plain, tuned = _KERNELS[name]
+    if config is None:
+        tuned[grid](*args, **consts)
+    else:
+        plain[grid(config)](*args, **consts, **config)
+    return out
+
+
+def autotuned_config(fmt: str, path: str) -> str | None:
+    """The config the autotuner chose at the last autotuned call of ``fmt`` ("w4", "w8") on ``path``, for benchmarks."""
+    chosen = getattr(_KERNELS[f"{fmt}_{path}"][1], "best_config", None)
+    return None if chosen is None else str(chosen)
+
+
+def _check_x(x: torch.Tensor, k: int) -> None:
+    check(x.dtype in FLOAT_DTYPES, f"x.dtype is {x.dtype}; expected one of {FLOAT_DTYPES}")
+    check_runnable("x", x)
+    check(x.dim() >= 1 and x.shape[-1] == k, f"x has shape {tuple(x.shape)}; its last dim must be K = {k}")
+
+
+def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, x: torch.Tensor) -> None:
+    check(t.dtype == dtype, f"{name}.dtype is {t.dtype}; expected {dtype}")
+    check(tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}; expected {shape}")
+    check(t.device == x.device, f"{name} is on {t.device} but x is on {x.device}")
+    check(t.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {t.stride()}")
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, path: str | None = None, config: dict | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (fp16/bf16, or fp32) @ the INT4 weight (layout in the module docstring) -> [..., N].
+
+    ``path`` forces "gemv" or "dot" (default: GEMV for M <= GEMV_MAX_M); ``config`` pins a launch
+    configuration instead of autotuning, e.g. {"BLOCK_N": 64, "BLOCK_KP": 16, "SPLIT_K": 4,
+    "num_warps": 4} for the GEMV (BLOCK_KP: packed rows per tile, 8 inputs each), plus "BLOCK_M"
+    for the dot (BLOCK_M, BLOCK_KP >= 16). ``out`` [..., N], contiguous, receives y if given.
+    """
+    check(qweight.dim() == 2, f"qweight must be int32 [K // 8, N], got shape {tuple(qweight.shape)}")
+    k, n = 8 * qweight.shape[0], qweight.shape[1]
+    _check_x(x, k)
+    group = k if group_size in (-1, k) else group_size
+    check(isinstance(group, int) and group > 0 and group % 8 == 0,
+          f"group_size is {group_size!r}; expected a positive multiple of 8 (e.g. 32, 64, 128), or -1 or K = {k} "
+          "for one group per column")
+    check(n % 8 == 0, f"N = {n} (qweight.shape[1]) must be a multiple of 8: zeros pack eight columns per int32")
+    groups = -(-k // group)
+    _check_tensor("qweight", qweight, torch.int32, (k // 8, n), x)
+    _check_tensor("scales", scales, x.dtype, (groups, n), x)
+    _check_tensor("zeros", zeros, torch.int32, (groups, n // 8), x)
+    weights = (qweight, scales, zeros, group, _ONE_BITS, qweight.stride(0), scales.stride(0), zeros.stride(0))
+    return _launch("w4", x, k, n, weights, path, config, out)
+
+
+def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, path: str | None = None,
+                 config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (int8 qweight [K, N] * scales [N]) -> [..., N]; ``path``, ``config`` and ``out`` as
+    in ``w4a16_matmul`` (BLOCK_K in place of BLOCK_KP: rows of qweight per tile)."""
+    check(qweight.dim() == 2, f"qweight must be int8 [K, N], got shape {tuple(qweight.shape)}")
+    k, n = qweight.shape
+    _check_x(x, k)
+    _check_tensor("qweight", qweight, torch.int8, (k, n), x)
+    _check_tensor("scales", scales, x.dtype, (n,), x)
+    return _launch("w8", x, k, n, (qweight, scales, qweight.stride(0)), path, config, out)

@@ -1,0 +1,72 @@
+"""INT4 packing and dequantization in plain torch: the layout ``kernels/quant_matmul.py`` reads.
+
+Why a file of its own: it imports no Triton, so the quantization code and its CPU path (a
+dequantize-then-matmul) can use the one definition of the layout on any machine.
+
+Eight 4-bit values fill one int32, value j of the eight in bits 4j..4j+3 (GPTQ's "v1" packing):
+- weights along the input dim K: ``qweight`` int32 [K // 8, N], input k = 8i + j in row i;
+- zero points along the output dim N: ``zeros`` int32 [groups, N // 8], column n = 8c + j in column c.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SHIFTS = tuple(range(0, 32, 4))
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int [K, N] with values in 0..15 -> int32 [K // 8, N]: q[8i + j, n] in bits 4j..4j+3 of row i.
+
+    Bit 31 belongs to value 7, so rows whose value 7 is 8 or more come out negative; readers shift
+    and mask (``(p >> 4j) & 15``), which sign does not disturb."""
+    if q.dim() != 2 or q.shape[0] % 8 != 0:
+        raise ValueError(f"q must be [K, N] with K a multiple of 8, got shape {tuple(q.shape)}")
+    if q.dtype.is_floating_point or q.dtype == torch.bool:
+        raise ValueError(f"q.dtype is {q.dtype}; expected an integer dtype holding 0..15")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError(f"q holds values in {int(q.min())}..{int(q.max())}; expected 0..15")
+    planes = q.to(torch.int64).view(q.shape[0] // 8, 8, q.shape[1])
+    packed = torch.zeros(planes.shape[0], planes.shape[2], dtype=torch.int64, device=q.device)
+    for j, shift in enumerate(_SHIFTS):
+        packed |= planes[:, j] << shift
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the unsigned word, as int32
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [K // 8, N] -> int32 [K, N] in 0..15: the inverse of ``pack_int4``."""
+    if packed.dim() != 2 or packed.dtype != torch.int32:
+        raise ValueError(f"packed must be int32 [K // 8, N], got {packed.dtype} of shape {tuple(packed.shape)}")
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device).view(1, 8, 1)
+    return ((packed[:, None, :] >> shifts) & 15).reshape(8 * packed.shape[0], packed.shape[1])
+
+
+def pack_int4_along_n(z: torch.Tensor) -> torch.Tensor:
+    """int [G, N] in 0..15 -> int32 [G, N // 8]: z[g, 8c + j] in bits 4j..4j+3 of column c (the zeros' layout)."""
+    if z.dim() != 2:
+        raise ValueError(f"z must be [groups, N], got shape {tuple(z.shape)}")
+    return pack_int4(z.t()).t().contiguous()
+
+
+def unpack_int4_along_n(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [G, N // 8] -> int32 [G, N] in 0..15: the inverse of ``pack_int4_along_n``."""
+    if packed.dim() != 2:
+        raise ValueError(f"packed must be int32 [groups, N // 8], got shape {tuple(packed.shape)}")
+    return unpack_int4(packed.t()).t().contiguous()
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight [K, N] in ``dtype``: w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n], computed
+    in fp32 and rounded once. group_size -1 (or K) means one group per column."""
+    q = unpack_int4(qweight)
+    k = q.shape[0]
+    group = k if group_size == -1 else group_size
+    if group <= 0:
+        raise ValueError(f"group_size is {group_size}; expected a positive size or -1 (one group per column)")
+    g = torch.arange(k, device=q.device) // group
+    z = unpack_int4_along_n(zeros)
+    if scales.shape != z.shape or scales.shape[0] != -(-k // group):
+        raise ValueError(f"scales {tuple(scales.shape)} and zeros (unpacked) {tuple(z.shape)} must both be "
+                         f"[ceil(K / group_size), N] = [{-(-k // group)}, {q.shape[1]}]")
+    return ((q - z[g]).float() * scales[g].float()).to(dtype)

@@ -1,0 +1,200 @@
+"""W4A16 / W8A16 matmul kernels against their torch references, the references against a
+dequantization written here from the layout's definition, and the INT4 packing helpers.
+Under TRITON_INTERPRET=1 on CPU (tests/conftest.py): small shapes, fp32 and fp16 (bf16 on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.kernels import quant_matmul
+from minillm.kernels.quant_matmul import (pack_int4, pack_int4_along_n, unpack_int4, unpack_int4_along_n,
+                                          w4a16_matmul, w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# Relative to the largest |y|: the GEMV keeps the weight in fp32 where the reference rounds it to
+# x's dtype, so 16-bit results may differ in their last bit or two.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def int4_problem(m: int, k: int, n: int, group_size: int, dtype: torch.dtype, seed: int = 0):
+    """Random x, 4-bit weights, zero points and scales, packed: (x, qweight, scales, zeros, q, z)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // (k if group_size == -1 else group_size))
+    q = torch.randint(0, 16, (k, n), generator=g)
+    z = torch.randint(0, 16, (groups, n), generator=g)
+    scales = torch.rand(groups, n, generator=g) * 0.09 + 0.01
+    x = torch.randn(m, k, generator=g)
+    to = dict(device=DEVICE)
+    return (x.to(dtype=dtype, **to), pack_int4(q).to(**to), scales.to(dtype=dtype, **to),
+            pack_int4_along_n(z).to(**to), q, z)
+
+
+def int8_problem(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (k, n), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 0.02 + 0.001
+    x = torch.randn(m, k, generator=g)
+    return x.to(dtype=dtype, device=DEVICE), q.to(DEVICE), scales.to(dtype=dtype, device=DEVICE)
+
+
+def assert_matches(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    assert torch.isfinite(y).all(), "the kernel left poisoned (NaN) outputs"
+    torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=TOL[dtype] * ref.float().abs().max().item())
+
+
+def poisoned(shape, dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def counters_are_clean() -> bool:
+    """Split-K launches must leave their arrival counters at zero, or the next launch (or graph replay) breaks."""
+    return all(int(c.abs().sum()) == 0 for c in quant_matmul._COUNTERS.values())
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def test_pack_int4_puts_value_j_of_eight_in_bits_4j():
+    q = torch.randint(0, 16, (24, 5), generator=torch.Generator().manual_seed(1))
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 5)
+    for i in range(3):
+        for col in range(5):
+            expected = sum(int(q[8 * i + j, col]) << (4 * j) for j in range(8))
+            assert int(packed[i, col]) & 0xFFFFFFFF == expected
+    assert torch.equal(unpack_int4(packed), q.to(torch.int32))
+
+
+def test_zeros_pack_along_n_and_round_trip():
+    z = torch.randint(0, 16, (3, 16), generator=torch.Generator().manual_seed(2))
+    packed = pack_int4_along_n(z)
+    assert packed.shape == (3, 2)
+    for group in range(3):
+        for c in range(2):
+            expected = sum(int(z[group, 8 * c + j]) << (4 * j) for j in range(8))
+            assert int(packed[group, c]) & 0xFFFFFFFF == expected
+    assert torch.equal(unpack_int4_along_n(packed), z.to(torch.int32))
+
+
+@pytest.mark.parametrize("bad, message", [(torch.full((8, 2), 16), "0..15"), (torch.zeros(12, 2, dtype=torch.long), "multiple of 8"),
+                                          (torch.zeros(8, 2), "integer dtype")])
+def test_pack_int4_refuses_bad_input(bad, message):
+    with pytest.raises(ValueError, match=message):
+        pack_int4(bad)
+
+
+# ----------------------------------------------------------------------------- the references
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k, group_size", [(576, 128), (64, -1), (96, 32)])
+def test_w4a16_reference_is_dequantize_then_matmul(dtype, k, group_size):
+    """Written from the layout's definition, element by element, in float64."""
+    x, qweight, scales, zeros, _, _ = int4_problem(3, k, 16, group_size, dtype)
+    x, qweight, scales, zeros = (t.cpu() for t in (x, qweight, scales, zeros))
+    group = k if group_size == -1 else group_size
+    w = torch.empty(k, 16, dtype=torch.float64)
+    for row in range(k):
+        for col in range(16):
+            q = (int(qweight[row // 8, col]) >> (4 * (row % 8))) & 15
+            z = (int(zeros[row // group, col // 8]) >> (4 * (col % 8))) & 15
+            w[row, col] = (q - z) * float(scales[row // group, col])
+    expected = x.double() @ w.to(dtype).double()  # the weight a dense layer of x's dtype would hold
+    assert_matches(w4a16_matmul_ref(x, qweight, scales, zeros, group_size), expected.to(dtype), dtype)
+
+
+def test_w8a16_reference_scales_each_output_channel():
+    x, q, scales = (t.cpu() for t in int8_problem(4, 40, 24, torch.float32))
+    expected = x.double() @ (q.double() * scales.double()[None, :])
+    assert_matches(w8a16_matmul_ref(x, q, scales), expected.float(), torch.float32)
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n, group_size, path", [
+    (1, 576, 40, 128, None),    # decode GEMV; K = 576 with G = 128: the last group holds 64 inputs
+    (3, 576, 40, 128, None),    # M = 3 takes the dot
+    (3, 128, 24, 64, "gemv"),   # several rows through the GEMV
+    (1, 256, 72, 64, "dot"),    # one row through the dot
+    (16, 256, 72, 64, None),
+    (33, 128, 40, -1, None),    # per-channel (one group), three row tiles
+    (1, 200, 40, 200, None),    # group_size = K: per-channel too, K not a multiple of the tile
+])
+def test_w4a16_matches_reference(dtype, m, k, n, group_size, path):
+    x, qweight, scales, zeros, _, _ = int4_problem(m, k, n, group_size, dtype, seed=m + k)
+    y = w4a16_matmul(x, qweight, scales, zeros, group_size, path=path, out=poisoned((m, n), dtype))
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, group_size), dtype)
+    assert counters_are_clean()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n, path", [(1, 100, 40, None), (3, 96, 24, "gemv"), (3, 100, 40, None),
+                                           (16, 64, 72, None), (33, 72, 40, None), (1, 64, 40, "dot")])
+def test_w8a16_matches_reference(dtype, m, k, n, path):
+    x, q, scales = int8_problem(m, k, n, dtype, seed=m + k)
+    y = w8a16_matmul(x, q, scales, path=path, out=poisoned((m, n), dtype))
+    assert_matches(y, w8a16_matmul_ref(x, q, scales), dtype)
+    assert counters_are_clean()
+
+
+@pytest.mark.parametrize("path, config", [
+    ("gemv", dict(BLOCK_N=16, BLOCK_KP=8, SPLIT_K=1)),
+    ("gemv", dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=5)),  # 9 tiles of rows over 5 splits: one split is empty
+    ("dot", dict(BLOCK_M=16, BLOCK_N=16, BLOCK_KP=16, SPLIT_K=1)),
+    ("dot", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_KP=16, SPLIT_K=3)),
+])
+def test_w4a16_split_counts_agree(path, config):
+    """SPLIT_K = 1 stores directly; more splits go through the partials and the last program's sum,
+    which must not depend on how the rows were split, and must leave the counters clean."""
+    x, qweight, scales, zeros, _, _ = int4_problem(2, 576, 40, 128, torch.float32, seed=7)
+    ref = w4a16_matmul_ref(x, qweight, scales, zeros, 128)
+    first = w4a16_matmul(x, qweight, scales, zeros, 128, path=path, config=config, out=poisoned((2, 40), x.dtype))
+    assert_matches(first, ref, torch.float32)
+    again = w4a16_matmul(x, qweight, scales, zeros, 128, path=path, config=config, out=poisoned((2, 40), x.dtype))
+    assert torch.equal(first, again) and counters_are_clean()
+
+
+@pytest.mark.parametrize("path, config", [("gemv", dict(BLOCK_N=32, BLOCK_K=16, SPLIT_K=3)),
+                                          ("dot", dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=1))])
+def test_w8a16_pinned_configs(path, config):
+    x, q, scales = int8_problem(2, 88, 40, torch.float32, seed=3)
+    y = w8a16_matmul(x, q, scales, path=path, config=config, out=poisoned((2, 40), x.dtype))
+    assert_matches(y, w8a16_matmul_ref(x, q, scales), torch.float32)
+
+
+def test_leading_dims_and_strided_rows():
+    """x [..., K] keeps its leading dims; rows may be strided (a slice of a wider tensor)."""
+    x, qweight, scales, zeros, _, _ = int4_problem(6, 64, 16, 32, torch.float32, seed=5)
+    wide = torch.cat([x, torch.randn_like(x)], dim=1)[:, :64]
+    assert wide.stride(0) == 128
+    y = w4a16_matmul(wide.view(2, 3, 64), qweight, scales, zeros, 32)
+    assert y.shape == (2, 3, 16)
+    assert_matches(y.view(6, 16), w4a16_matmul_ref(x, qweight, scales, zeros, 32), torch.float32)
+    x8, q8, s8 = int8_problem(6, 32, 16, torch.float32)
+    assert_matches(w8a16_matmul(x8.view(3, 2, 32), q8, s8).view(6, 16), w8a16_matmul_ref(x8, q8, s8), torch.float32)
+
+
+def test_bad_inputs_are_refused_with_the_bad_value():
+    x, qweight, scales, zeros, _, _ = int4_problem(2, 64, 16, 32, torch.float32)
+    cases = [
+        (lambda: w4a16_matmul(x, qweight, scales, zeros, 20), "group_size is 20"),
+        (lambda: w4a16_matmul(x, qweight, scales, zeros, 16), r"scales has shape \(2, 16\); expected \(4, 16\)"),
+        (lambda: w4a16_matmul(x[:, :32], qweight, scales, zeros, 32), "last dim must be K = 64"),
+        (lambda: w4a16_matmul(x.to(torch.int32), qweight, scales, zeros, 32), "x.dtype is torch.int32"),
+        (lambda: w4a16_matmul(x, qweight.to(torch.int64), scales, zeros, 32), "qweight.dtype is torch.int64"),
+        (lambda: w4a16_matmul(x, qweight, scales.half(), zeros, 32), "scales.dtype is torch.float16"),
+        (lambda: w4a16_matmul(x, qweight[:, :12], scales[:, :12], zeros, 32), "N = 12"),
+        (lambda: w4a16_matmul(x, qweight, scales, zeros, 32, path="gemm"), "path is 'gemm'"),
+        (lambda: w4a16_matmul(x, qweight, scales, zeros, 32, out=torch.empty(2, 8)), r"out is .* \(2, 8\)"),
+        (lambda: w8a16_matmul(x, torch.zeros(64, 16, dtype=torch.int32, device=DEVICE), scales[0]),
+         "qweight.dtype is torch.int32; expected torch.int8"),
+        (lambda: w8a16_matmul(x, torch.zeros(64, 16, dtype=torch.int8, device=DEVICE), scales), r"scales has shape"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
