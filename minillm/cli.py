@@ -158,25 +158,32 @@ def cmd_info(args) -> None:
         print(f"{key:>13}: {value}")
 
 
+def _write_with_plot(result: dict, output: str | None) -> None:
+    """The JSON at ``output`` and its plot beside it (``.png``)."""
+    from minillm.bench.harness import write_result
+    from minillm.bench.plots import plot_result
+
+    if output:
+        print(f"wrote {write_result(result, output)} and {plot_result(result, output)}")
+
+
 def cmd_bench(args) -> None:
-    from minillm.bench.harness import bench_throughput, format_table, write_result
+    from minillm.bench.harness import bench_throughput, format_table
 
     result = bench_throughput(model=args.model, workload=args.workload, scale=args.scale,
                               num_requests=args.num_requests, peers=args.peers, peer_batch_size=args.peer_batch_size,
                               variants=tuple(args.variants),
                               command=args.command_line, **_engine_kwargs(args))
-    if args.output:
-        print(f"wrote {write_result(result, args.output)}")
+    _write_with_plot(result, args.output)
     print(format_table(result))
 
 
 def cmd_bench_latency(args) -> None:
-    from minillm.bench.harness import bench_latency, format_latency_table, write_result
+    from minillm.bench.harness import bench_latency, format_latency_table
 
     result = bench_latency(model=args.model, scale=args.scale, num_requests=args.num_requests, peers=args.peers,
                            command=args.command_line, **_engine_kwargs(args))
-    if args.output:
-        print(f"wrote {write_result(result, args.output)}")
+    _write_with_plot(result, args.output)
     print(format_latency_table(result))
 
 

@@ -109,6 +109,7 @@ def test_cli_bench_writes_the_keys_benchmarks_md_asks_for(tmp_path, capsys):
     assert 0 < kv["contiguous_utilisation"] < kv["paged_utilisation"] <= 1
     printed = capsys.readouterr().out
     assert "output tok/s" in printed and "KV memory used / reserved" in printed
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot beside the JSON
 
 
 def test_cli_generate_and_info(smollm, capsys):
@@ -134,6 +135,7 @@ def test_cli_bench_latency_reports_fraction_of_the_roofline(tmp_path):
     for run in result["runs"].values():
         assert 0 < run["fraction_of_roofline"] < 1  # below the limit, or the limit is miscounted
         assert run["mean_decode_tok_s"] == pytest.approx(run["fraction_of_roofline"] * run["roofline_tok_s"])
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_hf_continuous_batching_peer_matches_greedy():

@@ -1,0 +1,82 @@
+"""Plots of the throughput and latency benchmarks, drawn from their JSON (so a committed JSON can be
+redrawn at any time: ``python -m minillm.bench.plots figures/h200/*.json``).
+
+``minillm bench throughput|latency --output x.json`` also writes ``x.png`` beside the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _figure(width: float):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt, *plt.subplots(1, 2, figsize=(width, 3.8))
+
+
+def plot_throughput(result: dict, path: str | Path) -> Path:
+    """Output tok/s and mean TTFT of every run (minillm, its variants, the peers) of one workload."""
+    runs = {name: m for name, m in result["runs"].items() if "output_throughput" in m}
+    names = list(runs)
+    plt, fig, (left, right) = _figure(4 + 1.3 * len(names))
+    colors = ["tab:blue" if n.startswith("minillm") else "tab:gray" for n in names]
+    bars = left.bar(names, [runs[n]["output_throughput"] for n in names], color=colors)
+    left.bar_label(bars, fmt="%.0f", fontsize=8)
+    left.set_ylabel("output tok/s")
+    right.bar(names, [runs[n]["mean_ttft_ms"] / 1e3 for n in names], color=colors)
+    right.set_ylabel("mean TTFT (s)")
+    for axis in (left, right):
+        axis.tick_params(axis="x", labelrotation=20, labelsize=7)
+    fig.suptitle(f"{result['workload']} ({result.get('num_requests', '?')} requests), {result['model']}, "
+                 f"{result['device']} · commit {result['commit']}", fontsize=9)
+    return _save(plt, fig, path)
+
+
+def plot_latency(result: dict, path: str | Path) -> Path:
+    """Batch-1 decode tok/s of each run against the bandwidth roofline."""
+    runs = {name: m for name, m in result["runs"].items() if "mean_decode_tok_s" in m}
+    names = list(runs)
+    plt, fig, (left, right) = _figure(9)
+    colors = ["tab:blue" if n.startswith("minillm") else "tab:gray" for n in names]
+    bars = left.bar(names, [runs[n]["mean_decode_tok_s"] for n in names], color=colors)
+    left.bar_label(bars, fmt="%.0f", fontsize=8)
+    left.axhline(runs[names[0]]["roofline_tok_s"], color="black", linestyle="--", label="bandwidth roofline")
+    left.set_ylabel("decode tok/s (batch 1)")
+    left.legend(fontsize=8)
+    right.bar(names, [runs[n]["fraction_of_roofline"] * 100 for n in names], color=colors)
+    right.set_ylabel("% of roofline")
+    right.set_ylim(0, 100)
+    fig.suptitle(f"{result['model']}, {result['dtype']}, {result['device']} · commit {result['commit']}", fontsize=9)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_result(result: dict, json_path: str | Path) -> Path | None:
+    """The plot for a benchmark result, beside its JSON; None for benchmarks without one here."""
+    plotters = {"throughput": plot_throughput, "latency": plot_latency}
+    plot = plotters.get(result.get("benchmark"))
+    return None if plot is None else plot(result, Path(json_path).with_suffix(".png"))
+
+
+def main(paths: list[str]) -> None:
+    if not paths:
+        sys.exit("usage: python -m minillm.bench.plots RESULT.json [...]  (throughput or latency results)")
+    for path in paths:
+        written = plot_result(json.loads(Path(path).read_text()), path)
+        print(f"{path}: " + (f"wrote {written}" if written else "no plot for this benchmark"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
