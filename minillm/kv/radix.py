@@ -70,26 +70,21 @@ class RadixCache:
         """The longest cached prefix of ``tokens`` in whole blocks: (the node where it ends, its
         blocks from the root on). A match that ends inside an edge splits the edge there, so that
         locking the node protects exactly the blocks matched and the rest stays evictable."""
-        bs, now = self.block_size, next(self._clock)
-        node, blocks, pos = self.root, [], 0
-        while len(tokens) - pos >= bs:
-            child = node.children.get(self._first_block(tokens, pos))
-            if child is None:
-                break
-            matched = self._matching_blocks(child, tokens, pos)
-            pos += matched * bs
-            if matched < len(child.blocks):
-                child = self._split(child, matched)  # the unmatched rest keeps its last access
-            child.last_access = now
-            blocks += child.blocks
-            node = child
+        node, blocks, _ = self._walk(tokens, now=next(self._clock))
         return node, blocks
 
     def cached_prefix_len(self, tokens: list[int]) -> int:
         """Tokens of ``tokens``' longest cached prefix (whole blocks), changing nothing: no edge
         split, no access time. The scheduler's longest-prefix-match ordering asks this of every
         waiting request."""
-        bs, node, pos = self.block_size, self.root, 0
+        return self._walk(tokens, now=None)[2]
+
+    def _walk(self, tokens: list[int], now: int | None) -> tuple[RadixNode, list[int], int]:
+        """Follow ``tokens`` down the tree, whole blocks at a time: (the deepest node reached, the
+        blocks from the root to it, the tokens matched). With a clock value ``now`` (a match that
+        will be used) an edge matched only in part is split and every node passed is stamped;
+        with None nothing changes, and a part-matched edge only adds its matched tokens."""
+        bs, node, blocks, pos = self.block_size, self.root, [], 0
         while len(tokens) - pos >= bs:
             child = node.children.get(self._first_block(tokens, pos))
             if child is None:
@@ -97,9 +92,14 @@ class RadixCache:
             matched = self._matching_blocks(child, tokens, pos)
             pos += matched * bs
             if matched < len(child.blocks):
-                break
+                if now is None:
+                    break
+                child = self._split(child, matched)  # the unmatched rest keeps its last access
+            if now is not None:
+                child.last_access = now
+            blocks += child.blocks
             node = child
-        return pos
+        return node, blocks, pos
 
     # -- changes ----------------------------------------------------------------------------------
 
