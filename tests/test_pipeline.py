@@ -205,3 +205,13 @@ def test_micro_batches_need_a_pipeline():
     with pytest.raises(ValueError, match=r"pipeline_micro_batches=4 needs pipeline_parallel_size > 1"):
         EngineConfig(batching="continuous", pipeline_micro_batches=4)
     assert EngineConfig(batching="continuous", pipeline_parallel_size=3).pipeline_micro_batches == 3
+
+
+def test_cli_info_with_two_stages(capsys):
+    from minillm.cli import main
+
+    main(["info", "--model", "tiny", "--load-format", "dummy", "--device", "cpu", "--batching", "continuous",
+          "-pp", "2"])
+    printed = capsys.readouterr().out
+    assert "pipeline stage 0 of 2, layers 0-0; the rows below are this rank's share" in printed
+    assert "2 layers" not in printed and "1 layers" in printed  # rank 0's model: its one layer
