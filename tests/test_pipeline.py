@@ -18,6 +18,7 @@ from torch import nn
 
 from minillm import LLM, SamplingParams
 from minillm.config import EngineConfig
+from minillm.kv.budget import workspace_bytes
 from minillm.model.config import PRESETS
 from minillm.model.llama import LlamaForCausalLM
 from minillm.parallel.pp import Stage, bubble_fraction, layer_ranges, split_micro_batches, stage_footprints
@@ -96,10 +97,18 @@ def test_pp2_embedded_model_is_the_one_process_model():
         assert outputs_per_micro_batch_count(llm, (2, 4)) == {2: expected, 4: expected}
 
 
-def test_pp2_dummy_weights_are_the_one_process_model():
+def test_pp2_dummy_weights_under_a_memory_budget_use_the_fullest_stages_block_count():
     expected = one_process("tiny", load_format="dummy")
-    with LLM("tiny", load_format="dummy", **CONTINUOUS, pipeline_parallel_size=2) as llm:
-        assert tokens(llm) == expected
+    # Stage 1 holds the norm and the LM head, 64 parameters more than stage 0's embedding: a budget
+    # that leaves stage 1 room for 6 KV blocks and stage 0 for 7 must give every rank 6.
+    (first, _), (last, kv_per_token) = stage_footprints(PRESETS["tiny"], 2, torch.float32)
+    block = kv_per_token * 16
+    assert last > first
+    budget = workspace_bytes(last) + last + 7 * block - 1
+    with LLM("tiny", load_format="dummy", **CONTINUOUS, pipeline_parallel_size=2, memory_budget=budget) as llm:
+        assert llm.engine.block_tables.allocator.num_blocks == 6
+        assert tokens(llm) == expected  # the requests need 7 blocks of 16 tokens: preemption, too
+        assert llm.engine.scheduler.num_preemptions > 0
 
 
 # -- the stage arithmetic ------------------------------------------------------------------------

@@ -33,9 +33,10 @@ from minillm.llm import LLM
 
 MODES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
 # Token counts of the collectives: a decode step of 1, 16 and 256 sequences, and prefill chunks.
-COLLECTIVE_TOKENS = {"gpu": (1, 16, 256, 2048, 8192), "cpu": (1, 16, 256)}
+COLLECTIVE_TOKENS = {"gpu": (1, 16, 256, 2048, 8192), "cpu": (1, 16, 256, 2048)}
 COLLECTIVE_REPEATS = {"gpu": 50, "cpu": 10}
-BUBBLE_BATCH = {"gpu": 32, "cpu": 8}  # equal requests run together for the bubble sweep
+BUBBLE_BATCH = {"gpu": 32, "cpu": 8}  # equal requests (the latency workload's prompts) run together ...
+BUBBLE_OUTPUT = {"gpu": 64, "cpu": 16}  # ... for this many tokens each, once per micro-batch count
 
 
 def bench_parallel(*, model: str | None, load_format: str, sizes: list[int], modes: list[str], workload: str,
@@ -106,8 +107,9 @@ def _measure(llm: LLM, workload: str, scale: str, num_requests: int | None, late
         run["collectives"] = engine.workers.run_everywhere(engine.runner, time_collectives, COLLECTIVE_TOKENS[scale],
                                                            COLLECTIVE_REPEATS[scale])
     if engine.stage is not None:
-        run["bubble"] = bubble_sweep(llm, make_workload("latency", scale, BUBBLE_BATCH[scale], seed, vocab),
-                                     micro_batches)
+        batch = [WorkloadRequest(r.prompt_token_ids, BUBBLE_OUTPUT[scale])
+                 for r in make_workload("latency", scale, BUBBLE_BATCH[scale], seed, vocab)]
+        run["bubble"] = bubble_sweep(llm, batch, micro_batches)
     return run, tokens
 
 
@@ -141,9 +143,10 @@ def time_collectives(runner, token_counts: tuple[int, ...], repeats: int) -> lis
         x = torch.randn(tokens, runner.model.config.hidden_size, generator=generator, device=device).to(dtype)
         all_reduce = _seconds_per_call(lambda: dist.all_reduce(x), repeats, device)
         one_way = _seconds_per_call(lambda: _ping_pong(x, rank), repeats, device) / 2
-        results.append({"tokens": tokens, "bytes": x.nbytes, "all_reduce_ms": all_reduce * 1e3,
-                        "all_reduce_bus_gbs": x.nbytes * 2 * (size - 1) / size / all_reduce / 1e9,
-                        "send_recv_ms": one_way * 1e3, "send_recv_gbs": x.nbytes / one_way / 1e9})
+        if rank == 0:  # ranks > 1 sat out the ping-pong: their times mean nothing
+            results.append({"tokens": tokens, "bytes": x.nbytes, "all_reduce_ms": all_reduce * 1e3,
+                            "all_reduce_bus_gbs": x.nbytes * 2 * (size - 1) / size / all_reduce / 1e9,
+                            "send_recv_ms": one_way * 1e3, "send_recv_gbs": x.nbytes / one_way / 1e9})
     return results if rank == 0 else None
 
 
