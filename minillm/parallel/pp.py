@@ -174,6 +174,7 @@ class StepTiming:
     """One step on one rank."""
 
     micro_batches: int
+    started: float  # time.perf_counter() when this rank began the step: the host clock all ranks share
     span: float  # seconds from the step's start on this rank (metadata received) to its last transfer
     compute: list[tuple[float, float]]  # each micro-batch's compute: (start, end), seconds after the step's start
 
@@ -197,8 +198,10 @@ class PipelineRunner(PagedRunner):
         self.hidden_size, self.vocab_size = model.config.hidden_size, model.config.vocab_size
         self.dtype = cache.k.dtype
         # The logits return to rank 0 through a group of their own. On NCCL, a pair of ranks' sends
-        # and receives in one group queue on one stream: with two stages, rank 0's next hidden-state
-        # send would wait behind its receive of the first logits, which wait for that very send.
+        # and receives in one group queue on one stream, each waiting for its match: with two stages,
+        # stage 1's send of the first logits would sit ahead of its receive of the next hidden state,
+        # and rank 0's receive of those logits behind its send of that hidden state — each would wait
+        # for the other.
         self.logits_group = dist.new_group()
         self.clock = StageClock(device)
         self.timings: deque[StepTiming] = deque(maxlen=100_000)
@@ -213,7 +216,7 @@ class PipelineRunner(PagedRunner):
         if self.on_forward is not None:
             self.on_forward((ids, positions, slots, tables, query_lens, context_lens, last_index, groups))
         stage, clock = self.stage, self.clock
-        start = clock.mark()
+        started, start = time.perf_counter(), clock.mark()
         marks, in_flight, sampled = [], [], []  # in_flight: (work, tensor), the tensor kept alive until sent
         token_start = 0
         for first, end in groups:
@@ -246,7 +249,7 @@ class PipelineRunner(PagedRunner):
         for work, _ in in_flight:
             work.wait()
         stop = clock.mark()
-        self.timings.append(StepTiming(len(groups), clock.seconds(start, stop),
+        self.timings.append(StepTiming(len(groups), started, clock.seconds(start, stop),
                                        [(clock.seconds(start, b), clock.seconds(start, e)) for b, e in marks]))
         return torch.cat(logits) if logits else None
 
@@ -268,18 +271,26 @@ def gather_timings(runner: PipelineRunner, reset: bool) -> list[list[StepTiming]
 def bubble_summary(stage_timings: list[list[StepTiming]]) -> dict:
     """The measured bubble beside the formula, for each micro-batch count the steps had.
 
-    A step lasts as long as its slowest rank's span (rank 0 waits for the last stage's logits);
-    the measured bubble is the share of stages x that time in which they did not compute. The last
-    step's compute intervals on every stage come along, to draw its timeline.
+    A step lasts from the first rank's start to the last rank's end (the ranks start when the step's
+    metadata reaches them, a little apart; ``time.perf_counter`` is one clock for all processes of a
+    machine, and on GPUs each rank's device is idle when its step begins, so its host start is its
+    device's too). The measured bubble is the share of stages x that time in which they did not compute.
+    The last step's compute intervals on every stage come along, on rank 0's clock, to draw its
+    timeline.
     """
     stages = len(stage_timings)
     groups: dict[int, dict] = {}
     for step in zip(*stage_timings):
         group = groups.setdefault(step[0].micro_batches, {"steps": 0, "seconds": 0.0, "busy": [0.0] * stages})
         group["steps"] += 1
-        group["seconds"] += max(t.span for t in step)
+        group["seconds"] += max(t.started + t.span for t in step) - min(t.started for t in step)
         for s, timing in enumerate(step):
             group["busy"][s] += timing.busy
+    last_step: list[list[tuple[float, float]]] = [[] for _ in stage_timings]
+    if stage_timings[0]:  # every rank ran every step
+        last = [timings[-1] for timings in stage_timings]
+        zero = last[0].started
+        last_step = [[(begin + t.started - zero, end + t.started - zero) for begin, end in t.compute] for t in last]
     return {
         "stages": stages,
         "by_micro_batches": {
@@ -288,5 +299,5 @@ def bubble_summary(stage_timings: list[list[StepTiming]]) -> dict:
                      "measured_bubble": 1 - sum(g["busy"]) / (stages * g["seconds"]),
                      "formula_bubble": bubble_fraction(stages, m)}
             for m, g in sorted(groups.items())},
-        "last_step": [timings[-1].compute if timings else [] for timings in stage_timings],
+        "last_step": last_step,
     }

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from minillm.config import EngineConfig
 from minillm.model.config import ModelConfig
 from minillm.parallel.pp import Stage
 from minillm.parallel.tp import Shard, check_layout
@@ -41,14 +42,14 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 _driver: weakref.ref | None = None  # rank 0 of the parallel LLM this process started, if any
 
 
-def parallel_size(config) -> tuple[str, int]:
+def parallel_size(config: EngineConfig) -> tuple[str, int]:
     """The EngineConfig field that asks for processes, and its value (the config allows one at a time)."""
     if config.pipeline_parallel_size > 1:
         return "pipeline_parallel_size", config.pipeline_parallel_size
     return "tensor_parallel_size", config.tensor_parallel_size
 
 
-def model_part(config, rank: int) -> tuple[Shard | Stage, ModelConfig]:
+def model_part(config: EngineConfig, rank: int) -> tuple[Shard | Stage, ModelConfig]:
     """The part of the model rank ``rank`` holds (checked: the model must split that way) and the
     whole model's shape."""
     from minillm.model.loader import read_model_config
@@ -81,7 +82,7 @@ class Workers:
         return self.part.rank
 
     @classmethod
-    def start(cls, config, device: torch.device) -> "Workers":
+    def start(cls, config: EngineConfig, device: torch.device) -> "Workers":
         """Join the group this process belongs to, or (rank 0 of ``LLM(...)``) create it."""
         global _driver
         name, size = parallel_size(config)
