@@ -14,6 +14,7 @@ EXAMPLES = """examples:
   minillm chat                                   # talk to the embedded SmolLM2-135M-Instruct
   minillm info --model llama2-7b --load-format dummy
   minillm bench throughput --workload mixed --scale cpu --peers hf_static --output figures/cpu/static.json
+  minillm generate --batching continuous -pp 2 "Hello"   # the layers split over 2 processes
 """
 
 
@@ -46,9 +47,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (continuous)")
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV of shared prompt prefixes through a radix tree (continuous)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="GPUs (processes) the model is split over (continuous; NCCL on GPUs, gloo on a CPU)")
     g.add_argument("--seed", type=int, default=0)
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (one kind at a time; needs --batching continuous)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="processes (GPUs) each layer is split over")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="processes (GPUs) the layers are split over, in stages")
+    g.add_argument("--pipeline-micro-batches", type=int, default=None,
+                   help="micro-batches a step's sequences flow through the stages in (default: the stage count)")
+
+
+def _parallel_kwargs(args) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                pipeline_micro_batches=args.pipeline_micro_batches)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -67,8 +81,7 @@ def _engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                 scheduling_policy=args.scheduling_policy, memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
 
 
 def _sampling(args):
@@ -82,7 +95,7 @@ def cmd_generate(args) -> None:
     from minillm import LLM
 
     params = _sampling(args)  # bad sampling values fail before the model loads
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(args.model, **_engine_kwargs(args), **_parallel_kwargs(args))
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -99,7 +112,7 @@ def cmd_chat(args) -> None:
     from minillm.tokenizer import encode_chat
 
     params = _sampling(args)
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(args.model, **_engine_kwargs(args), **_parallel_kwargs(args))
     history = [{"role": "system", "content": args.system}] if args.system else []
     turns = [args.message] if args.message else None
     print("minillm chat — empty line or Ctrl-D to quit", file=sys.stderr)
@@ -134,10 +147,16 @@ def cmd_info(args) -> None:
     from minillm.engine import Engine
     from minillm.config import EngineConfig
 
-    engine = Engine(EngineConfig(model=args.model, **_engine_kwargs(args)))
+    engine = Engine(EngineConfig(model=args.model, **_engine_kwargs(args), **_parallel_kwargs(args)))
     c = engine.model_config
     kv_token = c.kv_bytes_per_token(engine.dtype.itemsize)
-    rows = {
+    rows = {}
+    if engine.workers is not None:
+        stage, size = engine.stage, engine.workers.part.size
+        held = f"pipeline stage 0 of {size}, layers 0-{stage.end - 1}" if stage is not None else \
+            f"tensor-parallel rank 0 of {size}, 1/{size} of every layer"
+        rows["parallel"] = f"{held}; the rows below are this rank's share"
+    rows |= {
         "model": engine.model_source,
         "architecture": f"{c.model_type}: {c.num_layers} layers, hidden {c.hidden_size}, "
                         f"{c.num_heads} heads / {c.num_kv_heads} KV heads of {c.head_dim}",
@@ -156,6 +175,7 @@ def cmd_info(args) -> None:
         rows["swap space"] = f"{swapper.nbytes / 2**20:.1f} MiB of CPU memory for {swapper.num_blocks} blocks"
     for key, value in rows.items():
         print(f"{key:>13}: {value}")
+    engine.close()
 
 
 def _write_with_plot(result: dict, output: str | None) -> None:
@@ -173,7 +193,7 @@ def cmd_bench(args) -> None:
     result = bench_throughput(model=args.model, workload=args.workload, scale=args.scale,
                               num_requests=args.num_requests, peers=args.peers, peer_batch_size=args.peer_batch_size,
                               variants=tuple(args.variants),
-                              command=args.command_line, **_engine_kwargs(args))
+                              command=args.command_line, **_engine_kwargs(args), **_parallel_kwargs(args))
     _write_with_plot(result, args.output)
     print(format_table(result))
 
@@ -182,7 +202,7 @@ def cmd_bench_latency(args) -> None:
     from minillm.bench.harness import bench_latency, format_latency_table
 
     result = bench_latency(model=args.model, scale=args.scale, num_requests=args.num_requests, peers=args.peers,
-                           command=args.command_line, **_engine_kwargs(args))
+                           command=args.command_line, **_engine_kwargs(args), **_parallel_kwargs(args))
     _write_with_plot(result, args.output)
     print(format_latency_table(result))
 
@@ -218,6 +238,34 @@ def cmd_bench_load(args) -> None:
           f"({result['speedup']:.0f}x faster)")
 
 
+PARALLEL_DESCRIPTION = """\
+One process, then each size N > 1 split each way (tensor parallel: every layer over N ranks;
+pipeline parallel: the layers in N stages), one at a time: batch-1 decode latency, throughput on a
+workload (greedy tokens compared with one process's), all-reduce and send/recv times on the
+process group the layers use, and for pipelines the bubble measured against (S-1)/(M+S-1).
+All sizes run with continuous batching, eagerly (no CUDA graphs). One GPU per rank (NCCL); on a
+CPU, processes over gloo. A size the model cannot split into is recorded as skipped, with why.
+
+examples:
+  minillm bench parallel --model llama2-7b --load-format dummy --sizes 1 2 --output figures/h200/parallel.json
+  minillm bench parallel --model tiny --load-format dummy --dtype float32 --num-requests 8   # a CPU check
+"""
+
+
+def cmd_bench_parallel(args) -> None:
+    from minillm.bench.harness import write_result
+    from minillm.bench.parallel import bench_parallel, format_parallel_table
+
+    engine_kwargs = _engine_kwargs(args)
+    engine_kwargs.pop("batching")  # the benchmark sets it: continuous
+    result = bench_parallel(model=args.model, sizes=args.sizes, modes=args.modes, workload=args.workload,
+                            scale=args.scale, num_requests=args.num_requests, latency_runs=args.latency_runs,
+                            micro_batches=args.micro_batches, command=args.command_line, **engine_kwargs)
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+    print(format_parallel_table(result))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from minillm.bench.harness import LATENCY_PEERS, PEERS, VARIANTS
     from minillm.bench.workloads import WORKLOADS
@@ -230,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompts", nargs="*", help="prompts; read from stdin when none are given")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     _add_model_args(p)
+    _add_parallel_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -237,16 +286,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="a system message")
     p.add_argument("--message", action="append", default=None, help="send these turns and exit (repeatable)")
     _add_model_args(p)
+    _add_parallel_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("info", help="versions, device, and the model's size and memory")
     p.add_argument("--no-model", action="store_true", help="only versions and device")
     _add_model_args(p)
+    _add_parallel_args(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput,latency,kernels,load}")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput,latency,kernels,load,parallel}")
     t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
     t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
     t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
@@ -261,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf_static's batch size (default: minillm's static batch, or 16 against continuous)")
     t.add_argument("--output", default=None, help="write the JSON result here")
     _add_model_args(t)
+    _add_parallel_args(t)
     t.set_defaults(func=cmd_bench)
     t = bench.add_parser("latency", help="batch-1 decode tok/s against the bandwidth roofline; JSON out")
     t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
@@ -269,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf_compiled (static cache + torch.compile) runs on CUDA only")
     t.add_argument("--output", default=None, help="write the JSON result here")
     _add_model_args(t)
+    _add_parallel_args(t)
     t.set_defaults(func=cmd_bench_latency)
     t = bench.add_parser("kernels", help="Triton kernels (attention, quantized matmul) vs torch and the measured ceilings")
     t.add_argument("--only", nargs="+", default=None, choices=["prefill", "decode", "quant"],
@@ -279,6 +332,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gguf", default=None, help="a .gguf file (default: the embedded SmolLM2)")
     t.add_argument("--output", default=None, help="write the JSON result here")
     t.set_defaults(func=cmd_bench_load)
+    t = bench.add_parser("parallel", help="tensor vs pipeline parallel over 1..N processes: latency, throughput, "
+                                          "collectives, pipeline bubble; JSON out",
+                         description=PARALLEL_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--sizes", nargs="+", type=int, default=[1, 2],
+                   help="process (GPU) counts; 1 always runs, as the reference (default: 1 2)")
+    t.add_argument("--modes", nargs="+", default=["tp", "pp"], choices=["tp", "pp"],
+                   help="tp = tensor parallel, pp = pipeline parallel (default: both)")
+    t.add_argument("--workload", default="mixed", choices=list(WORKLOADS), help="the throughput workload")
+    t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
+    t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
+    t.add_argument("--latency-runs", type=int, default=None, help="batch-1 requests timed (default 5 gpu, 3 cpu)")
+    t.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4, 8],
+                   help="pipeline micro-batch counts of the bubble sweep (default: 1 2 4 8)")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    _add_model_args(t)
+    t.set_defaults(func=cmd_bench_parallel)
     return parser
 
 

@@ -42,8 +42,12 @@ class EngineConfig:
     enable_prefix_caching: bool = False  # continuous: reuse cached KV of shared prompt prefixes (radix tree)
     enforce_eager: bool = False  # True: no CUDA graphs (continuous decode steps replay graphs on CUDA otherwise)
     seed: int = 0  # seeds dummy weights and unseeded sampling
-    tensor_parallel_size: int = 1  # processes (GPUs) one model is split over; > 1 needs batching="continuous".
+    tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; > 1 needs batching="continuous".
     #                                On GPUs every rank captures the same decode graphs, NCCL collectives inside
+    pipeline_parallel_size: int = 1  # processes (GPUs) the layers are split over, in stages; needs
+    #                                  batching="continuous", runs eagerly, not with tensor_parallel_size > 1
+    pipeline_micro_batches: int | None = None  # pipeline: a step's sequences flow through the stages in this
+    #                                            many groups; default pipeline_parallel_size
 
     def __post_init__(self):
         if self.batching not in BATCHING_MODES:
@@ -94,17 +98,34 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} is not supported; valid: 'auto', 'cpu', 'cuda', 'cuda:N'")
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget)
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
-                or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1:
+        counts = ["tensor_parallel_size", "pipeline_parallel_size"]
+        if self.pipeline_micro_batches is not None:
+            counts.append("pipeline_micro_batches")
+        for name in counts:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size}: minillm splits a model one way at a time; "
+                             f"set one of them to 1")
+        parallel = [name for name in ("tensor_parallel_size", "pipeline_parallel_size") if getattr(self, name) > 1]
+        if parallel:
             # Only the paged runner broadcasts its steps to the other ranks; the CPU swap space
             # would have to move every rank's KV blocks, not just rank 0's.
             if self.batching != "continuous":
-                raise ValueError(f"tensor_parallel_size > 1 needs batching='continuous', got {self.batching!r}")
+                raise ValueError(f"{parallel[0]} > 1 needs batching='continuous', got {self.batching!r}")
             if self.preemption_mode != "recompute":
-                raise ValueError(f"tensor_parallel_size > 1 needs preemption_mode='recompute', "
+                raise ValueError(f"{parallel[0]} > 1 needs preemption_mode='recompute', "
                                  f"got {self.preemption_mode!r}")
+        if self.pipeline_parallel_size > 1:
+            # Micro-batches hand activations between processes mid-step: no graph spans that.
+            self.enforce_eager = True
+        if self.pipeline_micro_batches is not None and self.pipeline_parallel_size == 1:
+            raise ValueError(f"pipeline_micro_batches={self.pipeline_micro_batches} needs pipeline_parallel_size "
+                             f"> 1 (a single process has no pipeline to fill)")
+        if self.pipeline_micro_batches is None and self.pipeline_parallel_size > 1:
+            self.pipeline_micro_batches = self.pipeline_parallel_size
 
 
 def parse_bytes(value: int | str) -> int:

@@ -24,7 +24,8 @@ from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCac
 from minillm.kv.radix import RadixCache
 from minillm.kv.swap import KVSwapper, swap_blocks_that_fit
 from minillm.model.loader import load_model, resolve_dtype
-from minillm.parallel.workers import TensorParallel
+from minillm.parallel.pp import PipelineRunner, Stage, stage_footprints
+from minillm.parallel.workers import Workers
 from minillm.request import Request, RequestOutput, SamplingParams
 from minillm.runner import PagedRunner, StaticRunner
 from minillm.scheduler import ContinuousScheduler, DynamicScheduler, ScheduledBatch, StaticScheduler
@@ -66,13 +67,13 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
-        self.tp: TensorParallel | None = None  # this process's rank, with tensor_parallel_size > 1
-        if config.tensor_parallel_size > 1:
-            self.tp = TensorParallel.start(config, self.device)
-            self.device = self.tp.device
+        self.workers: Workers | None = None  # this process's rank, with tensor or pipeline parallelism
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+            self.workers = Workers.start(config, self.device)
+            self.device = self.workers.device
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, config.load_format, self.dtype, self.device, config.seed,
-                            None if self.tp is None else self.tp.shard)
+                            None if self.workers is None else self.workers.part)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_source = loaded.source
         model_limit = self.model_config.max_position_embeddings
@@ -94,8 +95,8 @@ class Engine:
             self._build_static()
         else:
             self._build_paged()
-        if self.tp is not None:
-            self.tp.connect(self.runner)
+        if self.workers is not None:
+            self.workers.connect(self.runner)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -122,7 +123,11 @@ class Engine:
         if c.num_kv_blocks is not None:
             num_blocks = c.num_kv_blocks
         elif budget is not None:
-            num_blocks = units_that_fit(budget, self.weight_bytes, self.kv_bytes_per_token * c.block_size, "KV block")
+            footprints = [(self.weight_bytes, self.kv_bytes_per_token)]
+            if self.stage is not None:  # every rank has as many blocks as the fullest stage can hold
+                footprints = stage_footprints(self.workers.model_config, self.stage.size, self.dtype)
+            num_blocks = min(units_that_fit(budget, weights, kv * c.block_size, "KV block")
+                             for weights, kv in footprints)
         else:  # a CPU without a budget: as much KV as the static baseline reserves (8 full sequences)
             num_blocks = -(-8 * self.max_model_len // c.block_size)
         self.max_batch = c.max_num_seqs
@@ -154,7 +159,11 @@ class Engine:
         if self.cuda_graphs:
             graphs = DecodeGraphs(self.model, cache, make_attention, min(c.max_num_seqs, num_blocks),
                                   self.max_model_len, self.device)
-        self.runner = PagedRunner(self.model, cache, self.block_tables, self.device, c.seed, make_attention, graphs)
+        if self.stage is not None:
+            self.runner = PipelineRunner(self.model, cache, self.block_tables, self.device, c.seed, make_attention,
+                                         self.workers, c.pipeline_micro_batches)
+        else:
+            self.runner = PagedRunner(self.model, cache, self.block_tables, self.device, c.seed, make_attention, graphs)
         self.kv_cache_bytes = cache.nbytes
 
     def _memory_budget(self) -> int | None:
@@ -235,10 +244,16 @@ class Engine:
         request.finish("abort")
         return request.to_output()
 
+    @property
+    def stage(self) -> Stage | None:
+        """This process's pipeline stage (pipeline_parallel_size > 1), else None."""
+        part = None if self.workers is None else self.workers.part
+        return part if isinstance(part, Stage) else None
+
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (nothing to do in one process)."""
-        if self.tp is not None:
-            self.tp.close()
+        """Stop the worker processes of a parallel engine (nothing to do in one process)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

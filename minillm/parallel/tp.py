@@ -49,6 +49,17 @@ class Shard:
     rank: int
     size: int
 
+    # What the loader asks of any part of a model (``pp.Stage`` answers the same three questions).
+    def model_config(self, config: ModelConfig) -> ModelConfig:
+        return shard_config(config, self)
+
+    def prepare(self, model: nn.Module) -> None:
+        parallelize(model, self)
+
+    def locate(self, name: str, config: ModelConfig) -> tuple[str, tuple[slice, ...]]:
+        """Where checkpoint tensor ``name`` goes in this rank's model, and which part of it."""
+        return name, checkpoint_slice(name, config, self)
+
 
 # -- which layouts are possible ------------------------------------------------------------------
 

@@ -1,13 +1,17 @@
-"""Starting the tensor-parallel processes and keeping them in step.
+"""Starting the processes of a tensor- or pipeline-parallel LLM and keeping them in step.
 
-``LLM(model, tensor_parallel_size=N)`` is rank 0. It checks that the model splits into N (before
-anything starts), then starts ranks 1..N-1 itself (torch.multiprocessing, "spawn"; gloo on a CPU,
-NCCL on GPUs, one GPU per rank). Every rank builds an ``Engine``: its model shard and its KV cache
-(its KV heads only). Only rank 0 schedules: before each forward pass its runner broadcasts the
-step's metadata — token ids, positions, slot mapping, block tables, lengths, the rows to sample,
-all plain lists — and every rank runs that same forward, so the collectives inside the layers
-(``tp.py``) pair up. The LM head all-gathers full logits; rank 0 samples. ``close()`` (or the end
-of the program) sends ranks > 0 an empty message, and they exit.
+``LLM(model, tensor_parallel_size=N)`` (or ``pipeline_parallel_size=N``) is rank 0. It checks that
+the model splits into N (before anything starts), then starts ranks 1..N-1 itself
+(torch.multiprocessing, "spawn"; gloo on a CPU, NCCL on GPUs, one GPU per rank). Every rank builds
+an ``Engine`` over its part of the model (``model_part``: a tensor-parallel ``Shard`` or a pipeline
+``Stage``) and the KV cache of that part. Only rank 0 schedules: before each forward pass its runner
+broadcasts the step's metadata — token ids, positions, slot mapping, block tables, lengths, the rows
+to sample, all plain lists — and every rank runs that same forward, so the collectives inside the
+layers (``tp.py``) or the sends between stages (``pp.py``) pair up. Rank 0 gets full logits and
+samples. Any other call that every rank must make together (gathering pipeline timings, timing a
+collective) travels the same way: ``run_everywhere`` broadcasts a module-level function and its
+arguments, and each rank calls it on its runner. ``close()`` (or the end of the program) sends
+ranks > 0 an empty message, and they exit.
 
 Under ``torchrun --nproc-per-node N`` the processes exist already: rank 0 drives, and ``LLM(...)``
 on every other rank serves rank 0's steps, then ends the process when rank 0 closes its LLM.
@@ -25,6 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from minillm.config import EngineConfig
+from minillm.model.config import ModelConfig
+from minillm.parallel.pp import Stage
 from minillm.parallel.tp import Shard, check_layout
 
 # Ranks > 0 wait for rank 0's next step as long as the user takes between two generate() calls.
@@ -32,18 +39,38 @@ IDLE_TIMEOUT = timedelta(days=365)
 # Starting up and the collectives inside a forward pass: long enough to load a big checkpoint.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
-_driver: weakref.ref | None = None  # rank 0 of the tensor-parallel LLM this process started, if any
+_driver: weakref.ref | None = None  # rank 0 of the parallel LLM this process started, if any
 
 
-class TensorParallel:
+def parallel_size(config: EngineConfig) -> tuple[str, int]:
+    """The EngineConfig field that asks for processes, and its value (the config allows one at a time)."""
+    if config.pipeline_parallel_size > 1:
+        return "pipeline_parallel_size", config.pipeline_parallel_size
+    return "tensor_parallel_size", config.tensor_parallel_size
+
+
+def model_part(config: EngineConfig, rank: int) -> tuple[Shard | Stage, ModelConfig]:
+    """The part of the model rank ``rank`` holds (checked: the model must split that way) and the
+    whole model's shape."""
+    from minillm.model.loader import read_model_config
+
+    model = read_model_config(config.model, config.load_format)
+    if config.pipeline_parallel_size > 1:
+        return Stage.of(model, rank, config.pipeline_parallel_size), model
+    check_layout(model, config.tensor_parallel_size)
+    return Shard(rank, config.tensor_parallel_size), model
+
+
+class Workers:
     """This process's place in the group and, on rank 0 of ``LLM(...)``, the workers it started."""
 
-    def __init__(self, shard: Shard, device: torch.device, processes=(), connections=()):
-        self.shard, self.device = shard, device
+    def __init__(self, part: Shard | Stage, model_config: ModelConfig, device: torch.device,
+                 processes=(), connections=()):
+        self.part, self.model_config, self.device = part, model_config, device  # model_config: the whole model
         self.processes, self.connections = list(processes), list(connections)
         # Step metadata are pickled Python lists: they travel over gloo even when the layers use NCCL.
         self.meta_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        self._finalizer = weakref.finalize(self, _shutdown, shard.rank, self.meta_group, self.processes)
+        self._finalizer = weakref.finalize(self, _shutdown, part.rank, self.meta_group, self.processes)
         atexit.register(self._finalizer)  # registered after multiprocessing's own exit hook, so it runs first
 
     @property
@@ -52,47 +79,46 @@ class TensorParallel:
 
     @property
     def rank(self) -> int:
-        return self.shard.rank
+        return self.part.rank
 
     @classmethod
-    def start(cls, config, device: torch.device) -> "TensorParallel":
+    def start(cls, config: EngineConfig, device: torch.device) -> "Workers":
         """Join the group this process belongs to, or (rank 0 of ``LLM(...)``) create it."""
         global _driver
-        size = config.tensor_parallel_size
+        name, size = parallel_size(config)
         if dist.is_initialized():  # a worker started below, or a script that made the group itself
             if live_driver() is not None:
-                raise RuntimeError("this process already drives a tensor-parallel LLM; close() it "
+                raise RuntimeError("this process already drives a parallel LLM; close() it "
                                    "(or use it as a context manager) before starting another")
             if dist.get_world_size() != size:
-                raise ValueError(f"tensor_parallel_size={size}, but the process group has "
+                raise ValueError(f"{name}={size}, but the process group has "
                                  f"{dist.get_world_size()} processes; make them equal")
             rank = dist.get_rank()
-            return cls(Shard(rank, size), _rank_device(device, rank, size))
+            return cls(*model_part(config, rank), _rank_device(device, rank, size))
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             if world != size:
-                raise ValueError(f"tensor_parallel_size={size}, but torchrun started {world} processes; "
+                raise ValueError(f"{name}={size}, but torchrun started {world} processes; "
                                  f"make them equal (--nproc-per-node {size})")
+            part, model = model_part(config, rank)
             device = _rank_device(device, rank, size)
             dist.init_process_group(_backend(device), timeout=COLLECTIVE_TIMEOUT)
-            return cls(Shard(rank, size), device)
-        from minillm.model.loader import read_model_config
-
-        check_layout(read_model_config(config.model, config.load_format), size)  # fail before starting anything
+            return cls(part, model, device)
+        part, model = model_part(config, 0)  # fail before starting anything
         device = _rank_device(device, 0, size)
         address = f"tcp://127.0.0.1:{_free_port()}"
         context = mp.get_context("spawn")  # a fresh interpreter: CUDA cannot be forked
         processes, connections = [], []
         for rank in range(1, size):
             ours, theirs = context.Pipe()
-            process = context.Process(target=_worker_main, name=f"minillm-tp{rank}", daemon=True,
+            process = context.Process(target=_worker_main, name=f"minillm-rank{rank}", daemon=True,
                                       args=(config, rank, address, theirs, torch.get_num_threads()))
             process.start()
             processes.append(process)
             connections.append(ours)
         dist.init_process_group(_backend(device), init_method=address, rank=0, world_size=size,
                                 timeout=COLLECTIVE_TIMEOUT)
-        driver = cls(Shard(0, size), device, processes, connections)
+        driver = cls(part, model, device, processes, connections)
         _driver = weakref.ref(driver)
         return driver
 
@@ -104,33 +130,44 @@ class TensorParallel:
         for rank, (process, connection) in enumerate(zip(self.processes, self.connections), start=1):
             while not connection.poll(1.0):
                 if not process.is_alive():
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {process.exitcode}) while starting")
+                    raise RuntimeError(f"rank {rank} exited (code {process.exitcode}) while starting")
             message = connection.recv()
             if message != "ready":
-                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {message}")
-        runner.on_forward = self.broadcast_step
+                raise RuntimeError(f"rank {rank} failed to start: {message}")
+        runner.on_forward = lambda step: self._broadcast(run_forward, step)
 
-    def broadcast_step(self, step: tuple) -> None:
+    def run_everywhere(self, runner, function, *args):
+        """Rank 0: every rank calls ``function(runner, *args)`` (a module-level function: it travels
+        pickled by name); returns rank 0's result."""
+        self._broadcast(function, *args)
+        return function(runner, *args)
+
+    def _broadcast(self, function, *args) -> None:
         if self.closed:
-            raise RuntimeError("this tensor-parallel LLM is closed (its workers have exited); create a new one")
-        dist.broadcast_object_list([step], src=0, group=self.meta_group)
+            raise RuntimeError("this parallel LLM is closed (its workers have exited); create a new one")
+        dist.broadcast_object_list([(function, args)], src=0, group=self.meta_group)
 
     def serve(self, runner) -> None:
-        """Ranks > 0: run every step rank 0 broadcasts, until the empty message that ``close`` sends."""
+        """Ranks > 0: make every call rank 0 broadcasts, until the empty message that ``close`` sends."""
         while True:
             message = [None]
             dist.broadcast_object_list(message, src=0, group=self.meta_group)
             if message[0] is None:
                 break
-            runner.forward(*message[0])
+            function, args = message[0]
+            function(runner, *args)
         self.close()
 
     def close(self) -> None:
         self._finalizer()  # runs _shutdown once, however often it is called
 
 
-def live_driver() -> TensorParallel | None:
-    """The open tensor-parallel group this process started (to close it when an Engine fails to build)."""
+def run_forward(runner, step: tuple) -> None:
+    runner.forward(*step)
+
+
+def live_driver() -> Workers | None:
+    """The open parallel group this process started (to close it when an Engine fails to build)."""
     driver = None if _driver is None else _driver()
     return None if driver is None or driver.closed else driver
 
@@ -156,7 +193,7 @@ def _worker_main(config, rank: int, address: str, connection, num_threads: int) 
     from minillm.engine import Engine, resolve_device
 
     torch.set_num_threads(num_threads)  # as many as the parent uses: ranks share the machine's cores
-    size = config.tensor_parallel_size
+    size = parallel_size(config)[1]
     device = _rank_device(resolve_device(config.device), rank, size)
     dist.init_process_group(_backend(device), init_method=address, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
@@ -166,7 +203,7 @@ def _worker_main(config, rank: int, address: str, connection, num_threads: int) 
         connection.send(f"{type(e).__name__}: {e}")
         return
     connection.send("ready")
-    engine.tp.serve(engine.runner)
+    engine.workers.serve(engine.runner)
 
 
 def _rank_device(device: torch.device, rank: int, size: int) -> torch.device:
@@ -175,7 +212,7 @@ def _rank_device(device: torch.device, rank: int, size: int) -> torch.device:
         return device
     count = torch.cuda.device_count()
     if size > count:
-        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (one per rank), but torch sees {count}")
+        raise ValueError(f"{size} ranks need {size} GPUs (one per rank), but torch sees {count}")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
     return device
