@@ -243,13 +243,42 @@ One process, then each size N > 1 split each way (tensor parallel: every layer o
 pipeline parallel: the layers in N stages), one at a time: batch-1 decode latency, throughput on a
 workload (greedy tokens compared with one process's), all-reduce and send/recv times on the
 process group the layers use, and for pipelines the bubble measured against (S-1)/(M+S-1).
-All sizes run with continuous batching, eagerly (no CUDA graphs). One GPU per rank (NCCL); on a
-CPU, processes over gloo. A size the model cannot split into is recorded as skipped, with why.
+All sizes run with continuous batching, as the engine runs by default (CUDA graphs on GPUs for one
+process and tensor parallel; pipelines eagerly; --enforce-eager for all). One GPU per rank (NCCL);
+on a CPU, processes over gloo. A size the model cannot split into is recorded as skipped, with why.
 
 examples:
   minillm bench parallel --model llama2-7b --load-format dummy --sizes 1 2 --output figures/h200/parallel.json
   minillm bench parallel --model tiny --load-format dummy --dtype float32 --num-requests 8   # a CPU check
 """
+
+
+TUNING_PATH_DESCRIPTION = """\
+The design documents' tuning path for a 7B model under a 24 GB card, replayed on minillm: each step
+is a configuration of the same engine that adds one change to the steps before it, run one after
+the other on the tuning-path workload under the same memory budget (weights + KV must fit):
+  0 static batching, contiguous KV   1 + continuous batching, paged KV   2 + INT8 KV cache
+  3 + AWQ INT4 weights               4 + prefix caching (lpm)            5 + token budget 8192
+transformers' static generate and continuous batching run on step 0's weights. Prints the table,
+writes JSON and a plot (speed-up per step beside the seeds' path, median TTFT).
+
+examples:
+  minillm bench tuning-path --model llama2-7b --load-format dummy --num-requests 64 --output figures/h200/tuning_path.json
+  minillm bench tuning-path --scale cpu --output figures/cpu/tuning_path.json   # the embedded model, minutes
+"""
+
+
+def cmd_bench_tuning_path(args) -> None:
+    from minillm.bench.tuning_path import bench_tuning_path, format_tuning_path
+
+    engine_kwargs = _engine_kwargs(args)
+    memory_budget = engine_kwargs.pop("memory_budget")
+    engine_kwargs.pop("batching")  # the steps set it
+    result = bench_tuning_path(model=args.model, scale=args.scale, num_requests=args.num_requests, peers=args.peers,
+                               steps=args.steps, memory_budget=memory_budget, command=args.command_line,
+                               **engine_kwargs)
+    _write_with_plot(result, args.output)
+    print(format_tuning_path(result))
 
 
 def cmd_bench_parallel(args) -> None:
@@ -268,6 +297,7 @@ def cmd_bench_parallel(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from minillm.bench.harness import LATENCY_PEERS, PEERS, VARIANTS
+    from minillm.bench.tuning_path import STEP_NAMES as TUNING_STEPS
     from minillm.bench.workloads import WORKLOADS
 
     parser = argparse.ArgumentParser(prog="minillm", description="A compact, readable LLM inference engine.",
@@ -348,6 +378,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", default=None, help="write the JSON result here")
     _add_model_args(t)
     t.set_defaults(func=cmd_bench_parallel)
+    t = bench.add_parser("tuning-path", help="the seeds' tuning path, step by step on one engine, with the "
+                                             "transformers peers; table, JSON and plot",
+                         description=TUNING_PATH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--scale", default=None, choices=["gpu", "cpu"],
+                   help="gpu: the full workload on a 24 GB card (default on CUDA); cpu: 32 requests on a card "
+                        "sized from the model (weights + 4 sequences of KV)")
+    t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
+    t.add_argument("--steps", nargs="+", default=None, choices=list(TUNING_STEPS),
+                   help="run only these steps (each still on top of the ones before it; default: all)")
+    t.add_argument("--peers", nargs="*", default=["hf_static", "hf_cb"], choices=["hf_static", "hf_cb"],
+                   help="transformers on step 0's weights (default: both; none: --peers)")
+    t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
+    _add_model_args(t)
+    t.set_defaults(func=cmd_bench_tuning_path)
     return parser
 
 

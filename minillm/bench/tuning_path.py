@@ -1,0 +1,191 @@
+"""``minillm bench tuning-path``: the seeds' tuning path, replayed step by step on minillm.
+
+The design documents tell a 7B model's story under a 24 GB card: FP16 + static batching (40 tok/s)
+→ continuous batching + PagedAttention (120) → INT8 KV cache, batch 8 → 16 (200) → AWQ INT4 weights
++ offload (280) → prefix caching at a 35 % hit rate (320): 8× in four steps. Here every step is a
+configuration of the same engine, each adding its change to the ones before, run one after the
+other in one process on the ``tuning-path`` workload (BENCHMARKS.md) under the same emulated card
+(``memory_budget``: weights + workspace + KV must fit, so smaller weights and KV buy concurrency
+honestly). Steps past the seeds' last one try what else this engine offers. The two transformers
+peers run on the same requests with step 0's weights.
+
+The seeds' tok/s are printed and plotted beside ours as a reference, labelled as theirs: they come
+from another engine on other hardware, so only the shape of the path (each step's speed-up) compares.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from minillm.bench.harness import (_release_kv_for_peers, _timed_run, result_header, run_hf_continuous,
+                                   run_hf_static)
+from minillm.bench.metrics import serving_metrics
+from minillm.bench.peers import hf_model_sharing_weights
+from minillm.bench.workloads import WorkloadRequest, make_workload
+from minillm.config import EngineConfig, parse_bytes
+from minillm.kv.budget import workspace_bytes
+from minillm.llm import LLM
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    label: str
+    changes: dict = field(default_factory=dict)  # engine keywords this step adds to the previous step's
+    seeds_tok_s: float | None = None  # the design documents' figure for this step (7B, their hardware)
+
+
+STEPS = (
+    Step("0_static", "static batching, contiguous KV, 16-bit weights", {"batching": "static"}, 40),
+    Step("1_paged", "+ continuous batching, paged KV (PagedAttention)", {"batching": "continuous"}, 120),
+    Step("2_kv_int8", "+ INT8 KV cache", {"kv_cache_dtype": "int8"}, 200),
+    Step("3_awq_int4", "+ AWQ INT4 weights", {"quantization": "awq-int4"}, 280),
+    Step("4_prefix_cache", "+ prefix caching, longest prefix first",
+         {"enable_prefix_caching": True, "scheduling_policy": "lpm"}, 320),
+    Step("5_token_budget", "+ token budget 8192 per step (beyond the seeds)", {"max_num_batched_tokens": 8192}),
+)
+STEP_NAMES = tuple(step.name for step in STEPS)
+PEERS = ("hf_static", "hf_cb")
+# The emulated card: BENCHMARKS.md's 24 GB at GPU scale. At CPU scale, the embedded model's weights
+# plus its workspace plus KV for 4 sequences of max_model_len: as tight, relative to the model, as
+# 8 sequences are for a 7B.
+GPU_BUDGET, CPU_STATIC_SEQUENCES = "24GB", 4
+MAX_MODEL_LEN = {"gpu": 2048, "cpu": 256}
+
+
+def _cpu_budget(llm: LLM, max_model_len: int) -> int:
+    engine = llm.engine
+    return engine.weight_bytes + workspace_bytes(engine.weight_bytes) + \
+        CPU_STATIC_SEQUENCES * max_model_len * engine.kv_bytes_per_token
+
+
+def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_requests: int | None,
+                      peers: list[str], steps: list[str] | None = None, memory_budget: int | str | None = None,
+                      seed: int = 0, command: str = "", **engine_kwargs) -> dict:
+    """Run the chosen steps (all by default, in order, each on top of the ones before) and peers."""
+    chosen = list(STEP_NAMES) if steps is None else steps
+    for name in chosen:
+        if name not in STEP_NAMES:
+            raise ValueError(f"unknown step {name!r}; valid: {', '.join(STEP_NAMES)}")
+    for peer in peers:
+        if peer not in PEERS:
+            raise ValueError(f"unknown peer {peer!r}; valid: {', '.join(PEERS)}")
+    max_model_len = engine_kwargs.pop("max_model_len", None) or MAX_MODEL_LEN[scale]
+    budget = memory_budget if memory_budget is not None else (GPU_BUDGET if scale == "gpu" else None)
+    configs, config = {}, dict(engine_kwargs)
+    for step in STEPS:  # every step's configuration is checked before the first one runs
+        config = configs[step.name] = config | step.changes
+        EngineConfig(model=model, load_format=load_format, max_model_len=max_model_len, **config)
+    runs, requests, header = {}, None, None
+    for step in STEPS:
+        config = configs[step.name]
+        if step.name not in chosen:
+            continue
+        llm = LLM(model, load_format=load_format, seed=seed, max_model_len=max_model_len,
+                  memory_budget=budget, **config)
+        if budget is None:  # CPU scale: the card is sized from the model, then the step is rebuilt in it
+            budget = _cpu_budget(llm, max_model_len)
+            llm.close()
+            llm = LLM(model, load_format=load_format, seed=seed, max_model_len=max_model_len,
+                      memory_budget=budget, **config)
+        engine = llm.engine
+        if requests is None:
+            requests = make_workload("tuning-path", scale, num_requests, seed, engine.model_config.vocab_size)
+            header = result_header("tuning-path", "tuning-path", engine.model_source, command)
+        warmup = [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:4]]
+        metrics, _, _ = _timed_run(llm, requests, warmup)
+        runs[step.name] = {"label": step.label, "changes": dict(step.changes), "seeds_tok_s": step.seeds_tok_s,
+                           "max_batch": engine.max_batch, "kv_capacity_tokens": engine.kv_capacity_tokens,
+                           "weight_bytes": engine.weight_bytes, **metrics}
+        if step.name == "0_static" and peers:
+            runs |= _run_peers(engine, requests, peers)
+        _free(llm)
+    if not runs:
+        raise ValueError("no step ran: give at least one of " + ", ".join(STEP_NAMES))
+    first = runs.get("0_static")
+    for name in chosen:
+        runs[name]["speedup_over_step0"] = runs[name]["output_throughput"] / first["output_throughput"] \
+            if first else None
+    return {**header, "scale": scale, "num_requests": len(requests), "memory_budget": parse_bytes(budget),
+            "max_model_len": max_model_len, "steps": chosen, "runs": runs}
+
+
+def _run_peers(engine, requests: list[WorkloadRequest], peers: list[str]) -> dict:
+    """transformers on step 0's weights, after minillm's step 0 gave its KV cache back."""
+    _release_kv_for_peers(engine)
+    hf, runs = hf_model_sharing_weights(engine.model, engine.model_config), {}
+    if "hf_static" in peers:
+        run_hf_static(hf, [WorkloadRequest(requests[0].prompt_token_ids[:16], 4)], engine.max_batch)
+        with tqdm(total=len(requests), desc="hf_static", unit="req") as bar:
+            timings, _, duration = run_hf_static(hf, requests, engine.max_batch, progress=bar)
+        runs["hf_static"] = serving_metrics(timings, duration) | {"batch_size": engine.max_batch}
+    if "hf_cb" in peers:
+        timings, _, duration = run_hf_continuous(hf, requests)
+        runs["hf_cb"] = serving_metrics(timings, duration)
+    return runs
+
+
+def _free(llm: LLM) -> None:
+    device = llm.engine.device
+    llm.close()
+    del llm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def format_tuning_path(result: dict) -> str:
+    runs = result["runs"]
+    lines = [f"tuning path ({result['num_requests']} requests, {result['memory_budget'] / 1e9:.2f} GB card) on "
+             f"{result['device']}, {result['model']}",
+             f"{'step':<16}{'tok/s':>9}{'TTFT p50 ms':>13}{'p99 ms':>9}{'batch':>7}{'KV tokens':>11}"
+             f"{'hit rate':>10}{'speed-up':>10}{'seeds':>7}"]
+    for name in result["steps"]:
+        m = runs[name]
+        hits = f"{m['prefix_cache_hit_rate']:.1%}" if "prefix_cache_hit_rate" in m else "-"
+        speedup = f"{m['speedup_over_step0']:.2f}x" if m["speedup_over_step0"] else "-"
+        seeds = f"{m['seeds_tok_s']:.0f}" if m["seeds_tok_s"] else "-"
+        lines.append(f"{name:<16}{m['output_throughput']:>9.1f}{m['median_ttft_ms']:>13.0f}{m['p99_ttft_ms']:>9.0f}"
+                     f"{m['mean_batch_size']:>7.1f}{m['kv_capacity_tokens']:>11}{hits:>10}{speedup:>10}{seeds:>7}")
+    for peer in PEERS:
+        if peer in runs:
+            m = runs[peer]
+            lines.append(f"{peer:<16}{m['output_throughput']:>9.1f}{m['median_ttft_ms']:>13.0f}{m['p99_ttft_ms']:>9.0f}")
+    lines.append("seeds = the design documents' tok/s for a 7B on their hardware (a reference, not measured here)")
+    return "\n".join(lines)
+
+
+def plot_tuning_path(result: dict, path) -> str:
+    """Bars: each step's speed-up over step 0, ours beside the seeds'; line: median TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, names = result["runs"], result["steps"]
+    xs = range(len(names))
+    fig, axis = plt.subplots(figsize=(2 + 1.4 * len(names), 4.2))
+    ours = [runs[n]["speedup_over_step0"] or 0 for n in names]
+    seeds0 = STEPS[0].seeds_tok_s
+    seeds = [runs[n]["seeds_tok_s"] / seeds0 if runs[n]["seeds_tok_s"] else 0 for n in names]
+    bars = axis.bar([x - 0.2 for x in xs], ours, width=0.4, label="minillm, measured")
+    axis.bar_label(bars, labels=[f"{runs[n]['output_throughput']:.0f} tok/s" for n in names], fontsize=7)
+    axis.bar([x + 0.2 for x in xs], seeds, width=0.4, color="lightgray", label="the seeds' path (reference)")
+    axis.set_xticks(list(xs), names, rotation=15, fontsize=8)
+    axis.set_ylabel("output throughput / step 0")
+    ttft = axis.twinx()
+    ttft.plot(list(xs), [runs[n]["median_ttft_ms"] / 1e3 for n in names], "o-", color="tab:red", label="median TTFT")
+    ttft.set_ylabel("median TTFT (s)", color="tab:red")
+    ttft.set_ylim(bottom=0)
+    handles = axis.get_legend_handles_labels()[0] + ttft.get_legend_handles_labels()[0]
+    axis.legend(handles=handles, fontsize=8, loc="upper left")
+    fig.suptitle(f"tuning path, {result['model']}, {result['memory_budget'] / 1e9:.2f} GB card, "
+                 f"{result['device']} · commit {result['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
