@@ -37,6 +37,13 @@ VARIANTS = ("prefix_cache_off", "triton_eager", "torch_eager")
 LATENCY_PEERS = ("hf_static", "hf_compiled")  # hf_compiled: static cache + torch.compile (CUDA graphs)
 
 
+def check_choices(kind: str, given, valid) -> None:
+    """A clear error for the first of ``given`` that is not one of ``valid``."""
+    for value in given:
+        if value not in valid:
+            raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(valid)}")
+
+
 def git_commit() -> str:
     """MINILLM_COMMIT wins (the GPU machine gets a copy of the tree without .git)."""
     if os.environ.get("MINILLM_COMMIT"):
@@ -138,12 +145,8 @@ def step_summary(stats) -> dict:
 def bench_throughput(*, model: str | None, load_format: str, workload: str, scale: str,
                      num_requests: int | None, peers: list[str], seed: int = 0, command: str = "",
                      peer_batch_size: int | None = None, variants: tuple[str, ...] = (), **engine_kwargs) -> dict:
-    for peer in peers:
-        if peer not in PEERS:
-            raise ValueError(f"unknown peer {peer!r}; valid: {', '.join(PEERS)}")
-    for variant in variants:
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    check_choices("peer", peers, PEERS)
+    check_choices("variant", variants, VARIANTS)
     if variants and engine_kwargs.get("batching") != "continuous":
         raise ValueError("variants switch parts of the paged engine; they need batching='continuous'")
     llm = LLM(model, load_format=load_format, seed=seed, **engine_kwargs)
@@ -211,9 +214,7 @@ def bench_latency(*, model: str | None, load_format: str, scale: str, num_reques
     """The ``latency`` workload: one request at a time; decode tok/s against the bandwidth roofline."""
     from minillm.bench import roofline
 
-    for peer in peers:
-        if peer not in LATENCY_PEERS:
-            raise ValueError(f"unknown latency peer {peer!r}; valid: {', '.join(LATENCY_PEERS)}")
+    check_choices("latency peer", peers, LATENCY_PEERS)
     engine_kwargs["max_num_seqs"] = 1
     llm = LLM(model, load_format=load_format, seed=seed, **engine_kwargs)
     engine = llm.engine

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minillm.bench.harness import _sync, result_header, run_minillm
+from minillm.bench.harness import _sync, check_choices, result_header, run_minillm
 from minillm.bench.metrics import serving_metrics
 from minillm.bench.workloads import WorkloadRequest, make_workload
 from minillm.llm import LLM
@@ -45,9 +45,7 @@ def bench_parallel(*, model: str | None, load_format: str, sizes: list[int], mod
                    scale: str, num_requests: int | None, latency_runs: int | None, micro_batches: list[int],
                    seed: int = 0, command: str = "", **engine_kwargs) -> dict:
     """Run every configuration in turn (one LLM alive at a time) and return the result document."""
-    for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    check_choices("mode", modes, MODES)
     if any(not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"sizes must be positive integers, got {sizes}")
     if any(m < 1 or m > BUBBLE_BATCH[scale] for m in micro_batches):

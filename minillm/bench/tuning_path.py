@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from minillm.bench.harness import (_release_kv_for_peers, _timed_run, result_header, run_hf_continuous,
-                                   run_hf_static)
+from minillm.bench.harness import (_release_kv_for_peers, _timed_run, check_choices, result_header,
+                                   run_hf_continuous, run_hf_static)
 from minillm.bench.metrics import serving_metrics
 from minillm.bench.peers import hf_model_sharing_weights
 from minillm.bench.workloads import WorkloadRequest, make_workload
@@ -68,12 +68,8 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
                       seed: int = 0, command: str = "", **engine_kwargs) -> dict:
     """Run the chosen steps (all by default, in order, each on top of the ones before) and peers."""
     chosen = list(STEP_NAMES) if steps is None else steps
-    for name in chosen:
-        if name not in STEP_NAMES:
-            raise ValueError(f"unknown step {name!r}; valid: {', '.join(STEP_NAMES)}")
-    for peer in peers:
-        if peer not in PEERS:
-            raise ValueError(f"unknown peer {peer!r}; valid: {', '.join(PEERS)}")
+    check_choices("step", chosen, STEP_NAMES)
+    check_choices("peer", peers, PEERS)
     max_model_len = engine_kwargs.pop("max_model_len", None) or MAX_MODEL_LEN[scale]
     budget = memory_budget if memory_budget is not None else (GPU_BUDGET if scale == "gpu" else None)
     configs, config = {}, dict(engine_kwargs)
