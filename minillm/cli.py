@@ -9,6 +9,8 @@ import argparse
 import shlex
 import sys
 
+from minillm.kv.quant import KV_CACHE_DTYPES
+
 EXAMPLES = """examples:
   minillm generate "What is a KV cache?" --max-tokens 64
   minillm chat                                   # talk to the embedded SmolLM2-135M-Instruct
@@ -32,6 +34,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default 8 static, 256 continuous)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (continuous)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV capacity in blocks (continuous)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage: auto = the model's dtype; int8 / fp8 with a scale per token and KV head, "
+                        "int4 with a scale per 16 channels (continuous)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="a preempted request recomputes its prefill when readmitted, or swaps its KV blocks "
                         "to CPU memory and back (continuous)")
@@ -60,6 +65,7 @@ def _engine_kwargs(args) -> dict:
     return dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, batching=args.batching,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                kv_cache_dtype=args.kv_cache_dtype,
                 memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
@@ -130,7 +136,8 @@ def cmd_info(args) -> None:
 
     engine = Engine(EngineConfig(model=args.model, **_engine_kwargs(args)))
     c = engine.model_config
-    kv_token = c.kv_bytes_per_token(engine.dtype.itemsize)
+    kv_dtype = engine.config.kv_cache_dtype
+    kv_format = str(engine.dtype).removeprefix("torch.") if kv_dtype == "auto" else f"{kv_dtype} + fp16 scales"
     rows = {
         "model": engine.model_source,
         "architecture": f"{c.model_type}: {c.num_layers} layers, hidden {c.hidden_size}, "
@@ -138,7 +145,7 @@ def cmd_info(args) -> None:
         "parameters": f"{c.num_params / 1e6:.1f} M",
         "dtype": str(engine.dtype).removeprefix("torch."),
         "weights": f"{engine.weight_bytes / 2**20:.1f} MiB",
-        "KV per token": f"{kv_token / 2**10:.1f} KiB",
+        "KV per token": f"{engine.kv_bytes_per_token / 2**10:.1f} KiB ({kv_format})",
         "max_model_len": engine.max_model_len,
         "batching": f"{engine.config.batching}, up to {engine.max_batch} sequences",
         "attention": "contiguous KV, torch SDPA" if engine.attention_backend is None else

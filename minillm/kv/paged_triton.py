@@ -22,15 +22,17 @@ class TritonPagedBatch:
         self.max_prefill_len = max(step.query_lens[step.num_decode:], default=0)
 
     def __call__(self, layer_idx: int, q, k, v):
-        pool_k, pool_v = write_kv(self.cache, self.step, layer_idx, k, v)
+        pools = write_kv(self.cache, self.step, layer_idx, k, v)
+        scales = dict(k_scale=pools.k_scale, v_scale=pools.v_scale)  # None unless the cache is quantized
         step, n = self.step, self.step.num_decode
         q = q[0]
         out = torch.empty_like(q)
         if n:
             # Split count from the table's width (a graph's tables are as wide as max_model_len),
             # never from the lengths in it: the launch grid must not change under a CUDA graph.
-            paged_decode_attention(q[:n], pool_k, pool_v, step.block_tables[:n], step.context_lens[:n], out=out[:n])
+            paged_decode_attention(q[:n], pools.k, pools.v, step.block_tables[:n], step.context_lens[:n],
+                                   out=out[:n], **scales)
         if n < len(step.query_lens):
-            paged_prefill_attention(q[n:], pool_k, pool_v, step.block_tables[n:], step.cu_prefill_lens,
-                                    step.context_lens[n:], self.max_prefill_len, out=out[n:])
+            paged_prefill_attention(q[n:], pools.k, pools.v, step.block_tables[n:], step.cu_prefill_lens,
+                                    step.context_lens[n:], self.max_prefill_len, out=out[n:], **scales)
         return out[None]
