@@ -43,10 +43,10 @@ def kv_quant_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return NO_QUANT
     check(v_cache.dtype == k_cache.dtype, f"k_cache holds {k_cache.dtype} but v_cache {v_cache.dtype}; they must match")
     check(k_scale is not None and v_scale is not None,
-          f"a {kind} KV cache ({k_cache.dtype}) needs its scales: pass k_scale and v_scale")
+          f"an {kind} KV cache ({k_cache.dtype}) needs its scales: pass k_scale and v_scale")
     head_dim = q.shape[-1]
     layout = kv_layout(kind, head_dim, q.dtype)
-    check(k_cache.shape[-1] == layout.width, f"a {kind} cache for head_dim {head_dim} has a last dim of "
+    check(k_cache.shape[-1] == layout.width, f"an {kind} cache for head_dim {head_dim} has a last dim of "
           f"{layout.width}, got k_cache {tuple(k_cache.shape)}")
     want = (*k_cache.shape[:-1], *layout.scale_shape)
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):

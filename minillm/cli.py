@@ -200,6 +200,29 @@ def cmd_bench_kernels(args) -> None:
     print(format_kernel_table(result))
 
 
+def cmd_bench_kv_capacity(args) -> None:
+    import torch
+
+    from minillm.bench.harness import result_header, write_result
+    from minillm.bench.kv_quant import format_capacity_table, kv_capacity
+    from minillm.bench.workloads import make_workload
+    from minillm.config import parse_bytes
+    from minillm.model.config import PRESETS
+
+    config, dtype, budget = PRESETS[args.model], getattr(torch, args.dtype), parse_bytes(args.memory_budget)
+    requests = make_workload(args.workload, "gpu", vocab_size=config.vocab_size)
+    lens = {f"of_{args.max_model_len}_tokens": [args.max_model_len],
+            args.workload: [min(len(r.prompt_token_ids) + r.max_tokens, args.max_model_len) for r in requests]}
+    result = result_header("kv_capacity", args.workload, args.model, args.command_line)
+    result |= {"dtype": args.dtype, "memory_budget": budget, "block_size": args.block_size,
+               "max_model_len": args.max_model_len, "runs": kv_capacity(config, budget, dtype, args.block_size, lens)}
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+    print(f"{args.model} ({args.dtype} weights) in {budget / 1e9:.0f} GB: sequences held at once, each with "
+          f"blocks for its whole length")
+    print(format_capacity_table(result["runs"]))
+
+
 def cmd_bench_load(args) -> None:
     from minillm.bench.harness import bench_gguf_load, write_result
 
@@ -214,6 +237,7 @@ def cmd_bench_load(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from minillm.bench.harness import LATENCY_PEERS, PEERS, VARIANTS
     from minillm.bench.workloads import WORKLOADS
+    from minillm.model.config import PRESETS
 
     parser = argparse.ArgumentParser(prog="minillm", description="A compact, readable LLM inference engine.",
                                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -239,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput,latency,kernels,load}")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput,latency,kernels,kv-capacity,load}")
     t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
     t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
     t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
@@ -266,6 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
     t = bench.add_parser("kernels", help="Triton attention kernels vs torch SDPA and the measured ceilings")
     t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
     t.set_defaults(func=cmd_bench_kernels)
+    t = bench.add_parser("kv-capacity", help="KV blocks and concurrent sequences a memory budget holds per "
+                                             "kv_cache_dtype (computed, no model is loaded); JSON out")
+    t.add_argument("--model", default="llama2-7b", choices=list(PRESETS), help="a preset's shape")
+    t.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"], help="weights' dtype")
+    t.add_argument("--memory-budget", default="24GB", help="weights + workspace + KV must fit (BENCHMARKS.md: 24GB)")
+    t.add_argument("--max-model-len", type=int, default=2048)
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--workload", default="tuning-path", choices=list(WORKLOADS),
+                   help="also count sequences of this workload's lengths (prompt + max_tokens, gpu scale)")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    t.set_defaults(func=cmd_bench_kv_capacity)
     t = bench.add_parser("load", help="GGUF load time: first (convert and cache) vs second (from cache)")
     t.add_argument("--gguf", default=None, help="a .gguf file (default: the embedded SmolLM2)")
     t.add_argument("--output", default=None, help="write the JSON result here")
