@@ -29,6 +29,8 @@ capture keeping its own allocation. Without one the wrapper allocates per call, 
 Layout (one layer): ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D]; token p of sequence b
 is at ``k_cache[block_tables[b, p // block_size], p % block_size]``; ``context_lens[b]`` counts the
 cached tokens including the new one; q [B, H, D], query head h reads KV head h // (H // Hkv).
+A quantized cache (int8, fp8 or packed int4, ``minillm/kv/quant.py``) comes with ``k_scale`` /
+``v_scale`` pools of the same block layout and is dequantized in registers (``kv_dequant.py``).
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ The formats, per token and KV head (a vector x of ``head_dim`` values):
 
 Why groups of 16 channels for int4: keys carry a few outlier channels (KVQuant, Hooper et al. 2024,
 https://arxiv.org/abs/2401.18079), and one scale over many channels spends the 16 levels on the
-outlier. On the embedded SmolLM2-135M (pydoc_data held-out text, 4 x 512 tokens) groups of 16 raised
-perplexity by 2.2 %, groups of 32 by 6.5 %, 64 by 15 %; symmetric int4 at 32 by 18 % (the
-measurement is in notebook 06). Keys are the sensitive half: V alone at group 32 cost 0.6 %.
+outlier. On the embedded SmolLM2-135M (held-out pydoc_data text, 3 x 512 tokens, notebook 06)
+groups of 16 raised perplexity by 4.2 %, groups of 32 by 6.3 %, 64 by 18 %, and symmetric int4 at
+32 by 18 %: only 16 meets issue 6's 5 %.
 
 Scales (and int4 minima) are float16: 2 bytes per token-head in int8, so a bf16 head of 128 values
 shrinks from 256 bytes to 130. fp16 covers scales from 2^-24 to 65504, i.e. vectors with max|x| up

@@ -13,35 +13,23 @@ import torch
 from minillm.kernels.flash_attention import paged_prefill_attention, paged_prefill_attention_ref
 from minillm.kernels.paged_attention import PagedAttentionWorkspace, paged_decode_attention, paged_decode_attention_ref
 from minillm.kv.quant import dequantize_kv, quantize_kv
+from test_flash_attention import make_paged  # tests/kernels is on sys.path (pytest's rootdir-less import)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=1e-2)}
 
 
-def quantized_paged(ctx_lens, kv_heads, head_dim, block_size, kv_cache_dtype, seed):
-    """A pool of random K/V quantized as ``kv_cache_dtype``, shuffled block tables padded with other
-    valid ids, and NaN scales in every slot no sequence owns."""
-    g = torch.Generator().manual_seed(seed)
-    pages = [-(-n // block_size) for n in ctx_lens]
-    num_blocks = sum(pages) + 3
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    # Per-token magnitudes spread over two orders, and an outlier channel, as real keys have.
-    k = torch.randn(shape, generator=g) * torch.exp(torch.randn(*shape[:-1], 1, generator=g))
-    k[..., 3] *= 8
-    v = torch.randn(shape, generator=g)
-    (kq, ks), (vq, vs) = quantize_kv(k, kv_cache_dtype), quantize_kv(v, kv_cache_dtype)
-    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
-    ids = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.randint(0, num_blocks, (len(ctx_lens), max(pages) + 1), generator=g, dtype=torch.int32)
-    for b, n in enumerate(ctx_lens):
-        mine, ids = ids[: pages[b]], ids[pages[b]:]
-        tables[b, : pages[b]] = torch.tensor(mine, dtype=torch.int32)
-        pos = torch.arange(n)
-        owned[torch.tensor(mine)[pos // block_size], pos % block_size] = True
-    ks[~owned], vs[~owned] = float("nan"), float("nan")
-    to = dict(device=DEVICE)
-    return (kq.to(**to), vq.to(**to), ks.to(**to), vs.to(**to), tables.to(**to),
-            torch.tensor(ctx_lens, dtype=torch.int32, **to))
+def quantized_paged(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, kv_cache_dtype, seed):
+    """``make_paged``'s pool (NaN in every slot no sequence owns, shuffled tables padded with other
+    valid ids), keys spread over two orders of magnitude per token with an outlier channel as real
+    keys have, quantized as ``kv_cache_dtype``: the unowned slots get NaN scales."""
+    q, _, _, k_cache, v_cache, tables, cu_q, _, ctx = make_paged(q_lens, ctx_lens, heads, kv_heads, head_dim,
+                                                                 block_size, dtype, seed)
+    spread = torch.exp(torch.randn(*k_cache.shape[:-1], 1, generator=torch.Generator().manual_seed(seed)))
+    k_cache = k_cache.float() * spread.to(DEVICE)
+    k_cache[..., 3] *= 8
+    (kq, ks), (vq, vs) = quantize_kv(k_cache, kv_cache_dtype), quantize_kv(v_cache, kv_cache_dtype)
+    return q, kq, vq, ks, vs, tables, cu_q, ctx
 
 
 # (context_lens, heads, kv_heads, head_dim, block_size, num_splits, dtype, kv_cache_dtype): odd lengths,
@@ -60,8 +48,8 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("lens,heads,kv_heads,dim,block_size,splits,dtype,kv", DECODE_CASES)
 def test_decode_kernel_matches_ref_on_quantized_cache(lens, heads, kv_heads, dim, block_size, splits, dtype, kv):
-    kq, vq, ks, vs, tables, ctx = quantized_paged(lens, kv_heads, dim, block_size, kv, seed=len(lens) + dim)
-    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(dim)).to(DEVICE, dtype)
+    q, kq, vq, ks, vs, tables, _, ctx = quantized_paged([1] * len(lens), lens, heads, kv_heads, dim, block_size, dtype,
+                                                        kv, seed=len(lens) + dim)
     out = torch.full_like(q, float("nan"))
     ws = None
     if splits > 1:
@@ -86,9 +74,8 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("q_lens,ctx_lens,heads,kv_heads,dim,block_size,dtype,kv", PREFILL_CASES)
 def test_prefill_kernel_matches_ref_on_quantized_cache(q_lens, ctx_lens, heads, kv_heads, dim, block_size, dtype, kv):
-    kq, vq, ks, vs, tables, ctx = quantized_paged(ctx_lens, kv_heads, dim, block_size, kv, seed=block_size + dim)
-    q = torch.randn(sum(q_lens), heads, dim, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q, kq, vq, ks, vs, tables, cu_q, ctx = quantized_paged(q_lens, ctx_lens, heads, kv_heads, dim, block_size, dtype,
+                                                           kv, seed=block_size + dim)
     out = paged_prefill_attention(q, kq, vq, tables, cu_q, ctx, max(q_lens), out=torch.full_like(q, float("nan")),
                                   k_scale=ks, v_scale=vs)
     want = paged_prefill_attention_ref(q, kq, vq, tables, cu_q, ctx, k_scale=ks, v_scale=vs)
@@ -100,21 +87,19 @@ def test_prefill_kernel_matches_ref_on_quantized_cache(q_lens, ctx_lens, heads, 
 def test_references_equal_attention_over_the_dequantized_cache(kv):
     """Independent of the references' own gather: dequantize the whole pool first (scales of unowned
     slots made finite), then run the unquantized references."""
-    kq, vq, ks, vs, tables, ctx = quantized_paged([19, 1, 40], 2, 32, 8, kv, seed=11)
+    qp, kq, vq, ks, vs, tables, cu_q, ctx = quantized_paged([5, 1, 7], [19, 1, 40], 4, 2, 32, 8, torch.float32, kv,
+                                                            seed=11)
     ks, vs = ks.nan_to_num(0.5), vs.nan_to_num(0.5)
     k, v = dequantize_kv(kq, ks, torch.float32), dequantize_kv(vq, vs, torch.float32)
-    q = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    torch.testing.assert_close(paged_decode_attention_ref(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs),
-                               paged_decode_attention_ref(q, k, v, tables, ctx), atol=1e-6, rtol=1e-6)
-    cu_q = torch.tensor([0, 5, 6, 13], dtype=torch.int32, device=DEVICE)
-    qp = torch.randn(13, 4, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     torch.testing.assert_close(paged_prefill_attention_ref(qp, kq, vq, tables, cu_q, ctx, k_scale=ks, v_scale=vs),
                                paged_prefill_attention_ref(qp, k, v, tables, cu_q, ctx), atol=1e-6, rtol=1e-6)
+    q = qp[cu_q[1:].long() - 1]  # each sequence's last token, as a decode step
+    torch.testing.assert_close(paged_decode_attention_ref(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs),
+                               paged_decode_attention_ref(q, k, v, tables, ctx), atol=1e-6, rtol=1e-6)
 
 
 def test_wrapper_errors_name_the_bad_value():
-    kq, vq, ks, vs, tables, ctx = quantized_paged([5, 9], 2, 16, 8, "int8", seed=0)
-    q = torch.randn(2, 4, 16, device=DEVICE)
+    q, kq, vq, ks, vs, tables, cu_q, ctx = quantized_paged([1, 1], [5, 9], 4, 2, 16, 8, torch.float32, "int8", seed=0)
     with pytest.raises(ValueError, match=r"an int8 KV cache \(torch.int8\) needs its scales"):
         paged_decode_attention(q, kq, vq, tables, ctx)
     with pytest.raises(ValueError, match=r"k_scale must be a float tensor of shape \(\d+, 8, 2\)"):
@@ -125,6 +110,5 @@ def test_wrapper_errors_name_the_bad_value():
     with pytest.raises(ValueError, match="k_scale / v_scale dequantize a quantized KV cache.*pass None"):
         paged_decode_attention(q, float_cache, float_cache, tables, ctx, k_scale=ks, v_scale=vs)
     packed = kq.view(torch.uint8)  # int4 packs two channels a byte: 16 bytes are 32 channels, not 16
-    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"an int4 cache for head_dim 16 has a last dim of 8"):
         paged_prefill_attention(q, packed, packed, tables, cu_q, ctx, 1, k_scale=ks, v_scale=vs)
