@@ -48,13 +48,17 @@ class DecodeShape:
     head_dim: int
     block_size: int = 16
     kv_cache_dtype: str = "auto"
+    block_n: int | None = None  # the decode kernel's tile and warps; None = its defaults
+    num_warps: int | None = None
 
 
 GPU_PREFILL = [PrefillShape(8, 32, 32, s, 128) for s in (512, 1024, 2048, 4096)] + \
               [PrefillShape(8, 32, 8, 2048, 128), PrefillShape(8, 32, 32, 2048, 64)]
 GPU_DECODE = [DecodeShape(b, 32, 8, c, 128) for b, c in ((1, 2048), (1, 16384), (8, 2048), (32, 2048),
                                                          (64, 2048), (128, 2048), (64, 512), (64, 8192))] + \
-             [DecodeShape(64, 32, 8, 2048, 128, kv_cache_dtype=kv) for kv in ("int8", "fp8", "int4")]
+             [DecodeShape(64, 32, 8, 2048, 128, kv_cache_dtype=kv) for kv in ("int8", "fp8", "int4")] + \
+             [DecodeShape(64, 32, 8, 2048, 128, kv_cache_dtype="int8", block_n=128, num_warps=w) for w in (4, 8)]
+# (A 1-byte cache moves half the bytes per tile: whether a 128-token tile reads it faster is measured, not assumed.)
 # Under the interpreter on a CPU: the same code paths on shapes small enough to finish (no timings worth a claim).
 CPU_PREFILL = [PrefillShape(1, 2, 1, 33, 16)]
 CPU_DECODE = [DecodeShape(2, 4, 2, 40, 16, block_size=8),  # contexts: whole blocks (paged_copy)
@@ -190,7 +194,8 @@ def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, b
         scales = dict(k_scale=k_scale, v_scale=v_scale)
 
     def triton_call():
-        return paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out, **scales)
+        return paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out, block_n=shape.block_n,
+                                      num_warps=shape.num_warps, **scales)
 
     # What the kernel reads: K and V of every token and head, scales included.
     kv_bytes = 2 * B * S * Hkv * kv_layout(shape.kv_cache_dtype, D, dtype).bytes_per_token_head()
@@ -232,6 +237,14 @@ def bench_kernels(device: torch.device, dtype: torch.dtype | None = None, prefil
     return result
 
 
+def decode_kv_label(shape: dict) -> str:
+    """A decode row's KV format, and its tile x warps when the row overrides them."""
+    label = shape.get("kv_cache_dtype", "auto")  # files written before quantized KV have no such key
+    if shape.get("block_n"):
+        label += f"/{shape['block_n']}x{shape['num_warps'] or 4}"
+    return label
+
+
 def format_kernel_table(result: dict) -> str:
     lines = [f"{'prefill (B,H,Hkv,S,D)':<26}{'triton TFLOP/s':>15}{'SDPA flash':>12}{'SDPA cuDNN':>12}{'vs best':>9}"]
     for row in result["runs"]["prefill"]:
@@ -240,13 +253,13 @@ def format_kernel_table(result: dict) -> str:
         frac = row["fraction_of_best_sdpa"]
         lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['seq_len'], s['head_dim'])):<26}"
                      f"{cells[0]:>15}{cells[1]:>12}{cells[2]:>12}{(f'{frac:.0%}' if frac else '-'):>9}")
-    lines.append(f"{'decode (B,H,Hkv,ctx,D)':<26}{'KV':>6}{'triton GB/s':>13}{'ms':>9}{'SDPA flash':>12}"
+    lines.append(f"{'decode (B,H,Hkv,ctx,D)':<26}{'KV':>10}{'triton GB/s':>13}{'ms':>9}{'SDPA flash':>12}"
                  f"{'of copy BW':>12}")
     for row in result["runs"]["decode"]:
         s = row["shape"]
         flash = f"{row['sdpa_flash']['gbs']:.0f}" if row.get("sdpa_flash") else "-"
-        kv = s.get("kv_cache_dtype", "auto")  # files written before quantized KV have no such key
-        lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['context'], s['head_dim'])):<26}{kv:>6}"
+        kv = decode_kv_label(s)
+        lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['context'], s['head_dim'])):<26}{kv:>10}"
                      f"{row['triton']['gbs']:>13.0f}{row['triton']['ms']:>9.3f}{flash:>12}"
                      f"{row['fraction_of_bandwidth']:>12.0%}")
     return "\n".join(lines)
@@ -268,8 +281,7 @@ def plot_kernels(result: dict, path: str) -> str:
     left.set_ylabel("Triton TFLOP/s / best SDPA TFLOP/s")
     left.set_title("prefill (causal, B=8, H=32)")
     labels = [f"B={r['shape']['batch']}\nctx={r['shape']['context']}"
-              + ("" if r["shape"].get("kv_cache_dtype", "auto") == "auto" else f"\n{r['shape']['kv_cache_dtype']}")
-              for r in runs["decode"]]
+              + ("" if decode_kv_label(r["shape"]) == "auto" else f"\n{decode_kv_label(r['shape'])}") for r in runs["decode"]]
     right.bar(labels, [r["fraction_of_bandwidth"] for r in runs["decode"]], color="tab:orange")
     right.axhline(1.0, color="gray", lw=1)
     right.set_ylabel("K/V GB/s / copy bandwidth")
