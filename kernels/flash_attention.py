@@ -40,6 +40,9 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable, interpreter_on
+from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode,
+                                        scale_strides)
+from minillm.kv.quant import INT4_GROUP_SIZE, dequantize_kv
 
 INTERPRET = interpreter_on()
 LOG2E = 1.4426950408889634
@@ -58,13 +61,20 @@ GPU_FP32_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2
 
 
 @triton.jit
-def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, k_start, table,
-                   stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, VScale, k_start, table,
+                   stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, stride_sb, stride_st, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+                   PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                   KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr):
     """Fold keys [lo, hi) into the running (acc, m_i, l_i) of one query tile, BLOCK_N at a time.
-    MASKED=False is the fast path: every key in range is real and visible to every row."""
+    MASKED=False is the fast path: every key in range is real and visible to every row. A quantized
+    cache (KV_QUANT, paged only) is dequantized as ``kv_dequant.py`` explains."""
     offs_d = tl.arange(0, HEAD_DIM)
+    if KV_QUANT == INT4_GROUPS:
+        # Channel d sits in byte d mod D/2, in the high nibble for the second half (kv/quant.py).
+        high_nibble = offs_d >= HEAD_DIM // 2
+        group_pairs = offs_d // QUANT_GROUP * 2  # each channel's (scale, minimum) pair
+        offs_d = offs_d % (HEAD_DIM // 2)
     for start in range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)  # lo is a multiple of BLOCK_N: aligned tiles
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -88,8 +98,19 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, k_start,
             k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs)
+        if KV_QUANT != NO_QUANT:
+            scale_rows = page * stride_sb + (offs_n % PAGE_SIZE) * stride_st
+        if KV_QUANT == PER_TOKEN:  # scales go on the scores and weights (kv_dequant.py)
+            k_scale = tl.load(KScale + scale_rows, mask=in_range, other=0.0).to(tl.float32)
+            v_scale = tl.load(VScale + scale_rows, mask=in_range, other=0.0).to(tl.float32)
+            k = k.to(q.dtype)
+        if KV_QUANT == INT4_GROUPS:
+            k = dequant_int4(k, high_nibble[:, None], KScale + scale_rows[None, :] + group_pairs[:, None],
+                             in_range[None, :]).to(q.dtype)
         # "ieee": fp32 inputs would otherwise be rounded to TF32 on the GPU; 16-bit ones ignore it.
         s = tl.dot(q, k, input_precision="ieee")
+        if KV_QUANT == PER_TOKEN:
+            s = s * k_scale[None, :]
         if MASKED:
             visible = in_range[None, :]
             if CAUSAL:
@@ -105,6 +126,12 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, k_start,
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)  # 0, not garbage: 0 * NaN = NaN
         else:
             v = tl.load(v_ptrs)
+        if KV_QUANT == PER_TOKEN:
+            p = p * v_scale[None, :]  # after the denominator: V's scale weighs values, not probabilities
+            v = v.to(q.dtype)
+        if KV_QUANT == INT4_GROUPS:
+            v = dequant_int4(v, high_nibble[None, :], VScale + scale_rows[:, None] + group_pairs[None, :],
+                             in_range[:, None]).to(q.dtype)
         # Accumulating in place lets the tensor cores add into acc rather than into a fresh tile.
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
         m_i = m_new
@@ -118,8 +145,10 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
                       stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kh, stride_kd,
                       stride_vb, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                       stride_table, num_heads, num_kv_heads, qk_scale,
+                      KScale, VScale, stride_sb, stride_st, stride_sh,
                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
-                      PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr):
     # Tiles in reverse order: under causal masking the last tiles of a sequence do the most work,
     # and starting them first leaves short ones to fill the tail of the grid.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -160,20 +189,25 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
         masked_end = k_len
     K += kv_h * stride_kh
     V += kv_h * stride_vh
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, 0, unmasked_end, k_len, diag, K, V,
-                                   k_start, table, stride_kb, stride_kt, stride_kd, stride_vb,
-                                   stride_vt, stride_vd, qk_scale, HEAD_DIM, BLOCK_N, PAGED,
-                                   PAGE_SIZE, CAUSAL, MASKED=False)
+    if KV_QUANT != NO_QUANT:
+        KScale += kv_h * stride_sh
+        VScale += kv_h * stride_sh
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, 0, unmasked_end, k_len, diag, K, V, KScale,
+                                   VScale, k_start, table, stride_kb, stride_kt, stride_kd, stride_vb,
+                                   stride_vt, stride_vd, stride_sb, stride_st, qk_scale, HEAD_DIM, BLOCK_N,
+                                   PAGED, PAGE_SIZE, CAUSAL, MASKED=False, KV_QUANT=KV_QUANT,
+                                   QUANT_GROUP=QUANT_GROUP)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, unmasked_end, masked_end, k_len, diag,
-                                   K, V, k_start, table, stride_kb, stride_kt, stride_kd, stride_vb,
-                                   stride_vt, stride_vd, qk_scale, HEAD_DIM, BLOCK_N, PAGED,
-                                   PAGE_SIZE, CAUSAL, MASKED=True)
+                                   K, V, KScale, VScale, k_start, table, stride_kb, stride_kt, stride_kd,
+                                   stride_vb, stride_vt, stride_vd, stride_sb, stride_st, qk_scale, HEAD_DIM,
+                                   BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, MASKED=True, KV_QUANT=KV_QUANT,
+                                   QUANT_GROUP=QUANT_GROUP)
     out = acc / l_i[:, None]
     tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=offs_m[:, None] < q_len)
 
 
-_attention_kernel_tuned = triton.autotune(GPU_CONFIGS, key=["HEAD_DIM", "CAUSAL", "PAGED"])(_attention_kernel)
+_attention_kernel_tuned = triton.autotune(GPU_CONFIGS, key=["HEAD_DIM", "CAUSAL", "PAGED", "KV_QUANT"])(_attention_kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,16 +241,21 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """What ``paged_prefill_attention`` computes: gather each sequence's context from its pages,
-    then causal attention of its new (last q_len) tokens over the whole context."""
+                                context_lens: torch.Tensor, scale: float | None = None,
+                                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``paged_prefill_attention`` computes: gather each sequence's context from its pages
+    (dequantized to fp32 if the cache is quantized), then causal attention of its new (last q_len)
+    tokens over the whole context."""
     block_size = k_cache.shape[1]
     ks, vs = [], []
     for b, ctx in enumerate(context_lens.tolist()):
         pos = torch.arange(ctx, device=q.device)
-        pages = block_tables[b, pos // block_size].long()
-        ks.append(k_cache[pages, pos % block_size])
-        vs.append(v_cache[pages, pos % block_size])
+        slots = (block_tables[b, pos // block_size].long(), pos % block_size)
+        for cache, scales, gathered in ((k_cache, k_scale, ks), (v_cache, v_scale, vs)):
+            if scales is None:
+                gathered.append(cache[slots])
+            else:
+                gathered.append(dequantize_kv(cache[slots], scales[slots], torch.float32))
     cu_seqlens_k = torch.nn.functional.pad(context_lens.cumsum(0), (1, 0)).to(torch.int32)
     return flash_attention_ref(q, torch.cat(ks), torch.cat(vs), cu_seqlens_q, cu_seqlens_k, True, scale)
 
@@ -225,17 +264,21 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 # Wrappers: check everything that can be checked without reading device memory, then launch.
 
 
-def _check_common(q, k, v, kv_name: str, out, scale):
+def _check_common(q, k, v, kv_name: str, out, scale, quant=NO_QUANT):
+    """The checks both wrappers share; a quantized cache's dtypes and width were checked by
+    ``kv_quant_mode`` (which gave ``quant``)."""
     _check(q.dim() == 3, f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
     _check(q.dtype in DTYPES, f"q.dtype is {q.dtype}; expected one of {DTYPES}")
     check_runnable("q", q)
     for name, t in ((f"k{kv_name}", k), (f"v{kv_name}", v)):
-        _check(t.dtype == q.dtype, f"{name}.dtype is {t.dtype} but q.dtype is {q.dtype}; they must match")
+        if quant == NO_QUANT:
+            _check(t.dtype == q.dtype, f"{name}.dtype is {t.dtype} but q.dtype is {q.dtype}; they must match")
         _check(t.device == q.device, f"{name} is on {t.device} but q is on {q.device}")
     _check(k.shape == v.shape, f"k{kv_name} shape {tuple(k.shape)} != v{kv_name} shape {tuple(v.shape)}")
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[-2]
-    _check(k.shape[-1] == head_dim, f"k{kv_name} head_dim is {k.shape[-1]} but q's is {head_dim}; they must match")
+    if quant == NO_QUANT:
+        _check(k.shape[-1] == head_dim, f"k{kv_name} head_dim is {k.shape[-1]} but q's is {head_dim}; they must match")
     _check(kv_heads >= 1 and heads % kv_heads == 0,
            f"q has {heads} heads, k{kv_name} has {kv_heads}; q's must be a multiple of k's (GQA)")
     _check(head_dim in (16, 32, 64, 128, 256), f"head_dim is {head_dim}; expected a power of two in 16..256")
@@ -254,14 +297,21 @@ def _check_index(name: str, t: torch.Tensor, dims: int, device) -> None:
 
 
 def _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables, max_seqlen_q: int,
-            page_strides, causal: bool, paged: bool, page_size: int, scale: float, config: dict | None):
+            page_strides, causal: bool, paged: bool, page_size: int, scale: float, config: dict | None,
+            k_scale=None, v_scale=None, quant=NO_QUANT):
     batch = cu_seqlens_q.shape[0] - 1
     if batch == 0 or max_seqlen_q <= 0 or q.shape[0] == 0:
         return out
+    # Without scales K and V stand in for them: never read (KV_QUANT=NO_QUANT compiles no load).
+    scales = (k, v) if k_scale is None else (k_scale, v_scale)
+    # The scale arguments come last so that the others keep their places: the unquantized kernel
+    # compiles to the same instructions as before they existed.
     args = (q, k, v, out, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables,
             *q.stride(), page_strides[0], *k.stride()[-3:], page_strides[1], *v.stride()[-3:],
-            *out.stride(), block_tables.stride(0), q.shape[1], k.shape[-2], scale * LOG2E)
-    consts = dict(HEAD_DIM=q.shape[2], CAUSAL=causal, PAGED=paged, PAGE_SIZE=page_size)
+            *out.stride(), block_tables.stride(0), q.shape[1], k.shape[-2], scale * LOG2E,
+            *scales, *scale_strides(k_scale))
+    consts = dict(HEAD_DIM=q.shape[2], CAUSAL=causal, PAGED=paged, PAGE_SIZE=page_size, KV_QUANT=quant,
+                  QUANT_GROUP=INT4_GROUP_SIZE)
     if config is None and INTERPRET:
         config = INTERPRETER_CONFIG
     elif config is None and q.dtype == torch.float32:
@@ -301,7 +351,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             context_lens: torch.Tensor, max_seqlen_q: int, scale: float | None = None,
-                            out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, config: dict | None = None,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of new tokens over their whole context, read from the paged KV cache.
 
     q [T_total, H, D]: the new tokens of B sequences, packed (cu_seqlens_q int32 [B+1]); they are the
@@ -309,9 +360,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     [num_blocks, block_size, Hkv, D]: one layer's pool, block_size a power of two. block_tables
     int32 [B, max_blocks]: token p of sequence b is at cache[block_tables[b, p // block_size],
     p % block_size]; entries past the context are never read. context_lens int32 [B]: tokens in each
-    context, new ones included (>= q_len). q_len may be 1 (decode rows in a mixed batch).
+    context, new ones included (>= q_len). q_len may be 1 (decode rows in a mixed batch). A
+    quantized cache (int8, float8_e4m3fn, or uint8 = packed int4; ``minillm/kv/quant.py``) comes
+    with its ``k_scale`` / ``v_scale`` pools and is dequantized inside the kernel.
     """
-    out, scale = _check_common(q, k_cache, v_cache, "_cache", out, scale)
+    quant = kv_quant_mode(q, k_cache, v_cache, k_scale, v_scale)
+    out, scale = _check_common(q, k_cache, v_cache, "_cache", out, scale, quant)
     _check(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, kv_heads, head_dim], "
            f"got shape {tuple(k_cache.shape)}")
     block_size = k_cache.shape[1]
@@ -325,4 +379,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
            f"cu_seqlens_q has shape {tuple(cu_seqlens_q.shape)}, context_lens {tuple(context_lens.shape)}, "
            f"block_tables {tuple(block_tables.shape)}; expected [{batch + 1}], [{batch}] for {batch} sequences")
     return _launch(q, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_q, context_lens, block_tables,
-                   max_seqlen_q, (k_cache.stride(0), v_cache.stride(0)), True, True, block_size, scale, config)
+                   max_seqlen_q, (k_cache.stride(0), v_cache.stride(0)), True, True, block_size, scale, config,
+                   k_scale, v_scale, quant)

@@ -29,6 +29,8 @@ capture keeping its own allocation. Without one the wrapper allocates per call, 
 Layout (one layer): ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D]; token p of sequence b
 is at ``k_cache[block_tables[b, p // block_size], p % block_size]``; ``context_lens[b]`` counts the
 cached tokens including the new one; q [B, H, D], query head h reads KV head h // (H // Hkv).
+A quantized cache (int8, fp8 or packed int4, ``minillm/kv/quant.py``) comes with ``k_scale`` /
+``v_scale`` pools of the same block layout and is dequantized in registers (``kv_dequant.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
+from minillm.kernels.kv_dequant import INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode, scale_strides
+from minillm.kv.quant import INT4_GROUP_SIZE, dequantize_kv
 
 _LN2 = tl.constexpr(math.log(2.0))
 
@@ -53,22 +57,27 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _gather_sequence(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's first ``length`` tokens, [length, Hkv, D], from the block pool."""
+def _gather_sequence(cache: torch.Tensor, table: torch.Tensor, length: int,
+                     scales: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's first ``length`` tokens, [length, Hkv, D] in fp32, from the block pool
+    (dequantized with ``scales`` if the pool is quantized)."""
     blocks = table[: _cdiv(length, cache.shape[1])].long()
-    return cache[blocks].flatten(0, 1)[:length]
+    values = dequantize_kv(cache[blocks], None if scales is None else scales[blocks], torch.float32)
+    return values.flatten(0, 1)[:length]
 
 
 def split_partials_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, num_splits: int, scale: float | None = None,
-                       tile: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                       tile: int = 1, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over each split of its context, in fp32.
 
     Split s of a sequence of ``ctx`` tokens covers tokens [s * L, min((s + 1) * L, ctx)) with
     L = ceil(ceil(ctx / num_splits) / tile) * tile; the kernel rounds to its tile, BLOCK_N, so pass
     that as ``tile`` to compare its partials split by split. Returns ``out`` [B, H, num_splits, D], each split's
     softmax-normalised output, and ``lse`` [B, H, num_splits], the natural log of its softmax
-    denominator (the log-sum-exp of its scores); an empty split has out 0 and lse -inf.
+    denominator (the log-sum-exp of its scores); an empty split has out 0 and lse -inf. A quantized
+    cache is dequantized with ``k_scale`` / ``v_scale`` first (``minillm/kv/quant.py``).
     """
     batch, heads, dim = q.shape
     group = heads // k_cache.shape[2]
@@ -77,8 +86,8 @@ def split_partials_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     lse = q.new_full((batch, heads, num_splits), float("-inf"), dtype=torch.float32)
     for b in range(batch):
         ctx = int(context_lens[b])
-        keys = _gather_sequence(k_cache, block_tables[b], ctx).float().repeat_interleave(group, dim=1)
-        values = _gather_sequence(v_cache, block_tables[b], ctx).float().repeat_interleave(group, dim=1)
+        keys = _gather_sequence(k_cache, block_tables[b], ctx, k_scale).repeat_interleave(group, dim=1)
+        values = _gather_sequence(v_cache, block_tables[b], ctx, v_scale).repeat_interleave(group, dim=1)
         length = _cdiv(_cdiv(ctx, num_splits), tile) * tile
         for s in range(num_splits):
             lo, hi = s * length, min((s + 1) * length, ctx)
@@ -116,17 +125,20 @@ def merge_attention_partials(out: torch.Tensor, lse: torch.Tensor) -> tuple[torc
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float | None = None, num_splits: int = 1) -> torch.Tensor:
+                               scale: float | None = None, num_splits: int = 1, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What ``paged_decode_attention`` computes, in plain torch with fp32 math; returns q's dtype.
 
     With ``num_splits`` > 1 it goes through ``split_partials_ref`` and the module's
     ``merge_attention_partials`` (looked up when called, so a replacement patched into this module
     is the one used) — the same result by the algebra in that function's docstring.
     """
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if num_splits > 1:
-        out, lse = split_partials_ref(q, k_cache, v_cache, block_tables, context_lens, num_splits, scale)
+        out, lse = split_partials_ref(q, k_cache, v_cache, block_tables, context_lens, num_splits, scale, **scales)
         return merge_attention_partials(out, lse)[0].to(q.dtype)
-    return split_partials_ref(q, k_cache, v_cache, block_tables, context_lens, 1, scale)[0][:, :, 0].to(q.dtype)
+    return split_partials_ref(q, k_cache, v_cache, block_tables, context_lens, 1, scale,
+                              **scales)[0][:, :, 0].to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -140,10 +152,14 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   qk_scale, num_splits,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                  KScale, VScale, stride_sb, stride_st, stride_sh,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  WRITE_LSE: tl.constexpr):
-    """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split."""
+                  WRITE_LSE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr):
+    """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
+    KV_QUANT: how K/V are stored (``kv_dequant.py``); KScale/VScale are read only if quantized.
+    (Their arguments come last so that the others keep their places: the unquantized kernel
+    compiles to the same instructions as before they existed.)"""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ContextLens + b)
     # Splits are whole tiles long (only a sequence's last tile is partial); from the length on the
@@ -163,7 +179,13 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     table = BlockTables + b * stride_bt
-    kv_base = kv_head * stride_kh + dims[None, :]
+    if KV_QUANT == INT4_GROUPS:
+        # Channel d sits in byte d mod D/2, in the high nibble for the second half (kv/quant.py).
+        kv_base = kv_head * stride_kh + (dims % (HEAD_DIM // 2))[None, :]
+        high_nibble = (dims >= HEAD_DIM // 2)[None, :]
+        group_pairs = (dims // QUANT_GROUP * 2)[None, :]  # each channel's (scale, minimum) pair
+    else:
+        kv_base = kv_head * stride_kh + dims[None, :]
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
@@ -172,18 +194,30 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # int64: big pools
         offsets = block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt + kv_base
         kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
-        # A quantized cache (int8 / fp8, the KV-quantization issue) is dequantized right here:
-        # multiply k and v by their per-head scales after the load, before the dots.
         k = tl.load(K + offsets, mask=kv_mask, other=0.0)
         v = tl.load(V + offsets, mask=kv_mask, other=0.0)
+        if KV_QUANT != NO_QUANT:
+            scale_rows = block * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head * stride_sh
+        if KV_QUANT == PER_TOKEN:  # scales go on the scores and weights, below (kv_dequant.py)
+            k_scale = tl.load(KScale + scale_rows, mask=valid, other=0.0).to(tl.float32)
+            v_scale = tl.load(VScale + scale_rows, mask=valid, other=0.0).to(tl.float32)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        if KV_QUANT == INT4_GROUPS:
+            params = scale_rows[:, None] + group_pairs
+            k = dequant_int4(k, high_nibble, KScale + params, kv_mask).to(q.dtype)
+            v = dequant_int4(v, high_nibble, VScale + params, kv_mask).to(q.dtype)
 
         # "ieee": fp32 inputs get fp32 products, not TF32's 10-bit mantissa; 16-bit inputs ignore it.
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if KV_QUANT == PER_TOKEN:
+            scores = scores * k_scale[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every tile has a valid position
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_QUANT == PER_TOKEN:
+            p = p * v_scale[None, :]  # after the denominator: V's scale weighs values, not probabilities
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
@@ -260,7 +294,8 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale) -> None:
+def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale) -> tl.constexpr:
+    """Everything that can be checked without reading device memory; returns the cache's KV_QUANT."""
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -268,20 +303,12 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale,
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q has dtype {q.dtype}; valid: float16, bfloat16, float32")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dtype not in FLOAT_DTYPES:
-            raise NotImplementedError(f"{name} has dtype {cache.dtype}: a quantized KV cache is not "
-                                      "supported yet (the KV-quantization issue adds it)")
-        if cache.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {cache.dtype} but q has {q.dtype}; they must match")
-    if k_scale is not None or v_scale is not None:
-        raise NotImplementedError("k_scale / v_scale dequantize an int8 / fp8 KV cache, which is not "
-                                  "supported yet (the KV-quantization issue adds it); pass None")
+    quant = kv_quant_mode(q, k_cache, v_cache, k_scale, v_scale)  # checks a quantized cache's width and scales
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     if heads % kv_heads:
         raise ValueError(f"q has {heads} heads, not a multiple of the cache's {kv_heads} KV heads")
-    if k_cache.shape[3] != dim:
+    if quant == NO_QUANT and k_cache.shape[3] != dim:
         raise ValueError(f"q has head_dim {dim} but the cache has {k_cache.shape[3]}")
     # The kernel shares one address computation between K and V and steps the last dims by one.
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
@@ -306,6 +333,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale,
         if tensor.device != q.device:
             raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}; all must share one device")
     check_runnable("q", q)
+    return quant
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -323,8 +351,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     configuration, for benchmarks. ``context_lens`` values must lie in [1, max_blocks * block_size]
     and the table's entries below them must be valid block ids; checking that would need a device
     sync, so it is the caller's promise.
+
+    A quantized cache (int8, float8_e4m3fn, or uint8 = packed int4; ``minillm/kv/quant.py``) comes
+    with its ``k_scale`` / ``v_scale`` pools and is dequantized inside the kernel.
     """
-    _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
+    quant = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -358,13 +389,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     block_d = max(16, triton.next_power_of_2(dim))
     launch = dict(num_warps=num_warps or 4, num_stages=num_stages or 3) if on_gpu else {}
+    # Without scales the cache stands in for them: never read (KV_QUANT=NO_QUANT compiles no load).
+    k_scales, v_scales = (k_cache, v_cache) if k_scale is None else (k_scale, v_scale)
     _split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, lse,
         scale * math.log2(math.e), num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        *partial_strides, *lse_strides,
+        *partial_strides, *lse_strides, k_scales, v_scales, *scale_strides(k_scale),
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, WRITE_LSE=num_splits > 1, **launch)
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, WRITE_LSE=num_splits > 1,
+        KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, **launch)
     if num_splits > 1:
         _merge_kernel[(batch, heads)](
             partial, lse, out, num_splits, *partial_strides, *lse_strides, out.stride(0), out.stride(1),

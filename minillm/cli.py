@@ -9,6 +9,8 @@ import argparse
 import shlex
 import sys
 
+from minillm.kv.quant import KV_CACHE_DTYPES
+
 EXAMPLES = """examples:
   minillm generate "What is a KV cache?" --max-tokens 64
   minillm chat                                   # talk to the embedded SmolLM2-135M-Instruct
@@ -36,6 +38,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "lpm"],
                    help="continuous: fcfs = arrival order; priority = per-request priority, then arrival; "
                         "lpm = longest cached prefix first (with --enable-prefix-caching)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage: auto = the model's dtype; int8 / fp8 with a scale per token and KV head, "
+                        "int4 with a scale per 16 channels (continuous)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="a preempted request recomputes its prefill when readmitted, or swaps its KV blocks "
                         "to CPU memory and back (continuous)")
@@ -79,7 +84,8 @@ def _engine_kwargs(args) -> dict:
     return dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, batching=args.batching,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                scheduling_policy=args.scheduling_policy, memory_budget=args.memory_budget, attention_backend=args.attention_backend,
+                scheduling_policy=args.scheduling_policy, kv_cache_dtype=args.kv_cache_dtype,
+                memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
 
@@ -149,7 +155,8 @@ def cmd_info(args) -> None:
 
     engine = Engine(EngineConfig(model=args.model, **_engine_kwargs(args), **_parallel_kwargs(args)))
     c = engine.model_config
-    kv_token = c.kv_bytes_per_token(engine.dtype.itemsize)
+    kv_dtype = engine.config.kv_cache_dtype
+    kv_format = str(engine.dtype).removeprefix("torch.") if kv_dtype == "auto" else f"{kv_dtype} + fp16 scales"
     rows = {}
     if engine.workers is not None:
         stage, size = engine.stage, engine.workers.part.size
@@ -163,7 +170,7 @@ def cmd_info(args) -> None:
         "parameters": f"{c.num_params / 1e6:.1f} M",
         "dtype": str(engine.dtype).removeprefix("torch."),
         "weights": f"{engine.weight_bytes / 2**20:.1f} MiB",
-        "KV per token": f"{kv_token / 2**10:.1f} KiB",
+        "KV per token": f"{engine.kv_bytes_per_token / 2**10:.1f} KiB ({kv_format})",
         "max_model_len": engine.max_model_len,
         "batching": f"{engine.config.batching}, up to {engine.max_batch} sequences",
         "attention": "contiguous KV, torch SDPA" if engine.attention_backend is None else
@@ -225,6 +232,29 @@ def cmd_bench_kernels(args) -> None:
         print(f"wrote {write_result(result, args.output)}")
         print(f"wrote {plot_kernels(result, args.output.removesuffix('.json') + '.png')}")
     print(format_kernel_table(result))
+
+
+def cmd_bench_kv_capacity(args) -> None:
+    import torch
+
+    from minillm.bench.harness import result_header, write_result
+    from minillm.bench.kv_quant import format_capacity_table, kv_capacity
+    from minillm.bench.workloads import make_workload
+    from minillm.config import parse_bytes
+    from minillm.model.config import PRESETS
+
+    config, dtype, budget = PRESETS[args.model], getattr(torch, args.dtype), parse_bytes(args.memory_budget)
+    requests = make_workload(args.workload, "gpu", vocab_size=config.vocab_size)
+    lens = {f"of_{args.max_model_len}_tokens": [args.max_model_len],
+            args.workload: [min(len(r.prompt_token_ids) + r.max_tokens, args.max_model_len) for r in requests]}
+    result = result_header("kv_capacity", args.workload, args.model, args.command_line)
+    result |= {"dtype": args.dtype, "memory_budget": budget, "block_size": args.block_size,
+               "max_model_len": args.max_model_len, "runs": kv_capacity(config, budget, dtype, args.block_size, lens)}
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+    print(f"{args.model} ({args.dtype} weights) in {budget / 1e9:.0f} GB: sequences held at once, each with "
+          f"blocks for its whole length")
+    print(format_capacity_table(result["runs"]))
 
 
 def cmd_bench_load(args) -> None:
@@ -299,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     from minillm.bench.harness import LATENCY_PEERS, PEERS, VARIANTS
     from minillm.bench.tuning_path import STEP_NAMES as TUNING_STEPS
     from minillm.bench.workloads import WORKLOADS
+    from minillm.model.config import PRESETS
 
     parser = argparse.ArgumentParser(prog="minillm", description="A compact, readable LLM inference engine.",
                                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -327,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="{throughput,latency,kernels,load,parallel}")
+    bench = p.add_subparsers(dest="bench", required=True,
+                             metavar="{throughput,latency,kernels,kv-capacity,load,parallel,tuning-path}")
     t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
     t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
     t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
@@ -358,6 +390,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only these sweeps (default: all)")
     t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
     t.set_defaults(func=cmd_bench_kernels)
+    t = bench.add_parser("kv-capacity", help="KV blocks and concurrent sequences a memory budget holds per "
+                                             "kv_cache_dtype (computed, no model is loaded); JSON out")
+    t.add_argument("--model", default="llama2-7b", choices=list(PRESETS), help="a preset's shape")
+    t.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"], help="weights' dtype")
+    t.add_argument("--memory-budget", default="24GB", help="weights + workspace + KV must fit (BENCHMARKS.md: 24GB)")
+    t.add_argument("--max-model-len", type=int, default=2048)
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--workload", default="tuning-path", choices=list(WORKLOADS),
+                   help="also count sequences of this workload's lengths (prompt + max_tokens, gpu scale)")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    t.set_defaults(func=cmd_bench_kv_capacity)
     t = bench.add_parser("load", help="GGUF load time: first (convert and cache) vs second (from cache)")
     t.add_argument("--gguf", default=None, help="a .gguf file (default: the embedded SmolLM2)")
     t.add_argument("--output", default=None, help="write the JSON result here")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from minillm.kv.quant import check_kv_cache_dtype
+
 BATCHING_MODES = ("static", "dynamic", "continuous")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -26,6 +28,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step; longer prompts are prefilled in chunks
     block_size: int = 16  # tokens per KV block (paged cache)
     num_kv_blocks: int | None = None  # explicit KV capacity in blocks, overriding the memory-derived one
+    kv_cache_dtype: str = "auto"  # "auto" = the model's dtype; "int8" / "fp8" (e4m3): one scale per token
+    #                               and KV head; "int4": groups of 16 channels (kv/quant.py). Quantized: continuous
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower value = more urgent; ties by arrival)
     #                                  | "lpm": admit the longest cached prefix first (needs enable_prefix_caching)
     preemption_mode: str = "recompute"  # a preempted request "recompute"s its prefill when readmitted,
@@ -72,6 +76,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not supported; valid: {ATTENTION_BACKENDS}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype != "auto" and self.batching != "continuous":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs batching='continuous' (the paged cache "
+                             f"quantizes as it stores), got batching={self.batching!r}")
         if self.enable_prefix_caching and self.batching != "continuous":
             raise ValueError(f"enable_prefix_caching needs batching='continuous' (the paged cache), "
                              f"got batching={self.batching!r}")

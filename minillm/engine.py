@@ -21,6 +21,7 @@ from minillm.kernels.checks import interpreter_on
 from minillm.kv.budget import units_that_fit
 from minillm.cuda_graphs import DecodeGraphs
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache
+from minillm.kv.quant import kv_bytes_per_token
 from minillm.kv.radix import RadixCache
 from minillm.kv.swap import KVSwapper, swap_blocks_that_fit
 from minillm.model.loader import load_model, resolve_dtype
@@ -86,7 +87,8 @@ class Engine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's sliding window ({window}); "
                              f"minillm has no sliding-window attention, so keep max_model_len <= {window}")
         self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
-        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+        # Scales included with a quantized kv_cache_dtype: this is what the memory budget divides by.
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, config.kv_cache_dtype, self.dtype)
         self.attention_backend: str | None = None  # the paged cache's; the contiguous cache has one path
         self.cuda_graphs = False
         self.prefix_cache: RadixCache | None = None  # continuous, enable_prefix_caching
@@ -133,7 +135,7 @@ class Engine:
         self.max_batch = c.max_num_seqs
         self.kv_capacity_tokens = num_blocks * c.block_size
         self.block_tables = BlockTables(BlockAllocator(num_blocks), c.block_size)
-        cache = PagedKVCache(self.model_config, num_blocks, c.block_size, self.dtype, self.device)
+        cache = PagedKVCache(self.model_config, num_blocks, c.block_size, self.dtype, self.device, c.kv_cache_dtype)
         cpu_block_tables = None
         if c.preemption_mode == "swap":  # the scheduler allocates CPU block ids, the swapper owns the tensors
             num_cpu_blocks = swap_blocks_that_fit(c.swap_space, cache)

@@ -14,6 +14,7 @@ from minillm import LLM, SamplingParams
 from minillm.config import EngineConfig
 from minillm.engine import Engine
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache, PagedStep
+from minillm.kv.quant import dequantize_kv, quantize_kv
 from minillm.model.config import PRESETS
 from minillm.request import Request
 
@@ -180,12 +181,19 @@ def test_block_allocator_reference_counts():
         allocator.share(a)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8", "int4"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_paged_attention_equals_dense_attention_on_random_blocks(backend):
+def test_paged_attention_equals_dense_attention_on_random_blocks(backend, kv_cache_dtype):
+    """write_kv stores the new tokens (quantized, with a quantized cache); decode rows and prefill
+    chunks then give attention over what the cache holds, dequantized, whichever backend reads it."""
     torch.manual_seed(0)
     config = PRESETS["tiny"]
-    cache = PagedKVCache(config, num_blocks=32, block_size=4, dtype=torch.float32, device="cpu")
-    cache.k.normal_(), cache.v.normal_()  # stale data everywhere: it must be masked, not zero
+    cache = PagedKVCache(config, num_blocks=32, block_size=4, dtype=torch.float32, device="cpu",
+                         kv_cache_dtype=kv_cache_dtype)
+    for pools in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):  # stale data everywhere: it must be masked
+        stale = torch.randn(*cache.k.shape[:-1], config.head_dim)
+        for pool, values in zip(pools, (stale,) if kv_cache_dtype == "auto" else quantize_kv(stale, kv_cache_dtype)):
+            pool.copy_(values)
     tables = BlockTables(BlockAllocator(32), 4)
     perm = torch.randperm(32).tolist()  # scattered blocks
     tables.allocator.free_ids = deque(perm)
@@ -203,10 +211,15 @@ def test_paged_attention_equals_dense_attention_on_random_blocks(backend):
     else:
         make_attention = PagedBatch
     out = make_attention(cache, step)(0, q, k, v)
+    layer = cache.layer(0)
+    pool_k = dequantize_kv(layer.k, layer.k_scale, torch.float32).reshape(-1, Hkv, D)
+    pool_v = dequantize_kv(layer.v, layer.v_scale, torch.float32).reshape(-1, Hkv, D)
+    if kv_cache_dtype != "auto":  # quantized, not copied, and within a rounding step
+        assert not torch.equal(pool_k[slots], k[0]) and (pool_k[slots] - k[0]).abs().max() < 0.3
     start = 0
     for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
-        flat_k = cache.k[0].reshape(-1, Hkv, D)[tables.slots(str(i), 0, ctx)]
-        flat_v = cache.v[0].reshape(-1, Hkv, D)[tables.slots(str(i), 0, ctx)]
+        flat_k = pool_k[tables.slots(str(i), 0, ctx)]
+        flat_v = pool_v[tables.slots(str(i), 0, ctx)]
         qi = q[0, start:start + n].transpose(0, 1)  # [H, n, D]
         ki = flat_k.transpose(0, 1).repeat_interleave(H // Hkv, 0)
         vi = flat_v.transpose(0, 1).repeat_interleave(H // Hkv, 0)

@@ -32,7 +32,8 @@ def run_staggered(engine, prompts, max_tokens):
 
 
 @needs_cuda
-def test_graph_replay_gives_the_eager_tokens():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8", "int4"])  # quantizing writes inside the graph
+def test_graph_replay_gives_the_eager_tokens(kv_cache_dtype):
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 300, (int(n),), generator=generator).tolist()
                for n in torch.randint(1, 40, (12,), generator=generator)]
@@ -41,7 +42,8 @@ def test_graph_replay_gives_the_eager_tokens():
     for eager in (True, False):
         # A tight cache forces preemptions; a small token budget, chunked prefills.
         engine = tiny_engine(batching="continuous", device="cuda", enforce_eager=eager, block_size=4,
-                             num_kv_blocks=60, max_num_batched_tokens=24, max_num_seqs=10)
+                             num_kv_blocks=60, max_num_batched_tokens=24, max_num_seqs=10,
+                             kv_cache_dtype=kv_cache_dtype)
         results[eager] = run_staggered(engine, prompts, max_tokens)
         assert (engine.runner.graphs is None) == eager
     assert engine.runner.graphs.num_replays > 10

@@ -60,8 +60,10 @@ def test_tp2_matches_with_one_replicated_kv_head_tied_embeddings_and_bias(tmp_pa
     assert generate(model, tensor_parallel_size=2) == expected
 
 
-def test_tp2_dummy_weights_are_the_one_process_model():
-    assert generate("tiny", load_format="dummy", tensor_parallel_size=2) == generate("tiny", load_format="dummy")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # scales are per KV head: each rank quantizes its own
+def test_tp2_dummy_weights_are_the_one_process_model(kv_cache_dtype):
+    kv = dict(load_format="dummy", kv_cache_dtype=kv_cache_dtype)
+    assert generate("tiny", tensor_parallel_size=2, **kv) == generate("tiny", **kv)
 
 
 def test_close_stops_the_workers():

@@ -192,6 +192,7 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
                    "attention_backend": engine.attention_backend, "cuda_graphs": engine.cuda_graphs,
                    "enable_prefix_caching": engine.config.enable_prefix_caching,
                    "max_model_len": engine.max_model_len, "memory_budget": engine.config.memory_budget,
+                   "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_bytes_per_token": engine.kv_bytes_per_token,
                    "kv_cache_bytes": engine.kv_cache_bytes, "kv_capacity_tokens": engine.kv_capacity_tokens},
         "runs": runs,
         # Fraction of requests whose greedy tokens equal minillm's exactly (same weights).

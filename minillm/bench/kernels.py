@@ -6,6 +6,12 @@ offers it). Decode (``kernels/paged_attention.py``) is memory-bound: we report G
 K/V bytes it must read, and the fraction of the measured copy bandwidth (``bench/roofline.py``).
 Every shape is also checked against SDPA, so a fast wrong kernel cannot pass as fast.
 
+Decode also runs on quantized caches (``kv_cache_dtype`` int8 / fp8 / int4, ``minillm/kv/quant.py``):
+its GB/s count the bytes actually read, quantized K/V plus their scales, so "keeps its bandwidth
+utilisation while reading half the bytes" shows as the same fraction of copy bandwidth at half the
+time. Their error against SDPA on the unquantized K/V is the quantization's; their error against
+``paged_decode_attention_ref`` on the same quantized cache is the kernel's.
+
 FLOPs of causal attention: 4·D per (query, key) pair and head, S(S+1)/2 pairs per sequence — the
 convention of ``bench/roofline.py``. The weight-only quantized matmuls (W8A16, W4A16 against
 ``torch.matmul``) have a section of their own, ``bench/quant_kernels.py``.
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minillm.bench.roofline import measure_bandwidth
+from minillm.kv.quant import kv_layout, quantize_kv
 
 
 @dataclass(frozen=True)
@@ -41,15 +48,22 @@ class DecodeShape:
     context: int
     head_dim: int
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    block_n: int | None = None  # the decode kernel's tile and warps; None = its defaults
+    num_warps: int | None = None
 
 
 GPU_PREFILL = [PrefillShape(8, 32, 32, s, 128) for s in (512, 1024, 2048, 4096)] + \
               [PrefillShape(8, 32, 8, 2048, 128), PrefillShape(8, 32, 32, 2048, 64)]
 GPU_DECODE = [DecodeShape(b, 32, 8, c, 128) for b, c in ((1, 2048), (1, 16384), (8, 2048), (32, 2048),
-                                                         (64, 2048), (128, 2048), (64, 512), (64, 8192))]
+                                                         (64, 2048), (128, 2048), (64, 512), (64, 8192))] + \
+             [DecodeShape(64, 32, 8, 2048, 128, kv_cache_dtype=kv) for kv in ("int8", "fp8", "int4")] + \
+             [DecodeShape(64, 32, 8, 2048, 128, kv_cache_dtype="int8", block_n=128, num_warps=w) for w in (4, 8)]
+# (A 1-byte cache moves half the bytes per tile: whether a 128-token tile reads it faster is measured, not assumed.)
 # Under the interpreter on a CPU: the same code paths on shapes small enough to finish (no timings worth a claim).
 CPU_PREFILL = [PrefillShape(1, 2, 1, 33, 16)]
-CPU_DECODE = [DecodeShape(2, 4, 2, 40, 16, block_size=8)]  # contexts: whole blocks (paged_copy)
+CPU_DECODE = [DecodeShape(2, 4, 2, 40, 16, block_size=8),  # contexts: whole blocks (paged_copy)
+              DecodeShape(2, 4, 2, 40, 16, block_size=8, kv_cache_dtype="int8")]
 
 
 def time_ms(fn, device: torch.device, iters: int = 20, repeats: int = 5) -> float:
@@ -160,9 +174,10 @@ def paged_copy(contiguous: torch.Tensor, block_size: int, generator: torch.Gener
 
 
 def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, bandwidth_gbs: float) -> dict:
-    from minillm.kernels.paged_attention import paged_decode_attention
+    from minillm.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 
     B, H, Hkv, S, D = shape.batch, shape.heads, shape.kv_heads, shape.context, shape.head_dim
+    quantized = shape.kv_cache_dtype != "auto"
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(B, H, D, device=device, dtype=dtype, generator=gen)
     k = torch.randn(B, S, Hkv, D, device=device, dtype=dtype, generator=gen)
@@ -173,17 +188,31 @@ def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, b
     v_pool[tables.view(-1).long()] = v.reshape(-1, shape.block_size, Hkv, D)
     lens = torch.full((B,), S, dtype=torch.int32, device=device)
     out = torch.full_like(q, float("nan"))
+    scales = {}
+    if quantized:
+        k_pool, k_scale = quantize_kv(k_pool, shape.kv_cache_dtype)
+        v_pool, v_scale = quantize_kv(v_pool, shape.kv_cache_dtype)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
 
     def triton_call():
-        return paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out)
+        return paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out, block_n=shape.block_n,
+                                      num_warps=shape.num_warps, **scales)
 
-    kv_bytes = 2 * B * S * Hkv * D * k.element_size()
+    # What the kernel reads: K and V of every token and head, scales included.
+    kv_bytes = 2 * B * S * Hkv * kv_layout(shape.kv_cache_dtype, D, dtype).bytes_per_token_head()
     row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes}
     qb, kb, vb = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)  # SDPA reads contiguous K/V: no paging
-    row |= time_against_sdpa(triton_call, (qb, kb, vb), False, device, lambda ms: {"gbs": kv_bytes / ms / 1e6})
+    if quantized:  # SDPA cannot read a quantized cache: its timing is the unquantized row's
+        ms = time_ms(triton_call, device)
+        row["triton"] = {"ms": ms, "gbs": kv_bytes / ms / 1e6}
+    else:
+        row |= time_against_sdpa(triton_call, (qb, kb, vb), False, device, lambda ms: {"gbs": kv_bytes / ms / 1e6})
     reference = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), enable_gqa=Hkv != H)[:, :, 0]
     triton_call()
     row["max_abs_error"] = (out.float() - reference).abs().max().item()
+    if quantized:
+        kernel_ref = paged_decode_attention_ref(q, k_pool, v_pool, tables, lens, **scales)
+        row["max_abs_error_vs_ref"] = (out.float() - kernel_ref.float()).abs().max().item()
     row["fraction_of_bandwidth"] = row["triton"]["gbs"] / bandwidth_gbs
     return row
 
@@ -216,6 +245,14 @@ def bench_kernels(device: torch.device, dtype: torch.dtype | None = None, prefil
     return result
 
 
+def decode_kv_label(shape: dict) -> str:
+    """A decode row's KV format, and its tile x warps when the row overrides them."""
+    label = shape.get("kv_cache_dtype", "auto")  # files written before quantized KV have no such key
+    if shape.get("block_n"):
+        label += f"/{shape['block_n']}x{shape['num_warps'] or 4}"
+    return label
+
+
 def format_kernel_table(result: dict) -> str:
     """One block per section the result holds (older results have no "quant")."""
     from minillm.bench.quant_kernels import format_quant_table
@@ -231,12 +268,15 @@ def format_kernel_table(result: dict) -> str:
         lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['seq_len'], s['head_dim'])):<26}"
                      f"{cells[0]:>15}{cells[1]:>12}{cells[2]:>12}{(f'{frac:.0%}' if frac else '-'):>9}")
     if runs.get("decode"):
-        lines.append(f"{'decode (B,H,Hkv,ctx,D)':<26}{'triton GB/s':>15}{'SDPA flash':>12}{'of copy BW':>12}")
+        lines.append(f"{'decode (B,H,Hkv,ctx,D)':<26}{'KV':>10}{'triton GB/s':>13}{'ms':>9}{'SDPA flash':>12}"
+                     f"{'of copy BW':>12}")
     for row in runs.get("decode", []):
         s = row["shape"]
         flash = f"{row['sdpa_flash']['gbs']:.0f}" if row.get("sdpa_flash") else "-"
-        lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['context'], s['head_dim'])):<26}"
-                     f"{row['triton']['gbs']:>15.0f}{flash:>12}{row['fraction_of_bandwidth']:>12.0%}")
+        kv = decode_kv_label(s)
+        lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['context'], s['head_dim'])):<26}{kv:>10}"
+                     f"{row['triton']['gbs']:>13.0f}{row['triton']['ms']:>9.3f}{flash:>12}"
+                     f"{row['fraction_of_bandwidth']:>12.0%}")
     if runs.get("quant"):
         lines.append(format_quant_table(runs["quant"]))
     return "\n".join(lines)
@@ -251,7 +291,8 @@ def _plot_prefill(axis, rows: list[dict], ceilings: dict) -> None:
 
 
 def _plot_decode(axis, rows: list[dict], ceilings: dict) -> None:
-    labels = [f"B={r['shape']['batch']}\nctx={r['shape']['context']}" for r in rows]
+    labels = [f"B={r['shape']['batch']}\nctx={r['shape']['context']}"
+              + ("" if decode_kv_label(r["shape"]) == "auto" else f"\n{decode_kv_label(r['shape'])}") for r in rows]
     axis.bar(labels, [r["fraction_of_bandwidth"] for r in rows], color="tab:orange")
     axis.axhline(1.0, color="gray", lw=1)
     axis.set_ylabel("K/V GB/s / copy bandwidth")

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from minillm.attention import additive_mask, masked_attention
+from minillm.kv.quant import SCALE_DTYPE, dequantize_kv, kv_layout, quantize_kv
 from minillm.model.config import ModelConfig
 
 
@@ -102,20 +104,50 @@ class PagedKVCache:
     The extra last block (``scratch_block``) is never handed out: padding rows of a CUDA-graph
     batch write their K/V there and read only it, so a graph padded to its captured batch size
     never touches a live request's blocks.
+
+    With a quantized ``kv_cache_dtype`` (``kv/quant.py``) K and V hold int8 / fp8 / packed int4
+    values, and ``k_scale`` / ``v_scale`` pools of the same [layers, blocks + 1, block_size,
+    kv_heads] leading shape hold their scales: a slot's scales live in the same block as its
+    values, so whatever moves or shares a block (swap, prefix cache) moves or shares them too.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
-        shape = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device,
+                 kv_cache_dtype: str = "auto"):
+        layout = kv_layout(kv_cache_dtype, config.head_dim, dtype)
+        slots = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads)
         # Zeros, not empty: masked-out slots (padding, the tail of a block) are still read by the
         # torch backend, and their softmax weight of 0 times a NaN left in uninitialised memory is NaN.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(*slots, layout.width, dtype=layout.dtype, device=device)
+        self.v = torch.zeros(*slots, layout.width, dtype=layout.dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if layout.scale_shape is not None:
+            self.k_scale = torch.zeros(*slots, *layout.scale_shape, dtype=SCALE_DTYPE, device=device)
+            self.v_scale = torch.zeros(*slots, *layout.scale_shape, dtype=SCALE_DTYPE, device=device)
+        self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype  # dtype: the model's, what attention computes in
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
 
     @property
+    def pools(self) -> list[torch.Tensor]:
+        """Every tensor indexed [layer, block, ...]: K and V, then their scales if quantized."""
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(pool.nbytes for pool in self.pools)
+
+    def layer(self, layer_idx: int) -> LayerKV:
+        scales = (None, None) if self.k_scale is None else (self.k_scale[layer_idx], self.v_scale[layer_idx])
+        return LayerKV(self.k[layer_idx], self.v[layer_idx], *scales)
+
+
+class LayerKV(NamedTuple):
+    """One layer's pools, as the attention kernels take them (scales None unless quantized)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
 
 
 @dataclass
@@ -161,7 +193,8 @@ class PagedBatch:
     """Attention context for one step over a flat batch of sequences (pure torch reference).
 
     Decodes are batched (each gathers its blocks, masked past its length); prefill chunks run one
-    sequence at a time, each attending to its cached context with a causal offset.
+    sequence at a time, each attending to its cached context with a causal offset. A quantized
+    cache is dequantized as it is gathered, into the model's dtype.
     """
 
     def __init__(self, cache: PagedKVCache, step: PagedStep):
@@ -173,26 +206,27 @@ class PagedBatch:
             self.decode_tables = step.block_tables[:n, :blocks]
             key_pos = torch.arange(blocks * cache.block_size, device=cache.k.device)
             allowed = key_pos[None, :] < step.context_lens[:n, None]
-            self.decode_mask = additive_mask(allowed, cache.k.dtype)[:, None, None, :]  # [B, 1, 1, S]
+            self.decode_mask = additive_mask(allowed, cache.dtype)[:, None, None, :]  # [B, 1, 1, S]
 
-    def _gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    def _gather(self, pool: torch.Tensor, scale: torch.Tensor | None, tables: torch.Tensor) -> torch.Tensor:
         """[B, blocks] table -> [B, blocks * block_size, kv_heads, head_dim] keys or values."""
-        gathered = pool[tables]
-        return gathered.reshape(tables.shape[0], -1, *pool.shape[-2:])
+        gathered = dequantize_kv(pool[tables], None if scale is None else scale[tables], self.cache.dtype)
+        return gathered.flatten(1, 2)
 
     def __call__(self, layer_idx: int, q, k, v):
-        pool_k, pool_v = write_kv(self.cache, self.step, layer_idx, k, v)
+        pools = write_kv(self.cache, self.step, layer_idx, k, v)
         outputs = []
         step, n = self.step, self.step.num_decode
         if n:
-            keys, values = self._gather(pool_k, self.decode_tables), self._gather(pool_v, self.decode_tables)
+            keys = self._gather(pools.k, pools.k_scale, self.decode_tables)
+            values = self._gather(pools.v, pools.v_scale, self.decode_tables)
             outputs.append(masked_attention(q[0, :n, None], keys, values, self.decode_mask)[:, 0])
         start = n
         for i in range(n, len(step.query_lens)):
             q_len, ctx = step.query_lens[i], step.context_lens_host[i]
             table = step.block_tables[i : i + 1, : -(-ctx // self.cache.block_size)]
-            keys = self._gather(pool_k, table)[:, :ctx]
-            values = self._gather(pool_v, table)[:, :ctx]
+            keys = self._gather(pools.k, pools.k_scale, table)[:, :ctx]
+            values = self._gather(pools.v, pools.v_scale, table)[:, :ctx]
             # The new tokens are the last q_len of the context: causal with an offset.
             query_pos = torch.arange(ctx - q_len, ctx, device=q.device)
             allowed = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]
@@ -202,11 +236,17 @@ class PagedBatch:
         return torch.cat(outputs)[None]
 
 
-def write_kv(cache: PagedKVCache, step: PagedStep, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-    """Store the new tokens' K/V ([1, tokens, kv_heads, head_dim]) in their slots; return the
-    layer's pools. An index_put, so it can be captured in a CUDA graph."""
-    pool_k, pool_v = cache.k[layer_idx], cache.v[layer_idx]
-    heads, dim = pool_k.shape[-2:]
-    pool_k.view(-1, heads, dim)[step.slot_mapping] = k[0]
-    pool_v.view(-1, heads, dim)[step.slot_mapping] = v[0]
-    return pool_k, pool_v
+def write_kv(cache: PagedKVCache, step: PagedStep, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
+    """Store the new tokens' K/V ([1, tokens, kv_heads, head_dim]) in their slots, quantized if the
+    cache is; return the layer's pools. Index_puts, so it can be captured in a CUDA graph."""
+    pools = cache.layer(layer_idx)
+    heads = pools.k.shape[-2]
+    if pools.k_scale is None:
+        pools.k.view(-1, heads, pools.k.shape[-1])[step.slot_mapping] = k[0]
+        pools.v.view(-1, heads, pools.v.shape[-1])[step.slot_mapping] = v[0]
+        return pools
+    for new, pool, scale_pool in ((k, pools.k, pools.k_scale), (v, pools.v, pools.v_scale)):
+        data, scale = quantize_kv(new[0], cache.kv_cache_dtype)
+        pool.flatten(0, 1)[step.slot_mapping] = data
+        scale_pool.flatten(0, 1)[step.slot_mapping] = scale
+    return pools

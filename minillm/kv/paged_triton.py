@@ -14,7 +14,7 @@ import torch
 from minillm.kernels.flash_attention import paged_prefill_attention
 from minillm.kernels.kv_store import store_kv
 from minillm.kernels.paged_attention import paged_decode_attention
-from minillm.kv.paged import PagedKVCache, PagedStep
+from minillm.kv.paged import PagedKVCache, PagedStep, write_kv
 
 
 class TritonPagedBatch:
@@ -23,16 +23,21 @@ class TritonPagedBatch:
         self.max_prefill_len = max(step.query_lens[step.num_decode:], default=0)
 
     def __call__(self, layer_idx: int, q, k, v):
-        pool_k, pool_v = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        store_kv(k[0], v[0], pool_k, pool_v, self.step.slot_mapping)
+        pools = self.cache.layer(layer_idx)
+        if pools.k_scale is None:  # one kernel for K and V
+            store_kv(k[0], v[0], pools.k, pools.v, self.step.slot_mapping)
+        else:  # quantized on the way in (torch ops, see write_kv)
+            write_kv(self.cache, self.step, layer_idx, k, v)
+        scales = dict(k_scale=pools.k_scale, v_scale=pools.v_scale)  # None unless the cache is quantized
         step, n = self.step, self.step.num_decode
         q = q[0]
         out = torch.empty_like(q)
         if n:
             # Split count from the table's width (a graph's tables are as wide as max_model_len),
             # never from the lengths in it: the launch grid must not change under a CUDA graph.
-            paged_decode_attention(q[:n], pool_k, pool_v, step.block_tables[:n], step.context_lens[:n], out=out[:n])
+            paged_decode_attention(q[:n], pools.k, pools.v, step.block_tables[:n], step.context_lens[:n],
+                                   out=out[:n], **scales)
         if n < len(step.query_lens):
-            paged_prefill_attention(q[n:], pool_k, pool_v, step.block_tables[n:], step.cu_prefill_lens,
-                                    step.context_lens[n:], self.max_prefill_len, out=out[n:])
+            paged_prefill_attention(q[n:], pools.k, pools.v, step.block_tables[n:], step.cu_prefill_lens,
+                                    step.context_lens[n:], self.max_prefill_len, out=out[n:], **scales)
         return out[None]

@@ -23,8 +23,8 @@ from minillm.kv.paged import PagedKVCache
 
 
 def block_bytes(cache: PagedKVCache) -> int:
-    """Bytes of one block across all layers, K and V."""
-    return 2 * cache.k[:, 0].nbytes
+    """Bytes of one block across all layers, K and V (and their scales, if quantized)."""
+    return sum(pool[:, 0].nbytes for pool in cache.pools)
 
 
 def swap_blocks_that_fit(swap_space: int, cache: PagedKVCache) -> int:
@@ -39,19 +39,29 @@ def swap_blocks_that_fit(swap_space: int, cache: PagedKVCache) -> int:
 class KVSwapper:
     """The CPU block pool (same layout as the GPU pool, without its scratch block) and the copies
     between the two. Pinned memory when the GPU pool is on CUDA, as vLLM does: page-locked memory
-    is what the GPU's copy engine reads and writes directly."""
+    is what the GPU's copy engine reads and writes directly.
+
+    ``pools`` mirror the cache's: K and V, then their scales if the cache is quantized, so a block's
+    scales leave and come back with its values."""
 
     def __init__(self, cache: PagedKVCache, num_blocks: int):
         self.cache, self.num_blocks = cache, num_blocks
-        shape = (cache.k.shape[0], num_blocks, *cache.k.shape[2:])
         pin = cache.k.device.type == "cuda"
         # Empty, not zeros: a CPU block is always written (swap out) before it is read (swap in).
-        self.k = torch.empty(shape, dtype=cache.k.dtype, pin_memory=pin)
-        self.v = torch.empty(shape, dtype=cache.v.dtype, pin_memory=pin)
+        self.pools = [torch.empty((pool.shape[0], num_blocks, *pool.shape[2:]), dtype=pool.dtype, pin_memory=pin)
+                      for pool in cache.pools]
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.pools[0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.pools[1]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(pool.nbytes for pool in self.pools)
 
     @torch.inference_mode()
     def run(self, ops: list[tuple[str, list[int], list[int]]]) -> None:
@@ -60,9 +70,9 @@ class KVSwapper:
         GPU block freed by a swap out may be the destination of a swap in decided later in the step."""
         for direction, src, dst in ops:
             if direction == "out":
-                pools = ((self.cache.k, self.k), (self.cache.v, self.v))
+                pools = zip(self.cache.pools, self.pools)
             elif direction == "in":
-                pools = ((self.k, self.cache.k), (self.v, self.cache.v))
+                pools = zip(self.pools, self.cache.pools)
             else:
                 raise ValueError(f"swap direction {direction!r} is neither 'out' nor 'in'")
             for source, dest in pools:

@@ -150,14 +150,6 @@ def test_choose_num_splits():
             assert splits >= 1 and (splits == 1 or context // splits >= 128)
 
 
-def test_quantized_cache_is_not_implemented_yet():
-    q, k, v, tables, ctx = make_inputs([5], 2, 2, 16, 8)
-    with pytest.raises(NotImplementedError, match="int8.*KV-quantization"):
-        paged_decode_attention(q, k.to(torch.int8), v.to(torch.int8), tables, ctx)
-    with pytest.raises(NotImplementedError, match="k_scale"):
-        paged_decode_attention(q, k, v, tables, ctx, k_scale=torch.ones(2))
-
-
 def _bad(field, value):
     q, k, v, tables, ctx = make_inputs([5, 9], 4, 2, 16, 8)
     args = dict(q=q, k_cache=k, v_cache=v, block_tables=tables, context_lens=ctx)

@@ -1,0 +1,114 @@
+"""The paged decode and prefill kernels on quantized KV caches (int8, fp8, int4) against their torch
+references, the references against attention over the dequantized cache, and the wrappers' errors.
+
+Every slot a sequence does not own (other blocks, the tail of its last block) holds random codes and
+NaN scales: a kernel that reads one outputs NaN. On CPU under TRITON_INTERPRET=1, in fp32 / fp16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.kernels.flash_attention import paged_prefill_attention, paged_prefill_attention_ref
+from minillm.kernels.paged_attention import PagedAttentionWorkspace, paged_decode_attention, paged_decode_attention_ref
+from minillm.kv.quant import dequantize_kv, quantize_kv
+from test_flash_attention import make_paged  # tests/kernels is on sys.path (pytest's rootdir-less import)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=1e-2)}
+
+
+def quantized_paged(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, kv_cache_dtype, seed):
+    """``make_paged``'s pool (NaN in every slot no sequence owns, shuffled tables padded with other
+    valid ids), keys spread over two orders of magnitude per token with an outlier channel as real
+    keys have, quantized as ``kv_cache_dtype``: the unowned slots get NaN scales."""
+    q, _, _, k_cache, v_cache, tables, cu_q, _, ctx = make_paged(q_lens, ctx_lens, heads, kv_heads, head_dim,
+                                                                 block_size, dtype, seed)
+    spread = torch.exp(torch.randn(*k_cache.shape[:-1], 1, generator=torch.Generator().manual_seed(seed)))
+    k_cache = k_cache.float() * spread.to(DEVICE)
+    k_cache[..., 3] *= 8
+    (kq, ks), (vq, vs) = quantize_kv(k_cache, kv_cache_dtype), quantize_kv(v_cache, kv_cache_dtype)
+    return q, kq, vq, ks, vs, tables, cu_q, ctx
+
+
+# (context_lens, heads, kv_heads, head_dim, block_size, num_splits, dtype, kv_cache_dtype): odd lengths,
+# partial blocks, one-token contexts, GQA ratios 1 / 2 / 4, empty splits, a head_dim that is not a
+# power of two (masked columns).
+DECODE_CASES = [
+    ([1, 17, 32, 5], 2, 2, 16, 16, 1, torch.float32, "int8"),
+    ([33, 8, 1], 4, 2, 32, 8, 3, torch.float32, "fp8"),
+    ([40, 3, 24], 8, 2, 32, 8, 16, torch.float32, "int4"),
+    ([50, 16, 1], 8, 2, 64, 16, 3, torch.float16, "int8"),
+    ([45, 2], 4, 1, 32, 32, 2, torch.float16, "fp8"),
+    ([29, 9], 4, 4, 64, 8, 1, torch.float16, "int4"),
+    ([21, 9], 6, 3, 48, 8, 2, torch.float32, "int4"),
+]
+
+
+@pytest.mark.parametrize("lens,heads,kv_heads,dim,block_size,splits,dtype,kv", DECODE_CASES)
+def test_decode_kernel_matches_ref_on_quantized_cache(lens, heads, kv_heads, dim, block_size, splits, dtype, kv):
+    q, kq, vq, ks, vs, tables, _, ctx = quantized_paged([1] * len(lens), lens, heads, kv_heads, dim, block_size, dtype,
+                                                        kv, seed=len(lens) + dim)
+    out = torch.full_like(q, float("nan"))
+    ws = None
+    if splits > 1:
+        ws = PagedAttentionWorkspace.allocate(len(lens), heads, dim, splits, q.device)
+        ws.out.fill_(float("nan")), ws.lse.fill_(float("nan"))
+    got = paged_decode_attention(q, kq, vq, tables, ctx, num_splits=splits, out=out, workspace=ws,
+                                 k_scale=ks, v_scale=vs)
+    want = paged_decode_attention_ref(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs)
+    assert got is out and torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+PREFILL_CASES = [
+    # q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, kv_cache_dtype
+    ([1, 9, 1, 20], [37, 9, 5, 50], 4, 2, 32, 16, torch.float32, "int8"),  # decode rows mixed with prefill
+    ([33, 1], [40, 64], 2, 2, 16, 8, torch.float16, "fp8"),
+    ([7, 16], [7, 70], 4, 1, 64, 32, torch.float32, "int4"),  # a page larger than BLOCK_N
+    ([5, 3], [13, 3], 2, 1, 32, 1, torch.float16, "int4"),  # one token per page
+    ([12, 4], [30, 4], 4, 2, 16, 4, torch.float16, "int8"),
+]
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,heads,kv_heads,dim,block_size,dtype,kv", PREFILL_CASES)
+def test_prefill_kernel_matches_ref_on_quantized_cache(q_lens, ctx_lens, heads, kv_heads, dim, block_size, dtype, kv):
+    q, kq, vq, ks, vs, tables, cu_q, ctx = quantized_paged(q_lens, ctx_lens, heads, kv_heads, dim, block_size, dtype,
+                                                           kv, seed=block_size + dim)
+    out = paged_prefill_attention(q, kq, vq, tables, cu_q, ctx, max(q_lens), out=torch.full_like(q, float("nan")),
+                                  k_scale=ks, v_scale=vs)
+    want = paged_prefill_attention_ref(q, kq, vq, tables, cu_q, ctx, k_scale=ks, v_scale=vs)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8", "int4"])
+def test_references_equal_attention_over_the_dequantized_cache(kv):
+    """Independent of the references' own gather: dequantize the whole pool first (scales of unowned
+    slots made finite), then run the unquantized references."""
+    qp, kq, vq, ks, vs, tables, cu_q, ctx = quantized_paged([5, 1, 7], [19, 1, 40], 4, 2, 32, 8, torch.float32, kv,
+                                                            seed=11)
+    ks, vs = ks.nan_to_num(0.5), vs.nan_to_num(0.5)
+    k, v = dequantize_kv(kq, ks, torch.float32), dequantize_kv(vq, vs, torch.float32)
+    torch.testing.assert_close(paged_prefill_attention_ref(qp, kq, vq, tables, cu_q, ctx, k_scale=ks, v_scale=vs),
+                               paged_prefill_attention_ref(qp, k, v, tables, cu_q, ctx), atol=1e-6, rtol=1e-6)
+    q = qp[cu_q[1:].long() - 1]  # each sequence's last token, as a decode step
+    torch.testing.assert_close(paged_decode_attention_ref(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs),
+                               paged_decode_attention_ref(q, k, v, tables, ctx), atol=1e-6, rtol=1e-6)
+
+
+def test_wrapper_errors_name_the_bad_value():
+    q, kq, vq, ks, vs, tables, cu_q, ctx = quantized_paged([1, 1], [5, 9], 4, 2, 16, 8, torch.float32, "int8", seed=0)
+    with pytest.raises(ValueError, match=r"an int8 KV cache \(torch.int8\) needs its scales"):
+        paged_decode_attention(q, kq, vq, tables, ctx)
+    with pytest.raises(ValueError, match=r"k_scale must be a float tensor of shape \(\d+, 8, 2\)"):
+        paged_decode_attention(q, kq, vq, tables, ctx, k_scale=ks[..., None], v_scale=vs)
+    with pytest.raises(ValueError, match="k_cache holds torch.int8 but v_cache torch.float8_e4m3fn"):
+        paged_decode_attention(q, kq, vq.view(torch.float8_e4m3fn), tables, ctx, k_scale=ks, v_scale=vs)
+    float_cache = torch.randn(*kq.shape, device=DEVICE)
+    with pytest.raises(ValueError, match="k_scale / v_scale dequantize a quantized KV cache.*pass None"):
+        paged_decode_attention(q, float_cache, float_cache, tables, ctx, k_scale=ks, v_scale=vs)
+    packed = kq.view(torch.uint8)  # int4 packs two channels a byte: 16 bytes are 32 channels, not 16
+    with pytest.raises(ValueError, match=r"an int4 cache for head_dim 16 has a last dim of 8"):
+        paged_prefill_attention(q, packed, packed, tables, cu_q, ctx, 1, k_scale=ks, v_scale=vs)
