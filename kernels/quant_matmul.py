@@ -285,13 +285,13 @@ def _fit_dot_tiles(configs, named_args, **kwargs):
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
 
 
-_KERNELS = {
-    "w4_gemv": (_w4_gemv_kernel, triton.autotune(_W4_GEMV, key=["N", "K", "M"])),
+_KERNELS = {  # name -> (the kernel, the kernel autotuned on CUDA)
+    "w4_gemv": (_w4_gemv_kernel, triton.autotune(_W4_GEMV, key=["N", "K", "M"])(_w4_gemv_kernel)),
     "w4_dot": (_w4_dot_kernel, triton.autotune(_W4_DOT, key=["N", "K", "M_BUCKET"],
-                                               prune_configs_by={"early_config_prune": _fit_dot_tiles})),
-    "w8_gemv": (_w8_gemv_kernel, triton.autotune(_W8_GEMV, key=["N", "K", "M"])),
+                                               prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w4_dot_kernel)),
+    "w8_gemv": (_w8_gemv_kernel, triton.autotune(_W8_GEMV, key=["N", "K", "M"])(_w8_gemv_kernel)),
     "w8_dot": (_w8_dot_kernel, triton.autotune(_W8_DOT, key=["N", "K", "M_BUCKET"],
-                                               prune_configs_by={"early_config_prune": _fit_dot_tiles})),
+                                               prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w8_dot_kernel)),
 }
 _MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in _W4_GEMV + _W4_DOT + _W8_GEMV + _W8_DOT)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -28,11 +28,15 @@ def sharpen(engine: Engine) -> Engine:
     return engine
 
 
+# On a GPU machine every engine of these tests runs on the GPU (the Triton backend with CUDA graphs),
+# else on the CPU with the kernels under the interpreter (tests/conftest.py switches it on). One
+# device for all: dummy weights are drawn by the device's own generator, so a CPU reference would
+# hold other weights than a GPU engine.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def tiny_engine(**kwargs) -> Engine:
-    # The Triton backend runs on the GPU where there is one (CUDA graphs included), else under the
-    # interpreter (tests/conftest.py switches it on when torch sees no CUDA).
-    on_gpu = kwargs.get("attention_backend") == "triton" and torch.cuda.is_available()
-    defaults = dict(model="tiny", load_format="dummy", dtype="float32", device="cuda" if on_gpu else "cpu")
+    defaults = dict(model="tiny", load_format="dummy", dtype="float32", device=DEVICE)
     return sharpen(Engine(EngineConfig(**{**defaults, **kwargs})))
 
 
@@ -188,10 +192,10 @@ def test_paged_attention_equals_dense_attention_on_random_blocks(backend, kv_cac
     chunks then give attention over what the cache holds, dequantized, whichever backend reads it."""
     torch.manual_seed(0)
     config = PRESETS["tiny"]
-    cache = PagedKVCache(config, num_blocks=32, block_size=4, dtype=torch.float32, device="cpu",
+    cache = PagedKVCache(config, num_blocks=32, block_size=4, dtype=torch.float32, device=DEVICE,
                          kv_cache_dtype=kv_cache_dtype)
     for pools in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):  # stale data everywhere: it must be masked
-        stale = torch.randn(*cache.k.shape[:-1], config.head_dim)
+        stale = torch.randn(*cache.k.shape[:-1], config.head_dim).to(DEVICE)
         for pool, values in zip(pools, (stale,) if kv_cache_dtype == "auto" else quantize_kv(stale, kv_cache_dtype)):
             pool.copy_(values)
     tables = BlockTables(BlockAllocator(32), 4)
@@ -202,10 +206,10 @@ def test_paged_attention_equals_dense_attention_on_random_blocks(backend, kv_cac
         tables.grow(str(i), ctx)
     H, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
     N = sum(query_lens)
-    q, k, v = torch.randn(1, N, H, D), torch.randn(1, N, Hkv, D), torch.randn(1, N, Hkv, D)
+    q, k, v = (torch.randn(1, N, heads, D).to(DEVICE) for heads in (H, Hkv, Hkv))
     slots = sum((tables.slots(str(i), c - n, c) for i, (n, c) in enumerate(zip(query_lens, context_lens))), [])
     step = PagedStep.from_host(slots, [tables.tables[str(i)] for i in range(4)], query_lens, context_lens,
-                               torch.device("cpu"), pad_block=perm[0])  # padding: a live block, never read
+                               torch.device(DEVICE), pad_block=perm[0])  # padding: a live block, never read
     if backend == "triton":
         from minillm.kv.paged_triton import TritonPagedBatch as make_attention
     else:
@@ -224,7 +228,7 @@ def test_paged_attention_equals_dense_attention_on_random_blocks(backend, kv_cac
         ki = flat_k.transpose(0, 1).repeat_interleave(H // Hkv, 0)
         vi = flat_v.transpose(0, 1).repeat_interleave(H // Hkv, 0)
         scores = qi @ ki.transpose(1, 2) / D ** 0.5
-        causal = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+        causal = torch.arange(ctx, device=DEVICE)[None, :] <= torch.arange(ctx - n, ctx, device=DEVICE)[:, None]
         expected = (scores.masked_fill(~causal, float("-inf")).softmax(-1) @ vi).transpose(0, 1)
         torch.testing.assert_close(out[0, start:start + n], expected, rtol=1e-5, atol=1e-5)
         start += n

@@ -27,11 +27,12 @@ def test_store_kv_matches_reference(tokens, heads, dim, dtype):
 
 
 def test_store_kv_refuses_bad_inputs_naming_them():
-    k = torch.randn(4, 2, 16)
-    pool = torch.zeros(3, 8, 2, 16)
+    k = torch.randn(4, 2, 16, device=DEVICE)
+    pool = torch.zeros(3, 8, 2, 16, device=DEVICE)
+    slots = torch.arange(4, device=DEVICE)
     with pytest.raises(ValueError, match="slot_mapping"):
-        store_kv(k, k, pool, pool, torch.arange(4, dtype=torch.int32))
+        store_kv(k, k, pool, pool, slots.int())
     with pytest.raises(ValueError, match="k_pool"):
-        store_kv(k, k, torch.zeros(3, 8, 4, 16), pool, torch.arange(4))
+        store_kv(k, k, torch.zeros(3, 8, 4, 16, device=DEVICE), pool, slots)
     with pytest.raises(ValueError, match="float64"):
-        store_kv(k.double(), k.double(), pool.double(), pool.double(), torch.arange(4))
+        store_kv(k.double(), k.double(), pool.double(), pool.double(), slots)
