@@ -153,9 +153,12 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
     engine = llm.engine
     requests = make_workload(workload, scale, num_requests, seed, engine.model_config.vocab_size)
     warmup = [WorkloadRequest(requests[0].prompt_token_ids[:16], 4)]
-    # minillm warms up on a few of the workload's own prompts: the Triton prefill kernel autotunes on
-    # its first call, and that should happen on realistic lengths and outside the timed run.
-    minillm_warmup = [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:4]]
+    # minillm warms up on the workload's own prompts, outside the timed run: the Triton prefill kernel
+    # autotunes on its first call, and on a GPU the first use of each cuBLAS/Triton kernel loads its
+    # module (CUDA lazy loading). On CUDA the warm-up is a full batch (the first 64 requests, a few
+    # tokens each) so the batched shapes of the timed run are loaded too; a CPU has nothing to load.
+    warm = 64 if engine.device.type == "cuda" else 4
+    minillm_warmup = [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:warm]]
     runs, tokens = {}, {}
     runs["minillm"], tokens["minillm"], timings = _timed_run(llm, requests, minillm_warmup)
     for variant in variants:
