@@ -1,4 +1,4 @@
-"""The ``minillm`` command: generate, chat, info, bench.
+"""The ``minillm`` command: generate, chat, info, bench, eval.
 
 Thin wrappers over the Python API, so every number the course shows can be rerun from a shell.
 """
@@ -14,6 +14,7 @@ EXAMPLES = """examples:
   minillm chat                                   # talk to the embedded SmolLM2-135M-Instruct
   minillm info --model llama2-7b --load-format dummy
   minillm bench throughput --workload mixed --scale cpu --peers hf_static --output figures/cpu/static.json
+  minillm eval ppl --num-tokens 8192 --output figures/cpu/perplexity.json
 """
 
 
@@ -204,13 +205,25 @@ def cmd_bench_load(args) -> None:
           f"({result['speedup']:.0f}x faster)")
 
 
+def cmd_eval_ppl(args) -> None:
+    from minillm.bench.harness import write_result
+    from minillm.eval.perplexity import evaluate_perplexity, format_perplexity_table
+
+    result = evaluate_perplexity(model=args.model, num_tokens=args.num_tokens, seq_len=args.seq_len,
+                                 stride=args.stride, chunk_size=args.chunk_size, command=args.command_line,
+                                 **_engine_kwargs(args))
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+    print(format_perplexity_table(result))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from minillm.bench.harness import LATENCY_PEERS, PEERS, VARIANTS
     from minillm.bench.workloads import WORKLOADS
 
     parser = argparse.ArgumentParser(prog="minillm", description="A compact, readable LLM inference engine.",
                                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,info,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,info,bench,eval}")
 
     p = sub.add_parser("generate", help="complete prompts (arguments, or one per line on stdin)")
     p.add_argument("prompts", nargs="*", help="prompts; read from stdin when none are given")
@@ -263,6 +276,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gguf", default=None, help="a .gguf file (default: the embedded SmolLM2)")
     t.add_argument("--output", default=None, help="write the JSON result here")
     t.set_defaults(func=cmd_bench_load)
+
+    from minillm.eval import perplexity as ppl
+
+    p = sub.add_parser("eval", help="quality of lossy steps: perplexity on the built-in corpus")
+    evals = p.add_subparsers(dest="eval", required=True, metavar="{ppl}")
+    t = evals.add_parser("ppl", help="perplexity on the held-out part of pydoc_data.topics; JSON out",
+                         description=ppl.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--num-tokens", type=int, default=ppl.NUM_TOKENS,
+                   help="evaluation tokens read from the start of the held-out part (default %(default)s)")
+    t.add_argument("--seq-len", type=int, default=ppl.SEQ_LEN, help="tokens per window (default %(default)s)")
+    t.add_argument("--stride", type=int, default=None,
+                   help="tokens between window starts (default: seq_len, disjoint windows)")
+    t.add_argument("--chunk-size", type=int, default=None,
+                   help="prefill each window this many tokens at a time through the paged KV cache "
+                        "(needs --batching continuous); default: one forward per window, no cache")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    _add_model_args(t)
+    t.set_defaults(func=cmd_eval_ppl)
     return parser
 
 
