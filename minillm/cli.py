@@ -14,11 +14,11 @@ EXAMPLES = """examples:
   minillm chat                                   # talk to the embedded SmolLM2-135M-Instruct
   minillm info --model llama2-7b --load-format dummy
   minillm bench throughput --workload mixed --scale cpu --peers hf_static --output figures/cpu/static.json
-  minillm eval ppl --num-tokens 8192 --output figures/cpu/perplexity.json
+  minillm eval ppl --quantization none rtn-int8 gptq-int4-g64 --output figures/cpu/perplexity.json
 """
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, several_quantizations: bool = False) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
                    help="HF directory, .gguf file, or a preset with --load-format dummy (default: embedded SmolLM2)")
@@ -45,6 +45,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV of shared prompt prefixes through a radix tree (continuous)")
     g.add_argument("--seed", type=int, default=0)
+    if several_quantizations:
+        g.add_argument("--quantization", nargs="+", default=["none"], metavar="METHOD",
+                       help="one run per method, 'none' = unquantized: rtn-int8, rtn-int4, gptq-int4, awq-int4, fp8; "
+                            "INT4 with -g64 / -channel / -sym (e.g. gptq-int4-g64)")
+    else:
+        g.add_argument("--quantization", default=None,
+                       help="quantize the weights on load: rtn-int8, rtn-int4, gptq-int4, awq-int4, fp8; INT4 with "
+                            "-g64 / -channel / -sym (e.g. gptq-int4-g64); a quantized checkpoint needs none")
+    g.add_argument("--calibration-samples", type=int, default=32,
+                   help="gptq / awq: 512-token calibration samples from the corpus (default %(default)s)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +73,8 @@ def _engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                 memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                quantization=args.quantization, calibration_samples=args.calibration_samples)
 
 
 def _sampling(args):
@@ -138,7 +149,7 @@ def cmd_info(args) -> None:
                         f"{c.num_heads} heads / {c.num_kv_heads} KV heads of {c.head_dim}",
         "parameters": f"{c.num_params / 1e6:.1f} M",
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "weights": f"{engine.weight_bytes / 2**20:.1f} MiB",
+        "weights": f"{engine.weight_bytes / 2**20:.1f} MiB" + (f", {engine.quantization}" if engine.quantization else ""),
         "KV per token": f"{kv_token / 2**10:.1f} KiB",
         "max_model_len": engine.max_model_len,
         "batching": f"{engine.config.batching}, up to {engine.max_batch} sequences",
@@ -209,9 +220,11 @@ def cmd_eval_ppl(args) -> None:
     from minillm.bench.harness import write_result
     from minillm.eval.perplexity import evaluate_perplexity, format_perplexity_table
 
-    result = evaluate_perplexity(model=args.model, num_tokens=args.num_tokens, seq_len=args.seq_len,
-                                 stride=args.stride, chunk_size=args.chunk_size, command=args.command_line,
-                                 **_engine_kwargs(args))
+    engine_kwargs = _engine_kwargs(args)
+    methods = engine_kwargs.pop("quantization")
+    result = evaluate_perplexity(model=args.model, quantizations=methods, num_tokens=args.num_tokens,
+                                 seq_len=args.seq_len, stride=args.stride, chunk_size=args.chunk_size,
+                                 command=args.command_line, **engine_kwargs)
     if args.output:
         print(f"wrote {write_result(result, args.output)}")
     print(format_perplexity_table(result))
@@ -292,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill each window this many tokens at a time through the paged KV cache "
                         "(needs --batching continuous); default: one forward per window, no cache")
     t.add_argument("--output", default=None, help="write the JSON result here")
-    _add_model_args(t)
+    _add_model_args(t, several_quantizations=True)
     t.set_defaults(func=cmd_eval_ppl)
     return parser
 

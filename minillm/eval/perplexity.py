@@ -184,30 +184,37 @@ def perplexity(target, token_ids: list[int], *, seq_len: int = SEQ_LEN, stride: 
     return PerplexityResult(math.exp(total / count), total / count, count, window_nll)
 
 
-def evaluate_perplexity(*, model: str | None, num_tokens: int = NUM_TOKENS, seq_len: int = SEQ_LEN,
-                        stride: int | None = None, chunk_size: int | None = None, command: str = "",
-                        **engine_kwargs) -> dict:
-    """``minillm eval ppl``: one model's perplexity by the protocol, as a result document (the bench
-    commands' header, the protocol, and ``runs``)."""
+def evaluate_perplexity(*, model: str | None, quantizations: list[str] = ("none",), num_tokens: int = NUM_TOKENS,
+                        seq_len: int = SEQ_LEN, stride: int | None = None, chunk_size: int | None = None,
+                        command: str = "", **engine_kwargs) -> dict:
+    """``minillm eval ppl``: the model's perplexity by the protocol, once per quantization method
+    ("none" = as loaded), as a result document: the bench commands' header, the protocol, ``runs``."""
     import platform
     import time
 
     from minillm.bench.harness import result_header
     from minillm.llm import LLM
 
-    llm = LLM(model, **engine_kwargs)
-    tokens = evaluation_tokens(llm.tokenizer, num_tokens)
-    start = time.perf_counter()
-    result = perplexity(llm, tokens, seq_len=seq_len, stride=stride, chunk_size=chunk_size, progress=True)
-    run = result.as_dict() | {"eval_seconds": time.perf_counter() - start,
-                              "weight_bytes": llm.engine.weight_bytes}
+    runs, source, dtype = {}, None, None
+    for method in quantizations:
+        start = time.perf_counter()
+        llm = LLM(model, quantization=None if method == "none" else method, **engine_kwargs)
+        loaded = time.perf_counter()
+        tokens = evaluation_tokens(llm.tokenizer, num_tokens)
+        result = perplexity(llm, tokens, seq_len=seq_len, stride=stride, chunk_size=chunk_size, progress=True)
+        name = llm.engine.quantization or "none"
+        runs[name] = result.as_dict() | {"load_seconds": loaded - start, "eval_seconds": time.perf_counter() - loaded,
+                                         "weight_bytes": llm.engine.weight_bytes}
+        source, dtype = llm.engine.model_source, str(llm.engine.dtype).removeprefix("torch.")
+        del llm  # one model in memory at a time
     return {
-        **result_header("perplexity", f"{CORPUS} evaluation part", llm.engine.model_source, command),
-        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        **result_header("perplexity", f"{CORPUS} evaluation part", source, command),
+        "dtype": dtype,
         "protocol": {"corpus": CORPUS, "python": platform.python_version(), "num_tokens": num_tokens,
                      "seq_len": seq_len, "stride": stride or seq_len, "chunk_size": chunk_size,
+                     "calibration_samples": engine_kwargs.get("calibration_samples"),
                      "topics": {part: len(names) for part, names in corpus_parts().items()}},
-        "runs": {"none": run},
+        "runs": runs,
     }
 
 
