@@ -115,13 +115,13 @@ def gptq_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
             "scales": scales.to(torch.float16), "g_idx": g_idx.to(torch.int32)}
 
 
-def save_quantized(target, path: str | Path) -> Path:
-    """Write a quantized model (an ``LLM`` or a model with ``quant_spec``) as a safetensors directory:
-    config.json, model.safetensors, and the tokenizer's files when there is a tokenizer."""
+def save_quantized(target, path: str | Path, tokenizer=None) -> Path:
+    """Write a quantized model (an ``LLM``, or a model with ``quant_spec`` and optionally its tokenizer)
+    as a safetensors directory: config.json, model.safetensors, and the tokenizer's files."""
     from safetensors.torch import save_file
 
     engine = getattr(target, "engine", None)
-    model, tokenizer = (target, None) if engine is None else (engine.model, engine.tokenizer)
+    model, tokenizer = (target, tokenizer) if engine is None else (engine.model, engine.tokenizer)
     spec = getattr(model, "quant_spec", None)
     if spec is None or spec.method == "fp8":
         raise ValueError(f"save_quantized writes GPTQ-layout INT4 / INT8 models; this model is "

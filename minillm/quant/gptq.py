@@ -48,7 +48,7 @@ def update_column(block: torch.Tensor, hinv: torch.Tensor, i: int, q: torch.Tens
     spread its error over columns i.. through row i of the block's upper Cholesky factor ``hinv``
     [b, b] of H^-1 (in place: afterwards ``block[:, i]`` equals ``q``). Returns err = (w - q) / hinv[i, i]."""
     err = (block[:, i] - q) / hinv[i, i]
-    block[:, i:].addr_(err, hinv[i, i:], alpha=-1.0)  # minus the outer product err ⊗ hinv[i, i:]
+    block[:, i:] -= err[:, None] * hinv[i, i:][None, :]  # the outer product err ⊗ hinv[i, i:]
     return err
 
 
@@ -69,7 +69,7 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, sym: bool,
-                  act_order: bool, damp: float = 0.01) -> GPTQResult:
+                  act_order: bool, damp: float = 0.1) -> GPTQResult:
     """Quantize ``w`` [out, in] given the Hessian ``h`` [in, in] of its inputs (see the module docstring)."""
     out_features, in_features = w.shape
     w, h = w.float().clone(), h.float().clone()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minillm.quant.rtn import expand_groups, num_groups
+from minillm.quant.rtn import num_groups
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -123,10 +123,12 @@ class QuantLinear(nn.Module):
         if self.bits == 8:
             return self.qweight.to(self.scales.dtype) * self.scales
         codes, zeros = self.unpacked()
-        rows = self.in_features
-        z = expand_groups(zeros.t(), self.group_size, rows).t()
-        s = expand_groups(self.scales.t(), self.group_size, rows).t()
-        return (codes - z).to(s.dtype) * s
+        rows, groups = self.in_features, self.scales.shape[0]
+        size = rows if self.group_size == -1 else self.group_size
+        # Broadcast each group's zero point and scale over its rows (a short last group: pad, then cut).
+        codes = nn.functional.pad(codes, (0, 0, 0, groups * size - rows)).view(groups, size, -1)
+        w = (codes - zeros[:, None]).to(self.scales.dtype) * self.scales[:, None]
+        return w.view(groups * size, -1)[:rows]
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight as an ``nn.Linear`` holds it: [out, in], input channels in their original order."""

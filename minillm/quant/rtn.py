@@ -9,8 +9,9 @@ contains 0; asymmetric: ``s = (max - min) / (2^bits - 1)``, ``z = round(-min / s
 ``s = 2 * max|w| / (2^bits - 1)`` and ``z = 2^(bits - 1)``. So the same formula dequantizes both,
 and INT8 symmetric codes minus 128 are the signed INT8 weights the W8A16 layout stores.
 
-Scales are rounded to float16 where they are made: quantized checkpoints store them in float16
-(GPTQ's layout), so a model and its saved checkpoint dequantize to exactly the same weights. The
+Scales are rounded up to float16 where they are made: quantized checkpoints store them in float16
+(GPTQ's layout), so a model and its saved checkpoint dequantize to exactly the same weights, and
+rounding up keeps every weight of the group inside the grid. The
 last group of a row may be shorter than ``group_size`` (576 inputs in groups of 128: 4.5 groups).
 """
 
@@ -27,6 +28,13 @@ def num_groups(in_features: int, group_size: int) -> int:
     return 1 if group_size == -1 else -(-in_features // group_size)
 
 
+def round_up_to_float16(x: torch.Tensor) -> torch.Tensor:
+    """The smallest float16 value >= ``x`` (float32): a scale rounded up still spans the whole range."""
+    half = x.half()
+    up = torch.nextafter(half, torch.full_like(half, float("inf")))
+    return torch.where(half.float() < x, up, half).float()
+
+
 def minmax_params(x: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point per row of ``x`` [rows, n] (one group per row), both float32 [rows] (the
     zero point holds an integer)."""
@@ -38,7 +46,8 @@ def minmax_params(x: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, 
         xmin = -xmax
     flat = xmax == xmin  # an all-zero group: any scale represents it; avoid dividing by 0
     xmin, xmax = torch.where(flat, -1.0, xmin), torch.where(flat, 1.0, xmax)
-    scale = ((xmax - xmin) / maxq).clamp(min=MIN_SCALE).half().float()
+    scale = ((xmax - xmin) / maxq).clamp(min=MIN_SCALE)
+    scale = round_up_to_float16(scale)
     if sym:
         zero = torch.full_like(scale, (maxq + 1) // 2)
     else:
@@ -62,8 +71,8 @@ def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     padded with zeros: every range already contains 0, so they change no group's scale or zero point."""
     out_features, in_features = w.shape
     size = in_features if group_size == -1 else group_size
-    groups = num_groups(in_features, group_size)
-    return torch.nn.functional.pad(w.float(), (0, groups * size - in_features)).reshape(-1, size)
+    pad = num_groups(in_features, group_size) * size - in_features
+    return (torch.nn.functional.pad(w.float(), (0, pad)) if pad else w.float()).reshape(-1, size)
 
 
 def ungrouped(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -91,8 +100,11 @@ def expand_groups(params: torch.Tensor, group_size: int, in_features: int) -> to
 
 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
-    """The weight RTN would run with: quantized, then dequantized (float32) — what searches try out."""
+    """The weight RTN would run with: quantized, then dequantized (float32) — what searches try out
+    many times, so computed in place in one buffer (the same arithmetic as quantize + dequantize)."""
     rows = grouped(w, group_size)
     scale, zero = minmax_params(rows, bits, sym)
     scale, zero = scale[:, None], zero[:, None]
-    return ungrouped(dequantize(quantize(rows, scale, zero, bits), scale, zero), w.shape)
+    q = rows / scale
+    q.round_().add_(zero).clamp_(0, 2 ** bits - 1).sub_(zero).mul_(scale)
+    return ungrouped(q, w.shape)
