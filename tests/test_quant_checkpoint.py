@@ -60,7 +60,7 @@ def test_the_files_follow_the_gptq_v1_layout(qwen2_dir, tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "gptq", "checkpoint_format": "gptq", "bits": 4,
                                              "group_size": 32, "desc_act": True, "sym": False,
-                                             "minillm_method": "gptq-int4-g32"}
+                                             "minillm_method": "gptq-int4-g32", "damp_percent": 0.1}
     qkv = llm.engine.model.model.layers[1].self_attn.qkv_proj
     codes, zeros = qkv.unpacked()  # runtime: rows in act-order, true zero points
     c = llm.engine.model.config

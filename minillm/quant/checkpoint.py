@@ -19,7 +19,8 @@ checkpoint looks familiar to the ecosystem. Fused projections are split back int
 The weight is ``w[k, n] = (q[k, n] - (qzeros[g_idx[k], n] + 1)) * scales[g_idx[k], n]``. Everything
 else (embeddings, norms, an untied LM head) is stored as in an ordinary checkpoint, and
 ``config.json`` gains ``quantization_config = {"quant_method": "gptq", "checkpoint_format": "gptq",
-"bits", "group_size", "desc_act", "sym", "minillm_method"}`` (the last names how it was made).
+"bits", "group_size", "desc_act", "sym", "minillm_method"}`` (the last names how it was made; GPTQ
+ones add ``damp_percent``).
 
 Loading undoes the offset, sorts input channels by ``g_idx`` (so each group is contiguous again:
 the runtime ``perm`` of ``linear.py``) and fuses the projections. 8-bit checkpoints load when they
@@ -38,6 +39,7 @@ from torch import nn
 from minillm.model.config import ModelConfig
 from minillm.model.llama import FUSED_PROJECTIONS
 from minillm.quant.calibration import LINEARS
+from minillm.quant.gptq import DAMP
 from minillm.quant.linear import QuantLinear, pack, unpack
 from minillm.quant.spec import QuantSpec
 
@@ -60,8 +62,9 @@ def hf_config(config: ModelConfig) -> dict:
 
 
 def quantization_config(spec: QuantSpec) -> dict:
-    return {"quant_method": "gptq", "checkpoint_format": "gptq", "bits": spec.bits, "group_size": spec.group_size,
-            "desc_act": spec.act_order and spec.group_size != -1, "sym": spec.sym, "minillm_method": spec.name}
+    config = {"quant_method": "gptq", "checkpoint_format": "gptq", "bits": spec.bits, "group_size": spec.group_size,
+              "desc_act": spec.act_order and spec.group_size != -1, "sym": spec.sym, "minillm_method": spec.name}
+    return config | ({"damp_percent": DAMP} if spec.method == "gptq" else {})
 
 
 def spec_from_config(config: dict) -> QuantSpec:
