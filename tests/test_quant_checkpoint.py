@@ -4,6 +4,7 @@ saved tensors follow the layout by hand, and a saved model reloads to identical 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,9 +33,10 @@ def qwen2_dir(tmp_path_factory, make_tiny_hf):
     return path
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
-def test_saved_config_reads_back_as_the_same_model_config(preset):
-    config = PRESETS[preset]
+@pytest.mark.parametrize("config", [*PRESETS.values(), replace(PRESETS["tiny"], model_type="mistral", sliding_window=512),
+                                    replace(PRESETS["tiny"], model_type="qwen2", attention_bias=True)],
+                         ids=[*PRESETS, "mistral-window", "qwen2-bias"])
+def test_saved_config_reads_back_as_the_same_model_config(config):
     assert ModelConfig.from_hf(json.loads(json.dumps(hf_config(config)))) == config
 
 
@@ -117,3 +119,16 @@ def test_loading_errors_name_the_problem(qwen2_dir, tmp_path):
         (broken / "config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=message):
             LLM(str(broken), dtype="float32", device="cpu")
+
+
+def test_cli_quantization_flag_and_the_peers_guard(capsys):
+    from minillm.bench.peers import hf_model_sharing_weights
+    from minillm.cli import main
+
+    main(["info", "--model", "tiny", "--load-format", "dummy", "--device", "cpu", "--quantization", "rtn-int4-g32"])
+    assert "rtn-int4-g32" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="gptq-int4, awq-int4, fp8"):
+        main(["info", "--model", "tiny", "--load-format", "dummy", "--quantization", "int3"])
+    llm = LLM("tiny", load_format="dummy", dtype="float32", device="cpu", quantization="fp8")
+    with pytest.raises(ValueError, match="quantized"):
+        hf_model_sharing_weights(llm.engine.model, llm.engine.model_config)

@@ -44,21 +44,15 @@ from minillm.quant.linear import QuantLinear, pack, unpack
 from minillm.quant.spec import QuantSpec
 
 QUANTIZED_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
 
 
 def hf_config(config: ModelConfig) -> dict:
-    """A ``config.json`` that ``ModelConfig.from_hf`` reads back as ``config``."""
-    return {"architectures": [ARCHITECTURES[config.model_type]], "model_type": config.model_type,
-            "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-            "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-            "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-            "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-            "rope_scaling": config.rope_scaling, "max_position_embeddings": config.max_position_embeddings,
-            "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
-            "sliding_window": config.sliding_window, "hidden_act": "silu",
-            "eos_token_id": config.eos_token_ids, "bos_token_id": config.bos_token_id}
+    """A ``config.json`` that ``ModelConfig.from_hf`` reads back as ``config``: the transformers config
+    the benchmark peers build, with every stop id (that object keeps one) and the sliding window."""
+    from minillm.bench.peers import hf_config_for
+
+    return hf_config_for(config).to_dict() | {"eos_token_id": config.eos_token_ids,
+                                              "sliding_window": config.sliding_window}
 
 
 def quantization_config(spec: QuantSpec) -> dict:

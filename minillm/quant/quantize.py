@@ -12,8 +12,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from minillm.eval.perplexity import SEQ_LEN, calibration_samples
 from minillm.quant import awq, gptq, rtn
-from minillm.quant.calibration import LINEARS, sequential_calibration
+from minillm.quant.calibration import LINEARS, LayerQuantizer, sequential_calibration
 from minillm.quant.fp8 import FP8Linear
 from minillm.quant.linear import QuantLinear
 from minillm.quant.spec import QuantSpec
@@ -42,14 +43,14 @@ def gptq_linear(linear: nn.Linear, x: torch.Tensor, spec: QuantSpec) -> QuantLin
                                   dtype=linear.weight.dtype)
 
 
-def gptq_layer(spec: QuantSpec):
+def gptq_layer(spec: QuantSpec) -> LayerQuantizer:
     def quantize_layer(index: int, layer: nn.Module, inputs: dict[str, torch.Tensor]) -> None:
         for name in LINEARS:
             layer.set_submodule(name, gptq_linear(layer.get_submodule(name), inputs[name], spec))
     return quantize_layer
 
 
-def awq_layer(spec: QuantSpec, config):
+def awq_layer(spec: QuantSpec, config) -> LayerQuantizer:
     def quantize_layer(index: int, layer: nn.Module, inputs: dict[str, torch.Tensor]) -> None:
         scales = awq.apply_scales(layer, config, inputs, spec)
         for name in LINEARS:
@@ -64,8 +65,6 @@ def calibration_for(spec: QuantSpec | str, loaded, num_samples: int, seed: int =
     """What ``spec`` calibrates on when a model is quantized on load: ``num_samples`` 512-token
     windows of the corpus's calibration part, random token ids for a model without a tokenizer
     (dummy weights, where only speed matters), or None for RTN and FP8."""
-    from minillm.eval.perplexity import SEQ_LEN, calibration_samples
-
     if QuantSpec.parse(spec).method not in ("gptq", "awq"):
         return None
     if loaded.tokenizer is None:
