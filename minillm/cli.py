@@ -1,4 +1,4 @@
-"""The ``minillm`` command: generate, chat, info, bench.
+"""The ``minillm`` command: generate, chat, info, bench, eval.
 
 Thin wrappers over the Python API, so every number the course shows can be rerun from a shell.
 """
@@ -17,10 +17,11 @@ EXAMPLES = """examples:
   minillm info --model llama2-7b --load-format dummy
   minillm bench throughput --workload mixed --scale cpu --peers hf_static --output figures/cpu/static.json
   minillm generate --batching continuous -pp 2 "Hello"   # the layers split over 2 processes
+  minillm eval ppl --quantization none rtn-int8 gptq-int4-g64 --output figures/cpu/perplexity.json
 """
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, several_quantizations: bool = False) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
                    help="HF directory, .gguf file, or a preset with --load-format dummy (default: embedded SmolLM2)")
@@ -53,6 +54,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV of shared prompt prefixes through a radix tree (continuous)")
     g.add_argument("--seed", type=int, default=0)
+    if several_quantizations:
+        g.add_argument("--quantization", nargs="+", default=["none"], metavar="METHOD",
+                       help="one run per method, 'none' = unquantized: rtn-int8, rtn-int4, gptq-int4, awq-int4, fp8; "
+                            "INT4 with -g64 / -channel / -sym (e.g. gptq-int4-g64)")
+    else:
+        g.add_argument("--quantization", default=None,
+                       help="quantize the weights on load: rtn-int8, rtn-int4, gptq-int4, awq-int4, fp8; INT4 with "
+                            "-g64 / -channel / -sym (e.g. gptq-int4-g64); a quantized checkpoint needs none")
+    g.add_argument("--calibration-samples", type=int, default=32,
+                   help="gptq / awq: 512-token calibration samples from the corpus (default %(default)s)")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -87,7 +98,8 @@ def _engine_kwargs(args) -> dict:
                 scheduling_policy=args.scheduling_policy, kv_cache_dtype=args.kv_cache_dtype,
                 memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                quantization=args.quantization, calibration_samples=args.calibration_samples)
 
 
 def _sampling(args):
@@ -169,7 +181,7 @@ def cmd_info(args) -> None:
                         f"{c.num_heads} heads / {c.num_kv_heads} KV heads of {c.head_dim}",
         "parameters": f"{c.num_params / 1e6:.1f} M",
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "weights": f"{engine.weight_bytes / 2**20:.1f} MiB",
+        "weights": f"{engine.weight_bytes / 2**20:.1f} MiB" + (f", {engine.quantization}" if engine.quantization else ""),
         "KV per token": f"{engine.kv_bytes_per_token / 2**10:.1f} KiB ({kv_format})",
         "max_model_len": engine.max_model_len,
         "batching": f"{engine.config.batching}, up to {engine.max_batch} sequences",
@@ -325,6 +337,20 @@ def cmd_bench_parallel(args) -> None:
     print(format_parallel_table(result))
 
 
+def cmd_eval_ppl(args) -> None:
+    from minillm.bench.harness import write_result
+    from minillm.eval.perplexity import evaluate_perplexity, format_perplexity_table
+
+    engine_kwargs = _engine_kwargs(args)
+    methods = engine_kwargs.pop("quantization")
+    result = evaluate_perplexity(model=args.model, quantizations=methods, num_tokens=args.num_tokens,
+                                 seq_len=args.seq_len, stride=args.stride, chunk_size=args.chunk_size,
+                                 command=args.command_line, **engine_kwargs)
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+    print(format_perplexity_table(result))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from minillm.bench.harness import LATENCY_PEERS, PEERS, VARIANTS
     from minillm.bench.tuning_path import STEP_NAMES as TUNING_STEPS
@@ -333,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="minillm", description="A compact, readable LLM inference engine.",
                                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,info,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,info,bench,eval}")
 
     p = sub.add_parser("generate", help="complete prompts (arguments, or one per line on stdin)")
     p.add_argument("prompts", nargs="*", help="prompts; read from stdin when none are given")
@@ -435,6 +461,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
     _add_model_args(t)
     t.set_defaults(func=cmd_bench_tuning_path)
+
+    from minillm.eval import perplexity as ppl
+
+    p = sub.add_parser("eval", help="quality of lossy steps: perplexity on the built-in corpus")
+    evals = p.add_subparsers(dest="eval", required=True, metavar="{ppl}")
+    t = evals.add_parser("ppl", help="perplexity on the held-out part of pydoc_data.topics; JSON out",
+                         description=ppl.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--num-tokens", type=int, default=ppl.NUM_TOKENS,
+                   help="evaluation tokens read from the start of the held-out part (default %(default)s)")
+    t.add_argument("--seq-len", type=int, default=ppl.SEQ_LEN, help="tokens per window (default %(default)s)")
+    t.add_argument("--stride", type=int, default=None,
+                   help="tokens between window starts (default: seq_len, disjoint windows)")
+    t.add_argument("--chunk-size", type=int, default=None,
+                   help="prefill each window this many tokens at a time through the paged KV cache "
+                        "(needs --batching continuous); default: one forward per window, no cache")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    _add_model_args(t, several_quantizations=True)
+    t.set_defaults(func=cmd_eval_ppl)
     return parser
 
 

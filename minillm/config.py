@@ -52,6 +52,10 @@ class EngineConfig:
     #                                  batching="continuous", runs eagerly, not with tensor_parallel_size > 1
     pipeline_micro_batches: int | None = None  # pipeline: a step's sequences flow through the stages in this
     #                                            many groups; default pipeline_parallel_size
+    quantization: str | None = None  # quantize the weights on load: "rtn-int8" | "rtn-int4" | "gptq-int4" |
+    #                                  "awq-int4" | "fp8", INT4 with -g64 / -channel ... (minillm.quant.spec);
+    #                                  a quantized checkpoint loads as saved (give None or its own name)
+    calibration_samples: int = 32  # gptq / awq on load: 512-token samples of the corpus's calibration part
 
     def __post_init__(self):
         if self.batching not in BATCHING_MODES:
@@ -106,6 +110,13 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} is not supported; valid: 'auto', 'cpu', 'cuda', 'cuda:N'")
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget)
+        if self.quantization is not None:
+            from minillm.quant.spec import QuantSpec
+
+            self.quantization = QuantSpec.parse(self.quantization).name  # ValueError lists the valid names
+        if isinstance(self.calibration_samples, bool) or not isinstance(self.calibration_samples, int) \
+                or self.calibration_samples < 1:
+            raise ValueError(f"calibration_samples must be a positive integer, got {self.calibration_samples!r}")
         counts = ["tensor_parallel_size", "pipeline_parallel_size"]
         if self.pipeline_micro_batches is not None:
             counts.append("pipeline_micro_batches")
@@ -123,6 +134,9 @@ class EngineConfig:
             # would have to move every rank's KV blocks, not just rank 0's.
             if self.batching != "continuous":
                 raise ValueError(f"{parallel[0]} > 1 needs batching='continuous', got {self.batching!r}")
+            if self.quantization is not None:
+                raise ValueError(f"quantization={self.quantization!r} is not supported with {parallel[0]} > 1 "
+                                 f"yet; run quantized models in one process")
             if self.preemption_mode != "recompute":
                 raise ValueError(f"{parallel[0]} > 1 needs preemption_mode='recompute', "
                                  f"got {self.preemption_mode!r}")

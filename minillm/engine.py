@@ -74,9 +74,10 @@ class Engine:
             self.device = self.workers.device
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, config.load_format, self.dtype, self.device, config.seed,
-                            None if self.workers is None else self.workers.part)
+                            None if self.workers is None else self.workers.part, config.quantization,
+                            config.calibration_samples)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        self.model_source = loaded.source
+        self.model_source, self.quantization = loaded.source, loaded.quantization
         model_limit = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > model_limit:
@@ -86,7 +87,8 @@ class Engine:
         if window is not None and self.max_model_len > window:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's sliding window ({window}); "
                              f"minillm has no sliding-window attention, so keep max_model_len <= {window}")
-        self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
+        # Parameters and buffers: quantized layers keep their packed weights in buffers.
+        self.weight_bytes = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
         # Scales included with a quantized kv_cache_dtype: this is what the memory budget divides by.
         self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, config.kv_cache_dtype, self.dtype)
         self.attention_backend: str | None = None  # the paged cache's; the contiguous cache has one path

@@ -44,6 +44,11 @@ def hf_model_sharing_weights(model: torch.nn.Module, config: ModelConfig):
     """A transformers CausalLM whose parameters are minillm's tensors (no copy)."""
     from transformers import AutoModelForCausalLM
 
+    spec = getattr(model, "quant_spec", None)
+    if spec is not None:
+        raise ValueError(f"the transformers peers share minillm's dense weights, and this model is quantized "
+                         f"({spec.name}); run the peers without --quantization, or --peers with none")
+
     device = model.lm_head.weight.device
     dtype = model.lm_head.weight.dtype
     with torch.device("meta"):

@@ -197,11 +197,16 @@ class LlamaForCausalLM(nn.Module):
         if proj not in FUSED_PROJECTIONS:
             return self.get_parameter(name)
         fused, part = FUSED_PROJECTIONS[proj]
-        c = self.config
-        sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim] \
-            if fused == "qkv_proj" else [c.intermediate_size, c.intermediate_size]
+        sizes = self.fused_sizes(fused)
         start = sum(sizes[:part])
         return self.get_parameter(f"{module_path}.{fused}.{rest}")[start:start + sizes[part]]
+
+    def fused_sizes(self, fused: str) -> list[int]:
+        """Output rows of each part of a fused projection: q, k, v of ``qkv_proj``; gate, up of ``gate_up_proj``."""
+        c = self.config
+        if fused == "qkv_proj":
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]
 
     def checkpoint_names(self) -> list[str]:
         """Every tensor name a Hugging Face checkpoint of this model holds (tied head excluded)."""
@@ -216,13 +221,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [B, T] -> final hidden states [B, T, hidden]."""
         x = self.model.embed_tokens(input_ids)
-        # cos/sin once per step, shared by every layer; computed in fp32 then rounded like HF.
-        freqs = positions[..., None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, :, None], emb.sin().to(x.dtype)[:, :, None]  # broadcast over heads
+        cos, sin = self.rope(positions, x.dtype)  # once per step, shared by every layer
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, 1, head_dim] for positions [B, T]: computed in fp32, then rounded like HF."""
+        freqs = positions[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]  # broadcast over heads
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 (sampling and comparisons want full precision)."""

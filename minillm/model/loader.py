@@ -56,6 +56,7 @@ class LoadedModel:
     config: ModelConfig  # what this process holds: a shard's heads and MLP slice, a stage's layers
     tokenizer: object | None  # a transformers tokenizer, or None (dummy weights)
     source: str  # what was loaded, for `minillm info` and error messages
+    quantization: str | None = None  # the quantization the weights carry (a QuantSpec name), if any
 
 
 def cache_root() -> Path:
@@ -89,14 +90,27 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_model(model: str | None, load_format: str, dtype: torch.dtype, device: torch.device,
-               seed: int = 0, part: ModelPart | None = None) -> LoadedModel:
-    """Dispatch on what ``model`` names. Errors name the bad value and what would be valid."""
+               seed: int = 0, part: ModelPart | None = None, quantization: str | None = None,
+               calibration_samples: int = 32) -> LoadedModel:
+    """Dispatch on what ``model`` names, then quantize if asked (``minillm.quant``). Errors name the
+    bad value and what would be valid."""
     kind, where = _resolve_source(model, load_format)
     if kind == "dummy":
-        return _load_dummy(where, dtype, device, seed, part)
-    if kind == "gguf":
-        return load_gguf(where, dtype, device, part)
-    return load_hf_dir(where, dtype, device, part)
+        loaded = _load_dummy(where, dtype, device, seed, part)
+    elif kind == "gguf":
+        loaded = load_gguf(where, dtype, device, part)
+    else:
+        loaded = load_hf_dir(where, dtype, device, part)
+    if loaded.quantization is not None:
+        if quantization not in (None, loaded.quantization):
+            raise ValueError(f"{loaded.source} is already quantized ({loaded.quantization}); load it with "
+                             f"quantization=None or {loaded.quantization!r}, not {quantization!r}")
+    elif quantization is not None:
+        from minillm.quant.quantize import calibration_for, quantize_model
+
+        spec = quantize_model(loaded.model, quantization, calibration_for(quantization, loaded, calibration_samples, seed))
+        loaded.quantization = spec.name
+    return loaded
 
 
 def read_model_config(model: str | None, load_format: str) -> ModelConfig:
@@ -135,9 +149,10 @@ def _resolve_source(model: str | None, load_format: str) -> tuple[str, str | Pat
 
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 part: ModelPart | None = None) -> LlamaForCausalLM:
+                 part: ModelPart | None = None, quantized=None) -> LlamaForCausalLM:
     """Allocate the model (or this rank's part of it) on ``device`` without initialising it
-    (weights come right after)."""
+    (weights come right after). ``quantized``: the QuantSpec of a quantized checkpoint, whose
+    linears are swapped for empty QuantLinear shells before any storage exists."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the target dtype: no fp32 copy of a 7B model on the way
     try:
@@ -145,6 +160,10 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
             model = LlamaForCausalLM(config if part is None else part.model_config(config))
             if part is not None:
                 part.prepare(model)
+            if quantized is not None:
+                from minillm.quant.checkpoint import install_quant_linears
+
+                install_quant_linears(model, quantized)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
@@ -204,7 +223,15 @@ def load_hf_dir(path: Path, dtype, device, part: ModelPart | None = None) -> Loa
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}; save the model with "
                                 f"`model.save_pretrained('{path}', safe_serialization=True)`")
-    model = _empty_model(config, dtype, device, part)
+    quantized, spec = None, None  # a quantized checkpoint: its packed tensors, by name
+    quantization_config = _read_json(path / "config.json").get("quantization_config")
+    if quantization_config is not None:
+        from minillm.quant import checkpoint
+
+        if part is not None:
+            raise ValueError(f"{path} is a quantized checkpoint; minillm loads those in one process only")
+        quantized, spec = {}, checkpoint.spec_from_config(quantization_config)
+    model = _empty_model(config, dtype, device, part, spec)
     loaded = set()
     for file in files:
         try:
@@ -214,6 +241,9 @@ def load_hf_dir(path: Path, dtype, device, part: ModelPart | None = None) -> Loa
                 for name in weights.keys():
                     if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
                         continue  # recomputed buffers; a tied head that the file also stores
+                    if quantized is not None and checkpoint.is_quantized_tensor(name):
+                        quantized[name] = weights.get_tensor(name)
+                        continue
                     where = (name, None) if part is None else part.locate(name, config)
                     if where is None:
                         continue  # another pipeline stage holds it
@@ -234,6 +264,8 @@ def load_hf_dir(path: Path, dtype, device, part: ModelPart | None = None) -> Loa
     missing = set(model.checkpoint_names()) - loaded
     if missing:
         raise ValueError(f"weights missing from {path}: {sorted(missing)[:5]} ({len(missing)} in all)")
+    if quantized is not None:
+        checkpoint.load_quantized_tensors(model, quantized)
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         from transformers import AutoTokenizer
@@ -242,7 +274,7 @@ def load_hf_dir(path: Path, dtype, device, part: ModelPart | None = None) -> Loa
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as e:
             raise ValueError(f"could not load the tokenizer files in {path}: {e}{_cache_hint(path)}") from e
-    return LoadedModel(model, model.config, tokenizer, str(path))
+    return LoadedModel(model, model.config, tokenizer, str(path), None if spec is None else spec.name)
 
 
 def _read_json(file: Path) -> dict:

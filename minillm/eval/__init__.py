@@ -1,0 +1,1 @@
+"""Quality measurements for lossy steps: perplexity on the built-in corpus (``perplexity.py``)."""

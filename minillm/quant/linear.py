@@ -1,0 +1,160 @@
+"""``QuantLinear``: the module a quantized ``nn.Linear`` is swapped for, and the packed layout it holds.
+
+Quantization replaces modules and never forks the model file (DESIGN.md): ``qkv_proj``, ``o_proj``,
+``gate_up_proj`` and ``down_proj`` of every decoder layer become ``QuantLinear`` (or ``FP8Linear``,
+``fp8.py``); embeddings, norms and the LM head stay as they are.
+
+The runtime layout is fixed, because the W4A16 / W8A16 kernels (``kernels/quant_matmul.py``) read
+exactly this. With K input and N output features and groups of G input channels:
+
+- **INT4** (GPTQ v1 packing, eight codes per int32):
+  ``qweight`` int32 [K // 8, N]: input channel k = 8 i + j of column n sits in bits 4j..4j+3 of
+  ``qweight[i, n]``; ``scales`` [ceil(K / G), N] in the activation dtype; ``zeros`` int32
+  [ceil(K / G), N // 8], packed the same way along N, holding the **true** zero point 0..15
+  (symmetric: 8; a checkpoint stores it minus one, see ``checkpoint.py``). The weight is
+  ``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``; the last group may be short (K % G != 0).
+  With act-order, ``perm`` [K] (int64) lists input channels in the order they were quantized; rows
+  of ``qweight`` are stored in that order so each group stays contiguous, and the forward pass reads
+  ``x[..., perm]``.
+- **INT8** (weight only, symmetric per output channel): ``qweight`` int8 [K, N], ``scales`` [N];
+  ``w[k, n] = q[k, n] * s[n]``.
+
+On CUDA (fp16/bf16 activations) the forward pass runs those kernels on the packed codes; on a CPU
+(and as their reference) it dequantizes the weight with torch and multiplies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minillm.quant.rtn import num_groups
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[R, C] codes in [0, 2^bits) -> int32 [R * bits // 32, C]: code of row r = (32 // bits) i + j in
+    bits j*bits.. of row i (j = 7 of an INT4 row lands in the sign bit: int32 wraps, as GPTQ's does)."""
+    per_word = 32 // bits
+    if codes.shape[0] % per_word:
+        raise ValueError(f"{codes.shape[0]} rows do not pack into int32 words of {per_word} {bits}-bit codes; "
+                         f"the dimension must be a multiple of {per_word}")
+    parts = codes.to(torch.int32).reshape(-1, per_word, *codes.shape[1:])
+    packed = torch.zeros_like(parts[:, 0])
+    for j in range(per_word):
+        packed |= parts[:, j] << (bits * j)
+    return packed
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of ``pack``: int32 [R * bits // 32, C] -> int32 codes [R, C]."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device).view(1, per_word, *[1] * (packed.dim() - 1))
+    codes = (packed.unsqueeze(1) >> shifts) & (2 ** bits - 1)
+    return codes.reshape(-1, *packed.shape[1:])
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W held as INT4 (packed, grouped) or INT8 (per channel) codes; see the module docstring."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, bias: bool,
+                 act_order: bool = False, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        if bits not in (4, 8) or (bits == 8 and group_size != -1):
+            raise ValueError(f"QuantLinear holds INT4 (any group size) or INT8 per channel, got bits={bits}, "
+                             f"group_size={group_size}")
+        if bits == 4 and (in_features % 8 or out_features % 8):
+            raise ValueError(f"INT4 packs 8 codes per int32: in_features ({in_features}) and out_features "
+                             f"({out_features}) must be multiples of 8")
+        self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, group_size
+        dtype = dtype or torch.get_default_dtype()
+        if bits == 4:
+            groups = num_groups(in_features, group_size)
+            self.register_buffer("qweight", torch.empty(in_features // 8, out_features, dtype=torch.int32, device=device))
+            self.register_buffer("scales", torch.empty(groups, out_features, dtype=dtype, device=device))
+            self.register_buffer("zeros", torch.empty(groups, out_features // 8, dtype=torch.int32, device=device))
+        else:
+            self.register_buffer("qweight", torch.empty(in_features, out_features, dtype=torch.int8, device=device))
+            self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
+        self.register_buffer("perm", torch.empty(in_features, dtype=torch.int64, device=device) if act_order else None)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
+                   bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> "QuantLinear":
+        """Build from a quantizer's output: ``codes`` [out, in] (columns in ``perm`` order when given),
+        ``scales`` / ``zeros`` [out, groups] as ``rtn.quantize_groupwise`` returns them."""
+        out_features, in_features = codes.shape
+        dtype = dtype or scales.dtype
+        layer = cls(in_features, out_features, bits, group_size, bias is not None, perm is not None, dtype, codes.device)
+        layer.set_codes(codes.t(), zeros.t(), scales.t(), perm)
+        if bias is not None:
+            layer.bias.data.copy_(bias)
+        return layer
+
+    def set_codes(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                  perm: torch.Tensor | None = None) -> None:
+        """Store ``codes`` [in, out] (rows in ``perm`` order) with zero points and scales [groups, out]
+        (INT8: codes 0..255 with every zero point 128, i.e. symmetric)."""
+        if (perm is None) != (self.perm is None):
+            raise ValueError(f"this layer was built {'with' if self.perm is not None else 'without'} an input "
+                             f"permutation (act-order), and the codes come {'with' if perm is not None else 'without'} one")
+        if tuple(codes.shape) != (self.in_features, self.out_features):
+            raise ValueError(f"codes of shape {tuple(codes.shape)} do not fit a {self.in_features} -> "
+                             f"{self.out_features} layer")
+        if self.bits == 4:
+            self.qweight.copy_(pack(codes, 4))
+            self.zeros.copy_(pack(zeros.t(), 4).t())  # [groups, out // 8]: packed along out
+            self.scales.copy_(scales)
+        else:
+            if not torch.all(zeros == 128):
+                raise ValueError("INT8 weights must be symmetric (every zero point 128)")
+            self.qweight.copy_((codes.to(torch.int16) - 128).to(torch.int8))
+            self.scales.copy_(scales.reshape(-1))
+        if perm is not None:
+            self.perm.copy_(perm)
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """INT4 codes [K, N] (rows in ``perm`` order) and true zero points [groups, N], as int32."""
+        return unpack(self.qweight, 4), unpack(self.zeros.t(), 4).t()
+
+    def dequantized_kn(self) -> torch.Tensor:
+        """The weight [K, N] in the activation dtype, rows in ``perm`` order (what the kernels compute with)."""
+        if self.bits == 8:
+            return self.qweight.to(self.scales.dtype) * self.scales
+        codes, zeros = self.unpacked()
+        rows, groups = self.in_features, self.scales.shape[0]
+        size = rows if self.group_size == -1 else self.group_size
+        # Broadcast each group's zero point and scale over its rows (a short last group: pad, then cut).
+        codes = nn.functional.pad(codes, (0, 0, 0, groups * size - rows)).view(groups, size, -1)
+        w = (codes - zeros[:, None]).to(self.scales.dtype) * self.scales[:, None]
+        return w.view(groups * size, -1)[:rows]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight as an ``nn.Linear`` holds it: [out, in], input channels in their original order."""
+        w = self.dequantized_kn().t()
+        if self.perm is None:
+            return w
+        original = torch.empty_like(w)
+        original[:, self.perm] = w
+        return original
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x[..., self.perm]
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+            # The Triton kernels read the packed codes directly: no dequantized weight in memory.
+            from minillm.kernels.quant_matmul import w4a16_matmul, w8a16_matmul
+
+            if self.bits == 4:
+                y = w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size)
+            else:
+                y = w8a16_matmul(x, self.qweight, self.scales)
+        else:
+            y = x @ self.dequantized_kn()
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        group = "per channel" if self.group_size == -1 else f"group_size={self.group_size}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, {group}, "
+                f"act_order={self.perm is not None}, bias={self.bias is not None}")

@@ -1,0 +1,85 @@
+"""What a ``quantization=`` name means: one small frozen dataclass, parsed from the name.
+
+A name is ``<method>-<format>[-g<group size>|-channel][-sym][-noact]``:
+
+- ``rtn-int4``, ``rtn-int8``: round-to-nearest, no calibration;
+- ``gptq-int4``: GPTQ (Frantar et al. 2022) with act-order, from calibration activations;
+- ``awq-int4``: AWQ (Lin et al. 2023): activation-aware scales and clipping, then round-to-nearest;
+- ``fp8``: FP8 E4M3 weights (one scale per output channel) and activations (one scale per token,
+  computed at run time).
+
+INT4 defaults to groups of 128 input channels with an asymmetric grid (a zero point per group), the
+ecosystem's common choice; ``-g64`` (any multiple of 8) or ``-channel`` (one group per output channel)
+change the grouping, ``-sym`` takes a symmetric grid (zero point fixed at 8), ``-noact`` switches
+GPTQ's act-order off. INT8 is symmetric per output channel only: the layout the W8A16 kernel reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+METHODS = ("rtn-int4", "rtn-int8", "gptq-int4", "awq-int4", "fp8")
+VALID = ("rtn-int4, rtn-int8, gptq-int4, awq-int4, fp8; INT4 ones may add -g<N> (N a multiple of 8) or "
+         "-channel, and -sym; gptq-int4 may add -noact (e.g. gptq-int4-g64, awq-int4-channel-sym)")
+DEFAULT_GROUP_SIZE = 128
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    method: str  # "rtn" | "gptq" | "awq" | "fp8"
+    bits: int  # 4 or 8
+    group_size: int = -1  # input channels sharing a scale (and zero point); -1: one group per output channel
+    sym: bool = True  # symmetric grid (zero point in the middle) or asymmetric (min/max, zero point per group)
+    act_order: bool = False  # GPTQ: quantize input channels in order of decreasing Hessian diagonal
+
+    @property
+    def name(self) -> str:
+        """The canonical name; ``QuantSpec.parse(spec.name) == spec``."""
+        if self.method == "fp8":
+            return "fp8"
+        name = f"{self.method}-int{self.bits}"
+        if self.bits == 4:
+            name += "-channel" if self.group_size == -1 else f"-g{self.group_size}" if \
+                self.group_size != DEFAULT_GROUP_SIZE else ""
+            name += "-sym" if self.sym else ""
+            name += "-noact" if self.method == "gptq" and not self.act_order else ""
+        return name
+
+    @classmethod
+    def parse(cls, name: "str | QuantSpec") -> "QuantSpec":
+        if isinstance(name, QuantSpec):
+            return name
+        base, *options = _split(str(name))
+        if base not in METHODS:
+            raise ValueError(f"quantization {name!r} is not supported; valid: {VALID}")
+        method, fmt = (base, "fp8") if base == "fp8" else base.split("-")
+        if method == "fp8":
+            spec = cls("fp8", 8)
+        elif fmt == "int8":
+            spec = cls(method, 8)
+        else:
+            spec = cls(method, 4, DEFAULT_GROUP_SIZE, sym=False, act_order=method == "gptq")
+        for option in options:
+            spec = _apply(spec, option, name)
+        return spec
+
+
+def _split(name: str) -> list[str]:
+    """"gptq-int4-g64-sym" -> ["gptq-int4", "g64", "sym"] ("fp8" has no format part)."""
+    parts = name.split("-")
+    if parts[0] == "fp8":
+        return parts
+    return ["-".join(parts[:2]), *parts[2:]]
+
+
+def _apply(spec: QuantSpec, option: str, name: str) -> QuantSpec:
+    if spec.bits == 4 and option == "channel":
+        return replace(spec, group_size=-1)
+    if spec.bits == 4 and option.startswith("g") and option[1:].isdigit() and int(option[1:]) % 8 == 0 \
+            and int(option[1:]) > 0:
+        return replace(spec, group_size=int(option[1:]))
+    if spec.bits == 4 and option == "sym":
+        return replace(spec, sym=True)
+    if spec.method == "gptq" and option == "noact":
+        return replace(spec, act_order=False)
+    raise ValueError(f"quantization {name!r}: option {option!r} is not understood; valid: {VALID}")
