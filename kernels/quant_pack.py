@@ -12,33 +12,47 @@ from __future__ import annotations
 
 import torch
 
-_SHIFTS = tuple(range(0, 32, 4))
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[R, ...] codes in [0, 2^bits) -> int32 [R * bits // 32, ...]: code of row r = (32 // bits) i + j
+    in bits j*bits.. of row i. The top code's high bit lands in the sign bit: int32 wraps, as GPTQ's
+    words do, and readers shift and mask, which sign does not disturb. 4 bits for the runtime layout,
+    8 for GPTQ checkpoints of INT8 weights."""
+    per_word = 32 // bits
+    if codes.shape[0] % per_word:
+        raise ValueError(f"{codes.shape[0]} rows do not pack into int32 words of {per_word} {bits}-bit codes; "
+                         f"the dimension must be a multiple of {per_word}")
+    parts = codes.to(torch.int32).reshape(-1, per_word, *codes.shape[1:])
+    packed = torch.zeros_like(parts[:, 0])
+    for j in range(per_word):
+        packed |= parts[:, j] << (bits * j)
+    return packed
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of ``pack_codes``: int32 [R * bits // 32, ...] -> int32 codes [R, ...]."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    codes = (packed.unsqueeze(1) >> shifts.view(1, per_word, *[1] * (packed.dim() - 1))) & (2 ** bits - 1)
+    return codes.reshape(-1, *packed.shape[1:])
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int [K, N] with values in 0..15 -> int32 [K // 8, N]: q[8i + j, n] in bits 4j..4j+3 of row i.
-
-    Bit 31 belongs to value 7, so rows whose value 7 is 8 or more come out negative; readers shift
-    and mask (``(p >> 4j) & 15``), which sign does not disturb."""
+    """int [K, N] with values in 0..15 -> int32 [K // 8, N]: q[8i + j, n] in bits 4j..4j+3 of row i
+    (``pack_codes`` at 4 bits, after checking the shape and the range)."""
     if q.dim() != 2 or q.shape[0] % 8 != 0:
         raise ValueError(f"q must be [K, N] with K a multiple of 8, got shape {tuple(q.shape)}")
     if q.dtype.is_floating_point or q.dtype == torch.bool:
         raise ValueError(f"q.dtype is {q.dtype}; expected an integer dtype holding 0..15")
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise ValueError(f"q holds values in {int(q.min())}..{int(q.max())}; expected 0..15")
-    planes = q.to(torch.int64).view(q.shape[0] // 8, 8, q.shape[1])
-    packed = torch.zeros(planes.shape[0], planes.shape[2], dtype=torch.int64, device=q.device)
-    for j, shift in enumerate(_SHIFTS):
-        packed |= planes[:, j] << shift
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the unsigned word, as int32
+    return pack_codes(q, 4)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """int32 [K // 8, N] -> int32 [K, N] in 0..15: the inverse of ``pack_int4``."""
     if packed.dim() != 2 or packed.dtype != torch.int32:
         raise ValueError(f"packed must be int32 [K // 8, N], got {packed.dtype} of shape {tuple(packed.shape)}")
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device).view(1, 8, 1)
-    return ((packed[:, None, :] >> shifts) & 15).reshape(8 * packed.shape[0], packed.shape[1])
+    return unpack_codes(packed, 4)
 
 
 def pack_int4_along_n(z: torch.Tensor) -> torch.Tensor:
