@@ -29,9 +29,10 @@ def num_groups(in_features: int, group_size: int) -> int:
 
 
 def round_up_to_float16(x: torch.Tensor) -> torch.Tensor:
-    """The smallest float16 value >= ``x`` (float32): a scale rounded up still spans the whole range."""
+    """The smallest float16 value >= ``x`` (positive float32): a scale rounded up still spans the whole
+    range. The next float16 up is the next bit pattern (positive floats order like their bits)."""
     half = x.half()
-    up = torch.nextafter(half, torch.full_like(half, float("inf")))
+    up = (half.view(torch.int16) + 1).view(torch.float16)
     return torch.where(half.float() < x, up, half).float()
 
 
