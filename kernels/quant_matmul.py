@@ -23,9 +23,11 @@ Two kernels per format, chosen by M (the number of tokens):
   At M = 1 a tensor-core dot would be 1/16 useful work plus a shared-memory round trip. The M
   programs of a column tile are neighbours in the grid, so rows after the first find its weights
   in L2; but each dequantizes them again, which is why larger M goes to the dot.
-- **dot** (M up to a few hundred): the tile is dequantized to x's dtype and fed to ``tl.dot``.
-  Since y = sum_k x_k w_k in any order of k, the eight nibble planes of a packed row tile are eight
-  dots of [BLOCK_M, BLOCK_KP] x [BLOCK_KP, BLOCK_N], with x read at stride 8: no interleaving.
+- **dot** (M > GEMV_MAX_M): the tile of BLOCK_K // 8 packed rows is shifted by 0, 4, .., 28 bits
+  into a [BLOCK_K // 8, 8, BLOCK_N] block, whose row-major order is k's; it is dequantized to x's
+  dtype, reshaped to [BLOCK_K, BLOCK_N] and fed to one ``tl.dot`` with x's contiguous
+  [BLOCK_M, BLOCK_K] tile. (An earlier version did eight dots of K = BLOCK_K / 8 per tile, one per
+  nibble plane, with x read at stride 8: 4 to 15 times slower than bf16 on an H200.)
 
 Both are memory-bound at small M, and then the limit is how many bytes are in flight: N / BLOCK_N
 programs alone leave most of the 132 SMs of an H200 idle when N = 4096. So the K dimension is
@@ -89,17 +91,17 @@ _W4_GEMV = _configs([(64, 16, 1, 4, 3), (128, 16, 1, 4, 3), (64, 16, 2, 4, 3), (
                      (64, 16, 8, 4, 3), (128, 32, 4, 8, 3), (256, 16, 8, 8, 3)], ("BLOCK_N", "BLOCK_KP", "SPLIT_K"))
 _W8_GEMV = _configs([(128, 32, 1, 4, 3), (256, 16, 1, 4, 3), (128, 32, 4, 4, 3), (256, 32, 2, 8, 3),
                      (256, 16, 4, 4, 3), (128, 32, 8, 4, 3), (256, 64, 4, 8, 3)], ("BLOCK_N", "BLOCK_K", "SPLIT_K"))
-_W4_DOT = _configs([(16, 64, 16, 1, 4, 3), (16, 128, 16, 1, 4, 3), (16, 64, 16, 4, 4, 3), (16, 128, 16, 4, 4, 3),
-                    (32, 64, 16, 2, 4, 3), (64, 64, 16, 1, 4, 3), (64, 128, 32, 1, 8, 3), (128, 128, 16, 1, 8, 3)],
-                   ("BLOCK_M", "BLOCK_N", "BLOCK_KP", "SPLIT_K"))
+_W4_DOT = _configs([(16, 64, 128, 1, 4, 3), (16, 128, 128, 1, 4, 3), (16, 64, 128, 4, 4, 3), (16, 128, 128, 4, 4, 3),
+                    (32, 64, 128, 2, 4, 3), (64, 64, 128, 1, 4, 3), (64, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 3)],
+                   ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
 _W8_DOT = _configs([(16, 64, 64, 1, 4, 3), (16, 128, 64, 1, 4, 3), (16, 64, 64, 4, 4, 3), (16, 128, 128, 4, 4, 3),
                     (32, 64, 64, 2, 4, 3), (64, 64, 64, 1, 4, 3), (64, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 3)],
                    ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
 _INTERPRETER = {"w4_gemv": dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=2), "w8_gemv": dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2),
-                "w4_dot": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_KP=16, SPLIT_K=2),
+                "w4_dot": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2),
                 "w8_dot": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2)}
 # fp32 dots are exact ("ieee") and compile slowly in big tiles; fp32 on a GPU is for checks only.
-_GPU_FP32_DOT = {"w4_dot": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_KP=16, SPLIT_K=1, num_warps=4, num_stages=2),
+_GPU_FP32_DOT = {"w4_dot": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2),
                  "w8_dot": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)}
 
 
@@ -216,21 +218,40 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
 @triton.jit
 def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
                    QW, S, Z, group_size, one_bits, stride_q, stride_s, stride_z, M_BUCKET,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Program (column tile, split, row tile). M_BUCKET is only the autotuner's key."""
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   ONE_GROUP: tl.constexpr):
+    """Program (column tile, split, row tile): y[m, n] over a split of K, BLOCK_K inputs per dot.
+    M_BUCKET is only the autotuner's key; ONE_GROUP: every tile lies inside one group."""
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     x_rows = X + m.to(tl.int64)[:, None] * stride_xm
-    start, end = _split_range(K // 8, BLOCK_KP, SPLIT_K)
+    start, end = _split_range(K, BLOCK_K, SPLIT_K)  # whole tiles of BLOCK_K inputs, so tiles start group-aligned
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for r0 in range(start, end, BLOCK_KP):
-        r, packed, scale, zero = _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
-                                            stride_q, stride_s, stride_z, BLOCK_KP)
-        scale *= 16.0
-        for j in tl.static_range(8):
-            w = ((_nibble(packed, j, one_bits) - zero) * scale).to(X.dtype.element_ty)  # scale carries the 16
-            x = tl.load(x_rows + (8 * r + j)[None, :], mask=(m < M)[:, None] & (r < end)[None, :], other=0.0)
-            acc = tl.dot(x, w, acc, input_precision="ieee")  # "ieee": fp32 x gets fp32 products, not TF32
+    # Row k = 8r + j of the tile is nibble j of packed row r: shifting each packed word by 4j for
+    # j = 0..7 gives a [BLOCK_K // 8, 8, BLOCK_N] block whose row-major order is k's order.
+    shifts = 4 * tl.arange(0, 8)
+    for k0 in range(start, end, BLOCK_K):
+        r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mask = (r < end // 8)[:, None] & (n < N)[None, :]
+        packed = tl.load(QW + r[:, None] * stride_q + n[None, :], mask=mask, other=0)
+        nibbles = _one_plus_sixteenth((packed[:, None, :] >> shifts[None, :, None]) << 19, one_bits)
+        if ONE_GROUP:  # one scale and zero per column for the whole tile
+            g = k0 // group_size
+            scale = 16.0 * tl.load(S + g * stride_s + n, mask=n < N, other=0.0).to(tl.float32)
+            packed_zero = tl.load(Z + g * stride_z + n // 8, mask=n < N, other=0)
+            zero = _one_plus_sixteenth((packed_zero >> ((n % 8) * 4)) << 19, one_bits)
+            w = (nibbles - zero[None, None, :]) * scale[None, None, :]
+        else:
+            g = (8 * r) // group_size  # the eight weights of a packed row share a group (group_size % 8 == 0)
+            scale = 16.0 * tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
+            packed_zero = tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0)
+            zero = _one_plus_sixteenth((packed_zero >> ((n % 8) * 4)[None, :]) << 19, one_bits)
+            w = (nibbles - zero[:, None, :]) * scale[:, None, :]
+        # (1 + q/16 - (1 + z/16)) * 16 s = (q - z) s exactly in fp32, rounded once to x's dtype: the reference's weight.
+        w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(X.dtype.element_ty)
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + k[None, :], mask=(m < M)[:, None] & (k < end)[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision="ieee")  # "ieee": fp32 x gets fp32 products, not TF32
     _finish(acc, Y, Partials, Counters, m.to(tl.int64), n, (m < M)[:, None] & (n < N)[None, :], M, N, stride_ym,
             tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), SPLIT_K)
 
@@ -285,10 +306,14 @@ def _fit_dot_tiles(configs, named_args, **kwargs):
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
 
 
+# A tile of BLOCK_K inputs starts at a multiple of BLOCK_K, so it lies inside one group when the group
+# size is a multiple of BLOCK_K (or the whole column): then it loads one scale and zero per column.
+_w4_dot = triton.heuristics({"ONE_GROUP": lambda a: a["group_size"] % a["BLOCK_K"] == 0 or a["group_size"] >= a["K"]})(
+    _w4_dot_kernel)
 _KERNELS = {  # name -> (the kernel, the kernel autotuned on CUDA)
     "w4_gemv": (_w4_gemv_kernel, triton.autotune(_W4_GEMV, key=["N", "K", "M"])(_w4_gemv_kernel)),
-    "w4_dot": (_w4_dot_kernel, triton.autotune(_W4_DOT, key=["N", "K", "M_BUCKET"],
-                                               prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w4_dot_kernel)),
+    "w4_dot": (_w4_dot, triton.autotune(_W4_DOT, key=["N", "K", "M_BUCKET"],
+                                        prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w4_dot)),
     "w8_gemv": (_w8_gemv_kernel, triton.autotune(_W8_GEMV, key=["N", "K", "M"])(_w8_gemv_kernel)),
     "w8_dot": (_w8_dot_kernel, triton.autotune(_W8_DOT, key=["N", "K", "M_BUCKET"],
                                                prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w8_dot_kernel)),
@@ -377,8 +402,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
     ``path`` forces "gemv" or "dot" (default: GEMV for M <= GEMV_MAX_M); ``config`` pins a launch
     configuration instead of autotuning, e.g. {"BLOCK_N": 64, "BLOCK_KP": 16, "SPLIT_K": 4,
-    "num_warps": 4} for the GEMV (BLOCK_KP: packed rows per tile, 8 inputs each), plus "BLOCK_M"
-    for the dot (BLOCK_M, BLOCK_KP >= 16). ``out`` [..., N], contiguous, receives y if given.
+    "num_warps": 4} for the GEMV (BLOCK_KP: packed rows per tile, 8 inputs each), or BLOCK_M,
+    BLOCK_N, BLOCK_K (inputs per tile) and SPLIT_K for the dot (all powers of two, at least 16). ``out`` [..., N], contiguous, receives y if given.
     """
     check(qweight.dim() == 2, f"qweight must be int32 [K // 8, N], got shape {tuple(qweight.shape)}")
     k, n = 8 * qweight.shape[0], qweight.shape[1]

@@ -124,6 +124,7 @@ def test_w8a16_reference_scales_each_output_channel():
     (16, 256, 72, 64, None),
     (33, 128, 40, -1, None),    # per-channel (one group), three row tiles
     (1, 200, 40, 200, None),    # group_size = K: per-channel too, K not a multiple of the tile
+    (5, 256, 48, 16, "dot"),    # groups smaller than the dot's tile: a scale and zero per packed row
 ])
 def test_w4a16_matches_reference(dtype, m, k, n, group_size, path):
     x, qweight, scales, zeros, _, _ = int4_problem(m, k, n, group_size, dtype, seed=m + k)
@@ -145,8 +146,9 @@ def test_w8a16_matches_reference(dtype, m, k, n, path):
 @pytest.mark.parametrize("path, config", [
     ("gemv", dict(BLOCK_N=16, BLOCK_KP=8, SPLIT_K=1)),
     ("gemv", dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=5)),  # 9 tiles of rows over 5 splits: one split is empty
-    ("dot", dict(BLOCK_M=16, BLOCK_N=16, BLOCK_KP=16, SPLIT_K=1)),
-    ("dot", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_KP=16, SPLIT_K=3)),
+    ("dot", dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=1)),  # each tile inside one group
+    ("dot", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, SPLIT_K=3)),
+    ("dot", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2)),  # tiles span two groups: a scale per row
 ])
 def test_w4a16_split_counts_agree(path, config):
     """SPLIT_K = 1 stores directly; more splits go through the partials and the last program's sum,
