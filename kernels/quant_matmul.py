@@ -28,6 +28,9 @@ Two kernels per format, chosen by M (the number of tokens):
   dtype, reshaped to [BLOCK_K, BLOCK_N] and fed to one ``tl.dot`` with x's contiguous
   [BLOCK_M, BLOCK_K] tile. (An earlier version did eight dots of K = BLOCK_K / 8 per tile, one per
   nibble plane, with x read at stride 8: 4 to 15 times slower than bf16 on an H200.)
+- **dequant** (W4A16 only, M >= DEQUANT_MIN_M, prefill): one kernel writes the weight in x's dtype
+  to a temporary, then ``torch.matmul`` (cuBLAS). Once M is large the GEMM is compute-bound, and
+  cuBLAS's tensor-core pipeline beats a Triton dot whose B operand is rebuilt in registers per tile.
 
 Both are memory-bound at small M, and then the limit is how many bytes are in flight: N / BLOCK_N
 programs alone leave most of the 132 SMs of an H200 idle when N = 4096. So the K dimension is
@@ -73,6 +76,10 @@ INTERPRET = interpreter_on()
 # M up to this takes the GEMV. Its programs each dequantize their tile for one row, so from M = 2
 # on the dot (one dequantization per tile, tensor cores for the rows) does less work.
 GEMV_MAX_M = 1
+# From this M on, W4A16 dequantizes the weight into a temporary and hands the GEMM to cuBLAS: on an
+# H200, writing and re-reading a bf16 copy costs less there than the dot's in-loop dequantization
+# (from M = 128 the two are level, at M = 2048 the dot takes 2 to 3 times as long).
+DEQUANT_MIN_M = 128
 _SPLIT_MAX_M = 64  # above this, enough programs come from M tiles alone: no split-K, no partials
 _ONE_BITS = 0x3F800000  # the float 1.0: mantissa bits 19..22 under its exponent count sixteenths
 _MAGIC_BITS = tl.constexpr(0x4B400000)  # the float 1.5 * 2**23, whose last mantissa bit is worth 1
@@ -91,8 +98,10 @@ _W4_GEMV = _configs([(64, 16, 1, 4, 3), (128, 16, 1, 4, 3), (64, 16, 2, 4, 3), (
                      (64, 16, 8, 4, 3), (128, 32, 4, 8, 3), (256, 16, 8, 8, 3)], ("BLOCK_N", "BLOCK_KP", "SPLIT_K"))
 _W8_GEMV = _configs([(128, 32, 1, 4, 3), (256, 16, 1, 4, 3), (128, 32, 4, 4, 3), (256, 32, 2, 8, 3),
                      (256, 16, 4, 4, 3), (128, 32, 8, 4, 3), (256, 64, 4, 8, 3)], ("BLOCK_N", "BLOCK_K", "SPLIT_K"))
-_W4_DOT = _configs([(16, 64, 128, 1, 4, 3), (16, 128, 128, 1, 4, 3), (16, 64, 128, 4, 4, 3), (16, 128, 128, 4, 4, 3),
-                    (32, 64, 128, 2, 4, 3), (64, 64, 128, 1, 4, 3), (64, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 3)],
+# The dot's rows come from an H200 sweep of 54 configs over Llama-2-7B's four projections (M = 2 .. 128).
+_W4_DOT = _configs([(16, 64, 128, 2, 4, 3), (16, 64, 128, 4, 4, 3), (16, 64, 128, 8, 4, 3), (16, 128, 128, 8, 4, 3),
+                    (32, 64, 128, 4, 4, 3), (32, 128, 64, 2, 4, 3), (32, 128, 64, 4, 4, 3),
+                    (64, 64, 128, 1, 4, 3), (64, 64, 128, 2, 4, 3), (128, 128, 128, 1, 8, 3), (128, 256, 64, 1, 8, 3)],
                    ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
 _W8_DOT = _configs([(16, 64, 64, 1, 4, 3), (16, 128, 64, 1, 4, 3), (16, 64, 64, 4, 4, 3), (16, 128, 128, 4, 4, 3),
                     (32, 64, 64, 2, 4, 3), (64, 64, 64, 1, 4, 3), (64, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 3)],
@@ -256,6 +265,24 @@ def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
             tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), SPLIT_K)
 
 
+@triton.jit
+def _w4_dequantize_kernel(QW, S, Z, W, K, N, group_size, stride_q, stride_s, stride_z,
+                          BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (packed row tile, column tile): W[k, n] = (q - z) s for k in 8 BLOCK_KP rows, in W's dtype."""
+    r = tl.program_id(0) * BLOCK_KP + tl.arange(0, BLOCK_KP)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (r < K // 8)[:, None] & (n < N)[None, :]
+    packed = tl.load(QW + r[:, None] * stride_q + n[None, :], mask=mask, other=0)
+    g = (8 * r) // group_size
+    scale = tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
+    zero = (tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0) >> ((n % 8) * 4)[None, :]) & 15
+    j = tl.arange(0, 8)
+    q = (packed[:, None, :] >> (4 * j)[None, :, None]) & 15
+    w = ((q - zero[:, None, :]).to(tl.float32) * scale[:, None, :]).to(W.dtype.element_ty)  # rounded once, as the reference
+    k = 8 * r[:, None, None] + j[None, :, None]
+    tl.store(W + k.to(tl.int64) * N + n[None, None, :], w, mask=mask[:, None, :])
+
+
 # ----------------------------------------------------------------------------- W8A16 kernels
 
 
@@ -400,7 +427,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (fp16/bf16, or fp32) @ the INT4 weight (layout in the module docstring) -> [..., N].
 
-    ``path`` forces "gemv" or "dot" (default: GEMV for M <= GEMV_MAX_M); ``config`` pins a launch
+    ``path`` forces "gemv", "dot" or "dequant" (default: GEMV for M <= GEMV_MAX_M, the dequantized
+    weight and cuBLAS from DEQUANT_MIN_M, the dot between); ``config`` pins a launch
     configuration instead of autotuning, e.g. {"BLOCK_N": 64, "BLOCK_KP": 16, "SPLIT_K": 4,
     "num_warps": 4} for the GEMV (BLOCK_KP: packed rows per tile, 8 inputs each), or BLOCK_M,
     BLOCK_N, BLOCK_K (inputs per tile) and SPLIT_K for the dot (all powers of two, at least 16). ``out`` [..., N], contiguous, receives y if given.
@@ -417,8 +445,26 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     _check_tensor("qweight", qweight, torch.int32, (k // 8, n), x)
     _check_tensor("scales", scales, x.dtype, (groups, n), x)
     _check_tensor("zeros", zeros, torch.int32, (groups, n // 8), x)
+    if path == "dequant" or (path is None and x.numel() // k >= DEQUANT_MIN_M):
+        check(config is None, f"config {config} was given, but the dequant path runs fixed tiles and cuBLAS")
+        w = w4a16_dequantize(qweight, scales, zeros, group, x.dtype)
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device) if out is None else out
+        return torch.matmul(x, w, out=out)
     weights = (qweight, scales, zeros, group, _ONE_BITS, qweight.stride(0), scales.stride(0), zeros.stride(0))
     return _launch("w4", x, k, n, weights, path, config, out)
+
+
+def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight [K, N] in ``dtype``, by one Triton kernel: what ``dequantize_int4`` computes."""
+    k, n = 8 * qweight.shape[0], qweight.shape[1]
+    group = k if group_size in (-1, k) else group_size
+    w = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    block_kp, block_n = (4, 32) if INTERPRET else (16, 128)
+    grid = (triton.cdiv(k // 8, block_kp), triton.cdiv(n, block_n))
+    _w4_dequantize_kernel[grid](qweight, scales, zeros, w, k, n, group, qweight.stride(0), scales.stride(0),
+                                zeros.stride(0), BLOCK_KP=block_kp, BLOCK_N=block_n)
+    return w
 
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, path: str | None = None,

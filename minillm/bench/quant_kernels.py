@@ -3,10 +3,11 @@
 
 Why: INT4 weights are a quarter of bf16's bytes, and a batch-1 decode step is bytes over bandwidth,
 so the question is how much of that 4x a kernel call keeps. For each [M, K] @ [K, N] we time torch's
-dense matmul, W8A16 and W4A16 (group size 128), through the GEMV and the dot path where both apply
-(M <= 4), and report milliseconds, GB/s counting the bytes a call moves (weights, scales, zeros and x
-read, y written), the fraction of the measured copy bandwidth, and the speed-up over torch. Every
-kernel's output is also checked against its torch reference, so a fast wrong kernel shows.
+dense matmul, W8A16 and W4A16 (group size 128) on every path that applies: the GEMV and the dot up
+to M = 4, the dot and W4A16's dequantize + cuBLAS from DEQUANT_MIN_M. We report milliseconds, GB/s
+counting the bytes a call moves (weights, scales, zeros and x read, y written), the fraction of the
+measured copy bandwidth, and the speed-up over torch. Every kernel's output is also checked against
+its torch reference, so a fast wrong kernel shows.
 
 L2: the H200's L2 (50 MB) holds a 4096 x 11008 INT4 weight (23 MB). Replaying one call would then
 read it from L2, which a decode step never does (each layer's weight is read once per step). So the
@@ -34,7 +35,7 @@ class QuantShape:
 
 
 # Llama-2-7B's MLP (gate/up: 4096 -> 11008, down: 11008 -> 4096) and attention (4096 x 4096) projections.
-GPU_QUANT = [QuantShape(m, k, n) for k, n in ((4096, 11008), (11008, 4096), (4096, 4096)) for m in (1, 4, 16, 64)]
+GPU_QUANT = [QuantShape(m, k, n) for k, n in ((4096, 11008), (11008, 4096), (4096, 4096)) for m in (1, 4, 16, 64, 256)]
 CPU_QUANT = [QuantShape(1, 256, 64), QuantShape(16, 256, 64)]
 
 
@@ -73,8 +74,8 @@ def bytes_moved(fmt: str, shape: QuantShape, element_size: int) -> int:
 
 
 def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dtype, bandwidth_gbs: float) -> dict:
-    from minillm.kernels.quant_matmul import GEMV_MAX_M, autotuned_config, w4a16_matmul, w4a16_matmul_ref, \
-        w8a16_matmul, w8a16_matmul_ref
+    from minillm.kernels.quant_matmul import DEQUANT_MIN_M, GEMV_MAX_M, autotuned_config, w4a16_matmul, \
+        w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref
 
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(shape.m, shape.k, dtype=dtype, device=device, generator=gen)
@@ -96,12 +97,14 @@ def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dty
     row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "weight_copies": copies,
            "torch": timed("bf16", None)}
     for fmt, ref in refs.items():
-        paths = ("gemv", "dot") if shape.m <= GEMV_BENCH_MAX_M else ("dot",)
-        result = {"auto_path": "gemv" if shape.m <= GEMV_MAX_M else "dot"}
+        dequant = fmt == "w4a16" and shape.m >= DEQUANT_MIN_M
+        paths = ("gemv", "dot") if shape.m <= GEMV_BENCH_MAX_M else ("dot", "dequant") if dequant else ("dot",)
+        result = {"auto_path": "gemv" if shape.m <= GEMV_MAX_M else "dequant" if dequant else "dot"}
         for path in paths:
             run = timed(fmt, path)
             run["speedup"] = row["torch"]["ms"] / run["ms"]
-            run["config"] = autotuned_config(fmt[:2], path) if device.type == "cuda" else "interpreter (pinned)"
+            run["config"] = "dequantize + cuBLAS" if path == "dequant" else \
+                autotuned_config(fmt[:2], path) if device.type == "cuda" else "interpreter (pinned)"
             error = (calls[fmt](*sets[0][fmt], path=path).float() - ref.float()).abs().max()
             run["max_rel_error"] = (error / ref.float().abs().max()).item()
             result[path] = run
@@ -115,7 +118,7 @@ def format_quant_table(rows: list[dict]) -> str:
     for row in rows:
         s = row["shape"]
         w8, w4 = (row[f][row[f]["auto_path"]] for f in ("w8a16", "w4a16"))
-        other = "dot" if row["w4a16"]["auto_path"] == "gemv" else "gemv"
+        other = {"gemv": "dot", "dot": "gemv", "dequant": "dot"}[row["w4a16"]["auto_path"]]
         other_cell = f"{other} {row['w4a16'][other]['speedup']:.2f}x" if other in row["w4a16"] else "-"
         lines.append(f"{str((s['m'], s['k'], s['n'])):<22}{row['torch']['gbs']:>10.0f}{w8['gbs']:>12.0f}"
                      f"{w8['speedup']:>8.2f}x{w4['gbs']:>12.0f}{w4['speedup']:>8.2f}x"

@@ -125,12 +125,36 @@ def test_w8a16_reference_scales_each_output_channel():
     (33, 128, 40, -1, None),    # per-channel (one group), three row tiles
     (1, 200, 40, 200, None),    # group_size = K: per-channel too, K not a multiple of the tile
     (5, 256, 48, 16, "dot"),    # groups smaller than the dot's tile: a scale and zero per packed row
+    (3, 200, 40, 64, "dequant"),  # the dequantized weight through the GEMM, short last group
 ])
 def test_w4a16_matches_reference(dtype, m, k, n, group_size, path):
     x, qweight, scales, zeros, _, _ = int4_problem(m, k, n, group_size, dtype, seed=m + k)
     y = w4a16_matmul(x, qweight, scales, zeros, group_size, path=path, out=poisoned((m, n), dtype))
     assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, group_size), dtype)
     assert counters_are_clean()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, n, group_size", [(576, 40, 128), (256, 48, 16), (200, 40, -1)])
+def test_w4a16_dequantize_is_the_reference_weight_bit_for_bit(dtype, k, n, group_size):
+    _, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group_size, dtype, seed=k)
+    w = quant_matmul.w4a16_dequantize(qweight, scales, zeros, group_size, dtype)
+    assert torch.equal(w, quant_matmul.dequantize_int4(qweight, scales, zeros, group_size, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w4a16_large_m_takes_the_dequant_path(dtype, monkeypatch):
+    """From DEQUANT_MIN_M rows on, the weight is dequantized and cuBLAS (or the CPU's GEMM) runs the matmul."""
+    m = quant_matmul.DEQUANT_MIN_M
+    x, qweight, scales, zeros, _, _ = int4_problem(m, 128, 40, 64, dtype, seed=11)
+    ref = w4a16_matmul_ref(x, qweight, scales, zeros, 64)
+    calls = []
+    real = quant_matmul.w4a16_dequantize
+    monkeypatch.setattr(quant_matmul, "w4a16_dequantize", lambda *a: calls.append(a) or real(*a))
+    assert_matches(w4a16_matmul(x, qweight, scales, zeros, 64, out=poisoned((m, 40), dtype)), ref, dtype)
+    assert len(calls) == 1
+    assert_matches(w4a16_matmul(x[:m - 1], qweight, scales, zeros, 64), ref[:m - 1], dtype)
+    assert len(calls) == 1, "M below DEQUANT_MIN_M must stay on the dot"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
