@@ -107,6 +107,17 @@ def test_torchrun_rank0_drives_and_the_other_rank_serves(tmp_path):
     assert printed == [f"TOKENS {generate('tiny', load_format='dummy')}"]
 
 
+def test_a_worker_that_dies_before_joining_is_an_error_not_a_hang(tmp_path):
+    """A script without the __main__ guard: the spawned worker re-imports it and dies while
+    bootstrapping. Rank 0 must say so, not wait out the 30-minute rendezvous timeout."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from minillm import LLM\nLLM('tiny', load_format='dummy', tensor_parallel_size=2, **{CONTINUOUS!r})\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "rank 1 exited" in result.stderr and "__name__ == '__main__'" in result.stderr, result.stderr[-2000:]
+
+
 # -- the shard arithmetic ------------------------------------------------------------------------
 
 

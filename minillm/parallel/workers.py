@@ -116,6 +116,15 @@ class Workers:
             process.start()
             processes.append(process)
             connections.append(ours)
+        # A worker that dies before it joins would leave rank 0 waiting in the rendezvous for the
+        # whole COLLECTIVE_TIMEOUT: each says "joining" first, and rank 0 watches for exits meanwhile.
+        try:
+            for rank, (process, connection) in enumerate(zip(processes, connections), start=1):
+                _expect(process, connection, rank, "joining")
+        except RuntimeError:
+            for process in processes:
+                process.terminate()
+            raise
         dist.init_process_group(_backend(device), init_method=address, rank=0, world_size=size,
                                 timeout=COLLECTIVE_TIMEOUT)
         driver = cls(part, model, device, processes, connections)
@@ -128,12 +137,7 @@ class Workers:
         if self.rank != 0:
             return
         for rank, (process, connection) in enumerate(zip(self.processes, self.connections), start=1):
-            while not connection.poll(1.0):
-                if not process.is_alive():
-                    raise RuntimeError(f"rank {rank} exited (code {process.exitcode}) while starting")
-            message = connection.recv()
-            if message != "ready":
-                raise RuntimeError(f"rank {rank} failed to start: {message}")
+            _expect(process, connection, rank, "ready")
         runner.on_forward = lambda step: self._broadcast(run_forward, step)
 
     def run_everywhere(self, runner, function, *args):
@@ -195,6 +199,7 @@ def _worker_main(config, rank: int, address: str, connection, num_threads: int) 
     torch.set_num_threads(num_threads)  # as many as the parent uses: ranks share the machine's cores
     size = parallel_size(config)[1]
     device = _rank_device(resolve_device(config.device), rank, size)
+    connection.send("joining")
     dist.init_process_group(_backend(device), init_method=address, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     try:
@@ -204,6 +209,19 @@ def _worker_main(config, rank: int, address: str, connection, num_threads: int) 
         return
     connection.send("ready")
     engine.workers.serve(engine.runner)
+
+
+def _expect(process, connection, rank: int, expected: str) -> None:
+    """Wait for worker ``rank`` to send ``expected``; a clear error if it exits or reports a failure instead."""
+    while not connection.poll(1.0):
+        if not process.is_alive():
+            raise RuntimeError(
+                f"rank {rank} exited (code {process.exitcode}) before it said {expected!r}. Its error is printed "
+                "above; if it says the main module was imported while bootstrapping, put the script's top level "
+                "under `if __name__ == '__main__':` (the workers are spawned, which re-imports the script)")
+    message = connection.recv()
+    if message != expected:
+        raise RuntimeError(f"rank {rank} failed to start: {message}")
 
 
 def _rank_device(device: torch.device, rank: int, size: int) -> torch.device:
