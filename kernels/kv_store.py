@@ -5,10 +5,19 @@ a llama2-7b decode step is ~4.5 ms of GPU time, and each of those 64 small launc
 inside a CUDA graph (figures/h200/profile_b1.json) — writing both from one program per token
 halves them. vLLM does the same with its ``reshape_and_cache`` kernel.
 
+An int8 cache (``kv_cache_dtype="int8"``, ``minillm/kv/quant.py``) is written by the same
+program: it takes each head's absolute maximum, rounds the scale to fp16 as ``quantize_kv`` does,
+and stores the codes and the scale, bit for bit what ``quantize_kv`` gives. Through torch ops that
+was about a dozen kernels per layer (abs, amax, clamp, cast, divide, round, four index_puts), which
+in the eager prefill and mixed steps cost more than the attention. (fp8 and int4 stay on the torch
+path: Triton's CPU interpreter does not round fp32 to e4m3 as the GPU and torch do, so a kernel
+for fp8 could not be checked bit for bit in CI; int4 packs channel pairs.)
+
 Layout: ``k``/``v`` [tokens, kv_heads, head_dim] (any row stride, contiguous heads and dims, as
 the slices of the fused qkv projection are); pools [num_blocks, block_size, kv_heads, head_dim],
 contiguous, so slot s = block * block_size + offset is row s of the pool viewed as
-[slots, kv_heads * head_dim]; ``slot_mapping`` int64 [tokens].
+[slots, kv_heads * head_dim]; ``slot_mapping`` int64 [tokens]. Scale pools [num_blocks, block_size,
+kv_heads] fp16, contiguous.
 """
 
 from __future__ import annotations
@@ -20,6 +29,10 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable
+from minillm.kv.quant import CODE_MAX, STORAGE_DTYPES
+
+# Pools store_kv quantizes into -> their largest code (quantize_kv's).
+QUANTIZED_POOLS = {STORAGE_DTYPES["int8"]: CODE_MAX["int8"]}
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -28,6 +41,37 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool:
     heads, dim = k_pool.shape[-2:]
     k_pool.view(-1, heads, dim)[slot_mapping] = k
     v_pool.view(-1, heads, dim)[slot_mapping] = v
+
+
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding it rounds an fp32 |y| < 2**22 to an integer, ties to even
+
+
+@triton.jit
+def _quantize_row(X, t, stride, slot, Pool, ScalePool, top, HEADS: tl.constexpr, DIM: tl.constexpr,
+                  HEADS_P2: tl.constexpr, DIM_P2: tl.constexpr):
+    """Token t's [HEADS, DIM] row of X -> int8 codes in Pool's slot and one fp16 scale per head."""
+    h = tl.arange(0, HEADS_P2)
+    d = tl.arange(0, DIM_P2)
+    mask = (h < HEADS)[:, None] & (d < DIM)[None, :]
+    x = tl.load(X + t * stride + h[:, None] * DIM + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    # quantize_kv: the scale absmax / top, clamped to fp16's range and rounded to fp16; codes are x
+    # divided by the scale *as stored*, clamped to [-top, top] (the rounded scale may be a bit small).
+    scale = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1) / top, 2.0 ** -24), 65504.0).to(tl.float16)
+    y = tl.math.div_rn(x, scale.to(tl.float32)[:, None])  # IEEE division, as torch's: the rounding must match
+    y = tl.minimum(tl.maximum(y, -top), top)
+    codes = ((y + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int8)  # torch.round: half to even
+    tl.store(Pool + slot * HEADS * DIM + h[:, None] * DIM + d[None, :], codes, mask=mask)
+    tl.store(ScalePool + slot * HEADS + h, scale, mask=h < HEADS)
+
+
+@triton.jit
+def _store_quantized_kv_kernel(K, V, KPool, VPool, KScale, VScale, Slots, stride_k, stride_v, top,
+                               HEADS: tl.constexpr, DIM: tl.constexpr, HEADS_P2: tl.constexpr,
+                               DIM_P2: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t)
+    _quantize_row(K, t, stride_k, slot, KPool, KScale, top, HEADS, DIM, HEADS_P2, DIM_P2)
+    _quantize_row(V, t, stride_v, slot, VPool, VScale, top, HEADS, DIM, HEADS_P2, DIM_P2)
 
 
 @triton.jit
@@ -41,23 +85,40 @@ def _store_kv_kernel(K, V, KPool, VPool, Slots, stride_k, stride_v, ROW: tl.cons
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store token t's ``k[t]`` and ``v[t]`` at pool slot ``slot_mapping[t]``, one program per token."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Store token t's ``k[t]`` and ``v[t]`` at pool slot ``slot_mapping[t]``, one program per token;
+    int8 pools are quantized on the way in, their per-head scales going to ``k_scale`` / ``v_scale``."""
     for name, t in (("k", k), ("v", v)):
         _check(t.dim() == 3, f"{name} must be [tokens, kv_heads, head_dim], got shape {tuple(t.shape)}")
         _check(t.shape == k.shape, f"{name} has shape {tuple(t.shape)} but k has {tuple(k.shape)}")
         _check(t.stride(2) == 1 and t.stride(1) == t.shape[2],
                f"{name} needs contiguous heads and dims, got strides {t.stride()}")
+    quantized = k_pool.dtype in QUANTIZED_POOLS
     for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
         _check(pool.dim() == 4 and pool.shape[-2:] == k.shape[-2:] and pool.is_contiguous(),
                f"{name} must be a contiguous [blocks, block_size, {k.shape[1]}, {k.shape[2]}] pool, "
                f"got shape {tuple(pool.shape)}")
-        _check(pool.dtype == k.dtype == v.dtype and pool.dtype in FLOAT_DTYPES,
-               f"k, v and the pools must share one of {FLOAT_DTYPES}; got {k.dtype}, {v.dtype}, {pool.dtype}")
+        _check(k.dtype == v.dtype and k.dtype in FLOAT_DTYPES and pool.dtype in (k.dtype, *QUANTIZED_POOLS)
+               and pool.dtype == k_pool.dtype,
+               f"k and v must share one of {FLOAT_DTYPES}, and the pools that dtype or one of {QUANTIZED_POOLS}; "
+               f"got {k.dtype}, {v.dtype}, {k_pool.dtype}, {v_pool.dtype}")
         check_runnable(name, pool)
+    for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+        expected = (*k_pool.shape[:3],)
+        _check((scales is None) != quantized or (quantized and scales is not None and scales.dtype == torch.float16
+                                                 and scales.shape == expected and scales.is_contiguous()),
+               f"{name} must be a contiguous float16 {expected} pool with an int8 cache and None otherwise; "
+               f"got {None if scales is None else (scales.dtype, tuple(scales.shape))} with a {k_pool.dtype} cache")
     _check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (k.shape[0],),
            f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if k.shape[0] == 0:
+        return
+    if quantized:
+        heads, dim = k.shape[1:]
+        _store_quantized_kv_kernel[(k.shape[0],)](
+            k, v, k_pool, v_pool, k_scale, v_scale, slot_mapping, k.stride(0), v.stride(0), QUANTIZED_POOLS[k_pool.dtype],
+            HEADS=heads, DIM=dim, HEADS_P2=triton.next_power_of_2(heads), DIM_P2=triton.next_power_of_2(dim))
         return
     row = k.shape[1] * k.shape[2]
     _store_kv_kernel[(k.shape[0],)](k, v, k_pool, v_pool, slot_mapping, k.stride(0), v.stride(0),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from minillm.kernels.flash_attention import paged_prefill_attention
-from minillm.kernels.kv_store import store_kv
+from minillm.kernels.kv_store import QUANTIZED_POOLS, store_kv
 from minillm.kernels.paged_attention import paged_decode_attention
 from minillm.kv.paged import PagedKVCache, PagedStep, write_kv
 
@@ -24,9 +24,9 @@ class TritonPagedBatch:
 
     def __call__(self, layer_idx: int, q, k, v):
         pools = self.cache.layer(layer_idx)
-        if pools.k_scale is None:  # one kernel for K and V
-            store_kv(k[0], v[0], pools.k, pools.v, self.step.slot_mapping)
-        else:  # quantized on the way in (torch ops, see write_kv)
+        if pools.k_scale is None or pools.k.dtype in QUANTIZED_POOLS:  # one kernel for K and V (and int8's scales)
+            store_kv(k[0], v[0], pools.k, pools.v, self.step.slot_mapping, pools.k_scale, pools.v_scale)
+        else:  # fp8 and int4: quantized on the way in by torch ops (write_kv)
             write_kv(self.cache, self.step, layer_idx, k, v)
         scales = dict(k_scale=pools.k_scale, v_scale=pools.v_scale)  # None unless the cache is quantized
         step, n = self.step, self.step.num_decode

@@ -46,6 +46,7 @@ SCALE_DTYPE = torch.float16
 # The element type of each quantized format's pools; the kernels tell the formats apart by it.
 STORAGE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+CODE_MAX = {"int8": 127.0, "fp8": FP8_MAX}  # the largest |code| of the per-token formats (symmetric)
 _SMALLEST_SCALE = 2.0 ** -24  # fp16's smallest subnormal: an all-zero vector must not divide by 0
 
 
@@ -125,7 +126,7 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype: str,
         q = q.flatten(-2).to(torch.uint8)
         half = x.shape[-1] // 2
         return q[..., :half] | (q[..., half:] << 4), torch.stack([scale, minimum], dim=-1)
-    top = 127.0 if kv_cache_dtype == "int8" else FP8_MAX
+    top = CODE_MAX[kv_cache_dtype]
     scale = _fp16_scale(x.abs().amax(-1) / top)
     scaled = (x / scale.float()[..., None]).clamp_(-top, top)  # rounding the scale may push past the top
     if kv_cache_dtype == "int8":

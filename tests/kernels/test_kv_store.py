@@ -36,3 +36,38 @@ def test_store_kv_refuses_bad_inputs_naming_them():
         store_kv(k, k, torch.zeros(3, 8, 4, 16, device=DEVICE), pool, slots)
     with pytest.raises(ValueError, match="float64"):
         store_kv(k.double(), k.double(), pool.double(), pool.double(), slots)
+
+
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 1, 16), (9, 3, 64), (4, 5, 48)])
+def test_int8_store_is_quantize_kv_bit_for_bit(tokens, heads, dim):
+    """Codes and fp16 scales equal write_kv's torch path (quantize_kv); untouched slots keep their poison."""
+    from minillm.kv.quant import quantize_kv
+
+    g = torch.Generator().manual_seed(tokens + dim)
+    blocks, block_size = 5, 4
+    qkv = torch.randn(tokens, 3 * heads, dim, generator=g) * torch.logspace(-3, 2, tokens)[:, None, None]
+    qkv[0, heads] = 0.0  # an all-zero head: the smallest scale, not a division by zero
+    qkv = qkv.to(DEVICE, torch.float16)
+    k, v = qkv[:, heads:2 * heads], qkv[:, 2 * heads:]
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens].to(DEVICE)
+    pools = [torch.full((blocks, block_size, heads, dim), -7, dtype=torch.int8, device=DEVICE) for _ in range(2)]
+    scales = [torch.full((blocks, block_size, heads), float("nan"), dtype=torch.float16, device=DEVICE) for _ in range(2)]
+    store_kv(k, v, pools[0], pools[1], slots, scales[0], scales[1])
+    for new, pool, scale in ((k, pools[0], scales[0]), (v, pools[1], scales[1])):
+        want_codes, want_scale = quantize_kv(new, "int8")
+        assert torch.equal(pool.view(-1, heads, dim)[slots], want_codes)
+        assert torch.equal(scale.view(-1, heads)[slots], want_scale)
+        untouched = torch.ones(blocks * block_size, dtype=torch.bool, device=DEVICE)
+        untouched[slots] = False
+        assert (pool.view(-1, heads, dim)[untouched] == -7).all()
+        assert scale.view(-1, heads)[untouched].isnan().all()
+
+
+def test_quantized_store_needs_its_scale_pools():
+    k = torch.randn(2, 2, 16, device=DEVICE)
+    pool = torch.zeros(3, 8, 2, 16, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match="k_scale"):
+        store_kv(k, k, pool, pool, torch.arange(2, device=DEVICE))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):  # fp8 stays on the torch path
+        fp8 = pool.to(torch.float8_e4m3fn)
+        store_kv(k, k, fp8, fp8, torch.arange(2, device=DEVICE))
