@@ -41,7 +41,7 @@ from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable, interpreter_on
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode,
-                                        scale_strides)
+                                        per_token_codes, scale_strides)
 from minillm.kv.quant import INT4_GROUP_SIZE, dequantize_kv
 
 INTERPRET = interpreter_on()
@@ -103,7 +103,7 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
         if KV_QUANT == PER_TOKEN:  # scales go on the scores and weights (kv_dequant.py)
             k_scale = tl.load(KScale + scale_rows, mask=in_range, other=0.0).to(tl.float32)
             v_scale = tl.load(VScale + scale_rows, mask=in_range, other=0.0).to(tl.float32)
-            k = k.to(q.dtype)
+            k = per_token_codes(k, q)
         if KV_QUANT == INT4_GROUPS:
             k = dequant_int4(k, high_nibble[:, None], KScale + scale_rows[None, :] + group_pairs[:, None],
                              in_range[None, :]).to(q.dtype)
@@ -128,7 +128,7 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
             v = tl.load(v_ptrs)
         if KV_QUANT == PER_TOKEN:
             p = p * v_scale[None, :]  # after the denominator: V's scale weighs values, not probabilities
-            v = v.to(q.dtype)
+            v = per_token_codes(v, q)
         if KV_QUANT == INT4_GROUPS:
             v = dequant_int4(v, high_nibble[None, :], VScale + scale_rows[:, None] + group_pairs[None, :],
                              in_range[:, None]).to(q.dtype)

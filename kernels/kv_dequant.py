@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check
+from minillm.kernels.int_float import int8_to_float
 from minillm.kv.quant import format_of, kv_layout
 
 # The KV_QUANT values; constexpr so that the kernels may read them as globals.
@@ -76,3 +77,11 @@ def dequant_int4(raw, high, params, mask):
     scale = tl.load(params, mask=mask, other=0.0).to(tl.float32)
     minimum = tl.load(params + 1, mask=mask, other=0.0).to(tl.float32)
     return nibble.to(tl.float32) * scale + minimum
+
+
+@triton.jit
+def per_token_codes(raw, like):
+    """int8 or e4m3 codes -> ``like``'s dtype, exactly; int8 through ``int8_to_float`` (no I2F per value)."""
+    if raw.dtype == tl.int8:
+        return int8_to_float(raw).to(like.dtype)
+    return raw.to(like.dtype)

@@ -29,6 +29,7 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable
+from minillm.kernels.int_float import round_half_even
 from minillm.kv.quant import CODE_MAX, STORAGE_DTYPES
 
 # Pools store_kv quantizes into -> their largest code (quantize_kv's).
@@ -41,9 +42,6 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool:
     heads, dim = k_pool.shape[-2:]
     k_pool.view(-1, heads, dim)[slot_mapping] = k
     v_pool.view(-1, heads, dim)[slot_mapping] = v
-
-
-_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding it rounds an fp32 |y| < 2**22 to an integer, ties to even
 
 
 @triton.jit
@@ -59,7 +57,7 @@ def _quantize_row(X, t, stride, slot, Pool, ScalePool, top, HEADS: tl.constexpr,
     scale = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1) / top, 2.0 ** -24), 65504.0).to(tl.float16)
     y = tl.math.div_rn(x, scale.to(tl.float32)[:, None])  # IEEE division, as torch's: the rounding must match
     y = tl.minimum(tl.maximum(y, -top), top)
-    codes = ((y + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int8)  # torch.round: half to even
+    codes = round_half_even(y).to(tl.int8)  # as torch.round
     tl.store(Pool + slot * HEADS * DIM + h[:, None] * DIM + d[None, :], codes, mask=mask)
     tl.store(ScalePool + slot * HEADS + h, scale, mask=h < HEADS)
 

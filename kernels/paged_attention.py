@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
-from minillm.kernels.kv_dequant import INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode, scale_strides
+from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode,
+                                        per_token_codes, scale_strides)
 from minillm.kv.quant import INT4_GROUP_SIZE, dequantize_kv
 
 _LN2 = tl.constexpr(math.log(2.0))
@@ -201,7 +202,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
         if KV_QUANT == PER_TOKEN:  # scales go on the scores and weights, below (kv_dequant.py)
             k_scale = tl.load(KScale + scale_rows, mask=valid, other=0.0).to(tl.float32)
             v_scale = tl.load(VScale + scale_rows, mask=valid, other=0.0).to(tl.float32)
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            k, v = per_token_codes(k, q), per_token_codes(v, q)
         if KV_QUANT == INT4_GROUPS:
             params = scale_rows[:, None] + group_pairs
             k = dequant_int4(k, high_nibble, KScale + params, kv_mask).to(q.dtype)

@@ -53,8 +53,7 @@ https://arxiv.org/abs/2408.11743):
   and corrects once per packed row: sum_j x_j (q_j - z) = 16 (sum_j x_j (1 + q_j / 16) - (1 + z / 16)
   sum_j x_j), so a weight costs a shift, a LOP3 and one FMA (about 5.5 instructions per weight in
   all on sm_90, by the SASS);
-- an int8 v added to the bits of 1.5 * 2**23 (0x4B400000), whose last mantissa bit is worth 1,
-  is the float 12582912 + v; one subtraction gives v.
+- an int8 v becomes a float by an integer add and a float subtract (``int_float.int8_to_float``).
 Computing 1 + q / 16 rather than q keeps the products and sums near 1, so fp32 loses nothing.
 
 On CUDA the tile sizes and SPLIT_K are autotuned per (N, K, bucket of M); under Triton's CPU
@@ -68,6 +67,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
+from minillm.kernels.int_float import int8_to_float
 # The layout's helpers live in a Triton-free file; re-exported so that one import serves.
 from minillm.kernels.quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
                                         unpack_int4, unpack_int4_along_n)
@@ -82,8 +82,6 @@ GEMV_MAX_M = 1
 DEQUANT_MIN_M = 128
 _SPLIT_MAX_M = 64  # above this, enough programs come from M tiles alone: no split-K, no partials
 _ONE_BITS = 0x3F800000  # the float 1.0: mantissa bits 19..22 under its exponent count sixteenths
-_MAGIC_BITS = tl.constexpr(0x4B400000)  # the float 1.5 * 2**23, whose last mantissa bit is worth 1
-_MAGIC = tl.constexpr(12582912.0)
 _MAX_TILES = 1 << 16  # arrival counters per device: column tiles x row tiles of one split-K launch
 
 
@@ -169,11 +167,6 @@ def _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits, stride_q, stride_s
     scale = tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
     packed_zero = tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0)
     return r, packed, scale, _one_plus_sixteenth((packed_zero >> ((n % 8) * 4)[None, :]) << 19, one_bits)
-
-
-@triton.jit
-def _int8_to_float(q):
-    return (q.to(tl.int32) + _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC
 
 
 @triton.jit
@@ -297,7 +290,7 @@ def _w8_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym, QW,
         k = k0 + tl.arange(0, BLOCK_K)
         q = tl.load(QW + k[:, None] * stride_q + n[None, :], mask=(k < end)[:, None] & (n < N)[None, :], other=0)
         x = tl.load(X + m * stride_xm + k, mask=k < end, other=0.0).to(tl.float32)
-        acc += x[:, None] * _int8_to_float(q)
+        acc += x[:, None] * int8_to_float(q)
     scale = tl.load(S + n, mask=n < N, other=0.0).to(tl.float32)
     _finish((tl.sum(acc, axis=0) * scale)[None, :], Y, Partials, Counters, m + tl.arange(0, 1), n,
             (n < N)[None, :], M, N, stride_ym, tl.program_id(0), SPLIT_K)
@@ -316,7 +309,7 @@ def _w8_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym, QW, 
         q = tl.load(QW + k[:, None] * stride_q + n[None, :], mask=(k < end)[:, None] & (n < N)[None, :], other=0)
         x = tl.load(x_rows + k[None, :], mask=(m < M)[:, None] & (k < end)[None, :], other=0.0)
         # |q| <= 128 is exact in every float dtype: the per-channel scale waits for the end.
-        acc = tl.dot(x, _int8_to_float(q).to(X.dtype.element_ty), acc, input_precision="ieee")
+        acc = tl.dot(x, int8_to_float(q).to(X.dtype.element_ty), acc, input_precision="ieee")
     scale = tl.load(S + n, mask=n < N, other=0.0).to(tl.float32)
     _finish(acc * scale[None, :], Y, Partials, Counters, m.to(tl.int64), n, (m < M)[:, None] & (n < N)[None, :],
             M, N, stride_ym, tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), SPLIT_K)
