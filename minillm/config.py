@@ -134,9 +134,17 @@ class EngineConfig:
             # would have to move every rank's KV blocks, not just rank 0's.
             if self.batching != "continuous":
                 raise ValueError(f"{parallel[0]} > 1 needs batching='continuous', got {self.batching!r}")
-            if self.quantization is not None:
-                raise ValueError(f"quantization={self.quantization!r} is not supported with {parallel[0]} > 1 "
-                                 f"yet; run quantized models in one process")
+            if self.quantization is not None and self.quantization.startswith(("gptq", "awq")):
+                # Calibration runs whole layers, one after the other: no rank holds them (tp.py).
+                raise ValueError(f"quantization={self.quantization!r} calibrates on the whole model, which no rank "
+                                 f"holds with {parallel[0]} > 1: quantize in one process, save it with "
+                                 f"minillm.quant.checkpoint.save_quantized(LLM(model, quantization="
+                                 f"{self.quantization!r}), folder), then load LLM(folder, {parallel[0]}=...)")
+            if self.quantization == "fp8" and self.tensor_parallel_size > 1:
+                raise ValueError(f"quantization='fp8' with tensor_parallel_size={self.tensor_parallel_size}: "
+                                 f"fp8 scales each token's activations by their largest value over all input "
+                                 f"channels, which o_proj and down_proj split over ranks; use rtn-int8 or an INT4 "
+                                 f"method, or pipeline_parallel_size")
             if self.preemption_mode != "recompute":
                 raise ValueError(f"{parallel[0]} > 1 needs preemption_mode='recompute', "
                                  f"got {self.preemption_mode!r}")

@@ -13,9 +13,10 @@ default model.
 
 With a ``part`` — a tensor-parallel ``Shard`` (``minillm.parallel.tp``) or a pipeline ``Stage``
 (``minillm.parallel.pp``) — each process builds only its part of the model and reads only that
-part of each tensor from the safetensors files. A part answers three questions: the shape of its
-model (``model_config``), which modules to swap before storage exists (``prepare``), and where a
-checkpoint tensor goes and which slice of it (``locate``, None: another rank holds it).
+part of each tensor from the safetensors files. A part answers four questions: the shape of its
+model (``model_config``), which modules to swap before storage exists (``prepare``), where a
+checkpoint tensor goes and which slice of it (``locate``, None: another rank holds it), and what
+replaces one of its linears when it quantizes its own weights on load (``quantize_linear``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class ModelPart(Protocol):
     def prepare(self, model: LlamaForCausalLM) -> None: ...
 
     def locate(self, name: str, config: ModelConfig) -> tuple[str, tuple[slice, ...]] | None: ...
+
+    def quantize_linear(self, linear: torch.nn.Module, spec) -> torch.nn.Module: ...
 
 
 @dataclass
@@ -106,9 +109,12 @@ def load_model(model: str | None, load_format: str, dtype: torch.dtype, device: 
             raise ValueError(f"{loaded.source} is already quantized ({loaded.quantization}); load it with "
                              f"quantization=None or {loaded.quantization!r}, not {quantization!r}")
     elif quantization is not None:
-        from minillm.quant.quantize import calibration_for, quantize_model
+        from minillm.quant.quantize import calibration_for, quantize_linear, quantize_model
 
-        spec = quantize_model(loaded.model, quantization, calibration_for(quantization, loaded, calibration_samples, seed))
+        # A part quantizes its own weights (RTN, FP8: EngineConfig lets no calibrating method through).
+        calibration = calibration_for(quantization, loaded, calibration_samples, seed)
+        spec = quantize_model(loaded.model, quantization, calibration,
+                              linear_quantizer=quantize_linear if part is None else part.quantize_linear)
         loaded.quantization = spec.name
     return loaded
 
@@ -120,6 +126,22 @@ def read_model_config(model: str | None, load_format: str) -> ModelConfig:
     if kind == "dummy":
         return PRESETS[where]
     return read_hf_config(convert_gguf_once(where) if kind == "gguf" else where)
+
+
+def read_quantization(model: str | None, load_format: str):
+    """The ``QuantSpec`` a quantized checkpoint's weights carry, or None (not a checkpoint, or dense)."""
+    kind, where = _resolve_source(model, load_format)
+    return checkpoint_quantization(where) if kind == "hf" else None
+
+
+def checkpoint_quantization(path: Path):
+    """The ``QuantSpec`` of ``path/config.json``'s ``quantization_config``, or None if it has none."""
+    config = _read_json(path / "config.json").get("quantization_config")
+    if config is None:
+        return None
+    from minillm.quant.checkpoint import spec_from_config
+
+    return spec_from_config(config)
 
 
 def _resolve_source(model: str | None, load_format: str) -> tuple[str, str | Path]:
@@ -158,12 +180,12 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     try:
         with torch.device("meta"):
             model = LlamaForCausalLM(config if part is None else part.model_config(config))
-            if part is not None:
-                part.prepare(model)
             if quantized is not None:
                 from minillm.quant.checkpoint import install_quant_linears
 
                 install_quant_linears(model, quantized)
+            if part is not None:  # after the shells: a tensor-parallel part makes them row-parallel too
+                part.prepare(model)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
@@ -223,14 +245,12 @@ def load_hf_dir(path: Path, dtype, device, part: ModelPart | None = None) -> Loa
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}; save the model with "
                                 f"`model.save_pretrained('{path}', safe_serialization=True)`")
-    quantized, spec = None, None  # a quantized checkpoint: its packed tensors, by name
-    quantization_config = _read_json(path / "config.json").get("quantization_config")
-    if quantization_config is not None:
+    spec = checkpoint_quantization(path)
+    quantized = None  # a quantized checkpoint: its packed tensors, by local name
+    if spec is not None:
         from minillm.quant import checkpoint
 
-        if part is not None:
-            raise ValueError(f"{path} is a quantized checkpoint; minillm loads those in one process only")
-        quantized, spec = {}, checkpoint.spec_from_config(quantization_config)
+        quantized = {}
     model = _empty_model(config, dtype, device, part, spec)
     loaded = set()
     for file in files:
@@ -242,7 +262,9 @@ def load_hf_dir(path: Path, dtype, device, part: ModelPart | None = None) -> Loa
                     if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
                         continue  # recomputed buffers; a tied head that the file also stores
                     if quantized is not None and checkpoint.is_quantized_tensor(name):
-                        quantized[name] = weights.get_tensor(name)
+                        found = checkpoint.read_quantized(weights, name, spec, config, part)
+                        if found is not None:  # None: another pipeline stage holds it
+                            quantized[found[0]] = found[1]
                         continue
                     where = (name, None) if part is None else part.locate(name, config)
                     if where is None:

@@ -21,6 +21,11 @@ formula.
 
 Rank 0 schedules and splits the step as in tensor parallelism (``workers.py``): the step's metadata
 and the micro-batch split travel to every rank first, so each knows the shapes it will receive.
+
+Quantized weights need nothing new: a stage holds whole layers, so it quantizes its own linears on
+load exactly as one process would (RTN, FP8), or reads its layers' tensors of a quantized
+checkpoint. GPTQ and AWQ on load are refused (``EngineConfig``): their calibration runs the
+calibration tokens through every layer in order, from the embedding, which no stage holds alone.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from torch import nn
 from minillm.kv.paged import PagedStep, to_device
 from minillm.model.config import ModelConfig
 from minillm.model.llama import LlamaForCausalLM
+from minillm.quant.spec import QuantSpec
 from minillm.runner import PagedRunner
 
 EVERYTHING = (slice(None),)
@@ -111,6 +117,12 @@ class Stage:
         if name.startswith(("model.norm.", "lm_head.")):
             return (name, EVERYTHING) if self.is_last else None
         return name, EVERYTHING  # a name no stage knows: the model says so when asked for it
+
+    def quantize_linear(self, linear: nn.Module, spec: QuantSpec) -> nn.Module:
+        """A stage holds whole layers: each linear is quantized as in one process (RTN, FP8)."""
+        from minillm.quant.quantize import quantize_linear
+
+        return quantize_linear(linear, spec)
 
 
 def stage_footprints(config: ModelConfig, size: int, dtype: torch.dtype) -> list[tuple[int, int]]:

@@ -28,11 +28,35 @@ Norms, RoPE and the residual stream are replicated: every rank computes them on 
 Weights are loaded shard-wise: :func:`checkpoint_slice` says which rows or columns of each Hugging
 Face tensor rank r needs, and the loader reads just that slice from the safetensors file, never the
 whole tensor (see ``minillm.model.loader``). The process management lives in ``workers.py``.
+
+**Quantized weights** (``minillm.quant``) split the same way, on one condition: a group of weights
+that shares a scale and a zero point stays whole on one rank. Column-parallel layers keep whole input
+rows, so every group does. Row-parallel layers split the input channels, so each rank's share of
+``o_proj`` and ``down_proj`` must be whole groups (``group_size`` divides it), and INT4 packs 8 codes
+(zero points: 8 output channels) to an int32, so every rank's part of every projection is a multiple
+of 8 wide (:func:`quantized_layout_problem`). Where the quantization happens:
+
+- **RTN (INT4, INT8) on load**: each rank quantizes its own dense shard. RTN looks at one group at a
+  time, so whole groups give exactly the codes, scales and zero points of quantizing the full weight
+  and then splitting it — without any rank ever holding the full weight. One case needs a
+  collective: with one group per output channel (INT8; INT4 ``-channel``) a row-parallel layer's
+  groups span every rank, so their range is all-reduced (min and max) before rounding.
+- **GPTQ and AWQ**: they calibrate on whole layers, propagating each channel's rounding error into
+  the channels not yet quantized across all K inputs (and AWQ folds scales across layers), so a rank
+  alone cannot reproduce them. Quantize once in one process, save the checkpoint
+  (``minillm.quant.checkpoint.save_quantized``), and load it with tensor parallelism: each rank reads
+  its columns of ``qweight``, ``scales`` and ``qzeros`` (or its rows: whole groups), never the rest.
+  Act-order checkpoints scatter each group over the input channels, so they cannot split by rows;
+  they are refused (quantize with ``-noact``).
+- **FP8** scales each token's activations by the largest over *all* input channels, which the
+  row-parallel layers split; matching one process would need an all-reduce per layer: refused
+  (``EngineConfig``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from math import gcd
 
 import torch
 import torch.distributed as dist
@@ -40,6 +64,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.model.config import ModelConfig
+from minillm.quant import rtn
+from minillm.quant.linear import QuantLinear
+from minillm.quant.spec import QuantSpec
 
 
 @dataclass(frozen=True)
@@ -60,6 +87,17 @@ class Shard:
         """Where checkpoint tensor ``name`` goes in this rank's model, and which part of it."""
         return name, checkpoint_slice(name, config, self)
 
+    def quantize_linear(self, linear: nn.Module, spec: QuantSpec) -> nn.Module:
+        """RTN of this rank's part of one linear (``EngineConfig`` lets no other method through with
+        tensor parallelism): the rank's part of what one process makes of the whole linear."""
+        from minillm.quant.quantize import quantize_linear
+
+        if not isinstance(linear, RowParallelLinear):
+            return quantize_linear(linear, spec)  # column-parallel: whole input rows, the very same groups
+        codes, scales, zeros = row_parallel_rtn(linear.weight, spec)
+        return RowParallelQuantLinear.from_codes(codes, scales, zeros, spec.bits, spec.group_size, linear.bias,
+                                                 dtype=linear.weight.dtype)
+
 
 # -- which layouts are possible ------------------------------------------------------------------
 
@@ -76,15 +114,52 @@ def layout_problem(config: ModelConfig, size: int) -> str | None:
     return None
 
 
-def valid_tp_sizes(config: ModelConfig) -> list[int]:
-    return [n for n in range(1, config.num_heads + 1) if layout_problem(config, n) is None]
+def quantized_layout_problem(config: ModelConfig, size: int, spec: QuantSpec) -> str | None:
+    """Why ``size`` ranks cannot split this model's ``spec``-quantized linears, or None if they can
+    (for a size whose dense layout fits: ``layout_problem``)."""
+    if spec.act_order and spec.group_size != -1:
+        return ("its act-order (desc_act) groups scatter over the input channels, which o_proj and down_proj "
+                "split over ranks (quantize without act-order: gptq-int4-noact)")
+    d, per_word = config.head_dim, 32 // spec.bits  # the GPTQ v1 layout packs 32 / bits codes into an int32
+    columns = {"q_proj": config.num_heads // size * d, "k_proj": max(config.num_kv_heads // size, 1) * d,
+               "gate_proj": config.intermediate_size // size}
+    rows = {"o_proj": config.num_heads // size * d, "down_proj": config.intermediate_size // size}
+    for name, width in [*columns.items(), *rows.items()]:
+        if width % per_word:
+            side = "output" if name in columns else "input"
+            return (f"each rank's {width} {side} channels of {name} are not a multiple of {per_word} "
+                    f"(INT{spec.bits} packs {per_word} codes into an int32)")
+    if spec.group_size == -1:
+        return None
+    for name, width in rows.items():
+        if width % spec.group_size:
+            common = gcd(*rows.values())  # a multiple of 8 (checked above): so is some divisor <= group_size
+            fits = max(g for g in range(8, spec.group_size + 1, 8) if common % g == 0)
+            return (f"each rank's {width} input channels of {name} are not whole groups of {spec.group_size} "
+                    f"({replace(spec, group_size=fits).name} or {replace(spec, group_size=-1).name} would split)")
+    return None
 
 
-def check_layout(config: ModelConfig, size: int) -> None:
+def tp_problem(config: ModelConfig, size: int, spec: QuantSpec | None = None) -> str | None:
+    """Why ``size`` ranks cannot split this model, with ``spec``-quantized weights if given, or None."""
     problem = layout_problem(config, size)
+    if problem is None and spec is not None and size > 1:
+        problem = quantized_layout_problem(config, size, spec)
+    return problem
+
+
+def valid_tp_sizes(config: ModelConfig, spec: QuantSpec | None = None) -> list[int]:
+    return [n for n in range(1, config.num_heads + 1) if tp_problem(config, n, spec) is None]
+
+
+def check_layout(config: ModelConfig, size: int, spec: QuantSpec | None = None) -> None:
+    """ValueError naming why ``size`` ranks cannot split this model (with ``spec``-quantized weights,
+    if given), and the sizes that can."""
+    problem = tp_problem(config, size, spec)
     if problem is not None:
-        raise ValueError(f"tensor_parallel_size={size} does not fit this model: {problem}; "
-                         f"valid sizes for it: {valid_tp_sizes(config)}")
+        weights = "" if spec is None else f" with {spec.name} weights"
+        raise ValueError(f"tensor_parallel_size={size} does not fit this model{weights}: {problem}; "
+                         f"valid sizes for it: {valid_tp_sizes(config, spec)}")
 
 
 def shard_config(config: ModelConfig, shard: Shard) -> ModelConfig:
@@ -162,6 +237,32 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class RowParallelQuantLinear(QuantLinear):
+    """``RowParallelLinear`` with quantized weights: this rank's input channels, in whole groups (one
+    group per output channel: the whole row's scale, the same on every rank)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+def row_parallel_rtn(weight: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, ...]:
+    """RTN of this rank's input channels of a row-parallel weight [out, in / N]: codes, scales and zero
+    points as ``rtn.quantize_groupwise`` returns them, equal to this rank's part of the whole weight's.
+    Whole groups are rounded alone. One group per output channel spans every rank: its range is the
+    min and max over the ranks' parts (all-reduced), which is all that ``minmax_params`` reads."""
+    if spec.group_size != -1:
+        return rtn.quantize_groupwise(weight, spec.bits, spec.group_size, spec.sym)
+    w = weight.float()
+    low, high = w.amin(dim=1), w.amax(dim=1)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    scale, zero = rtn.minmax_params(torch.stack((low, high), dim=1), spec.bits, spec.sym)
+    codes = rtn.quantize(w, scale[:, None], zero[:, None], spec.bits).to(torch.uint8)
+    return codes, scale[:, None], zero[:, None].to(torch.int32)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, end) of the embedding; other ids look up zeros, and the all-reduce adds the
     one rank's row that is not zero."""
@@ -198,12 +299,18 @@ class VocabParallelLMHead(nn.Module):
 
 def parallelize(model: nn.Module, shard: Shard) -> None:
     """Swap the communicating layers into a model built from ``shard_config`` (on the meta device,
-    before its storage exists). qkv_proj and gate_up_proj stay plain nn.Linear: column-parallel."""
+    before its storage exists). qkv_proj and gate_up_proj stay as they are (``nn.Linear`` or, for a
+    quantized checkpoint, ``QuantLinear``): column-parallel."""
     config = model.config
     for layer in model.model.layers:
         for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
-            dense = getattr(parent, name)
-            setattr(parent, name, RowParallelLinear(dense.in_features, dense.out_features, dense.bias is not None))
+            local = getattr(parent, name)
+            if isinstance(local, QuantLinear):
+                row_parallel = RowParallelQuantLinear(local.in_features, local.out_features, local.bits,
+                                                      local.group_size, local.bias is not None, local.perm is not None)
+            else:
+                row_parallel = RowParallelLinear(local.in_features, local.out_features, local.bias is not None)
+            setattr(parent, name, row_parallel)
     start, end = vocab_range(config.vocab_size, shard)
     model.model.embed_tokens = VocabParallelEmbedding(start, end, config.hidden_size)
     model.lm_head = VocabParallelLMHead(start, end, config.vocab_size, shard.size, config.hidden_size)

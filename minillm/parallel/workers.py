@@ -50,14 +50,18 @@ def parallel_size(config: EngineConfig) -> tuple[str, int]:
 
 
 def model_part(config: EngineConfig, rank: int) -> tuple[Shard | Stage, ModelConfig]:
-    """The part of the model rank ``rank`` holds (checked: the model must split that way) and the
-    whole model's shape."""
-    from minillm.model.loader import read_model_config
+    """The part of the model rank ``rank`` holds (checked: the model, quantized as asked or as its
+    checkpoint is, must split that way) and the whole model's shape."""
+    from minillm.model.loader import read_model_config, read_quantization
+    from minillm.quant.spec import QuantSpec
 
     model = read_model_config(config.model, config.load_format)
     if config.pipeline_parallel_size > 1:
         return Stage.of(model, rank, config.pipeline_parallel_size), model
-    check_layout(model, config.tensor_parallel_size)
+    spec = read_quantization(config.model, config.load_format)
+    if spec is None and config.quantization is not None:
+        spec = QuantSpec.parse(config.quantization)
+    check_layout(model, config.tensor_parallel_size, spec)
     return Shard(rank, config.tensor_parallel_size), model
 
 

@@ -23,8 +23,9 @@ else (embeddings, norms, an untied LM head) is stored as in an ordinary checkpoi
 ones add ``damp_percent``).
 
 Loading undoes the offset, sorts input channels by ``g_idx`` (so each group is contiguous again:
-the runtime ``perm`` of ``linear.py``) and fuses the projections. 8-bit checkpoints load when they
-are symmetric per output channel (the INT8 runtime layout). FP8 models are not saved: ``fp8``
+the runtime ``perm`` of ``linear.py``) and fuses the projections; a tensor- or pipeline-parallel
+rank reads only its part of each tensor (``read_quantized``). 8-bit checkpoints load when they are
+symmetric per output channel (the INT8 runtime layout). FP8 models are not saved: ``fp8``
 quantizes on load in about a second.
 """
 
@@ -82,7 +83,7 @@ def spec_from_config(config: dict) -> QuantSpec:
     return spec
 
 
-def _parts(model: nn.Module, path: str) -> list[tuple[str, int]]:
+def projections(model: nn.Module, path: str) -> list[tuple[str, int]]:
     """(Hugging Face projection name, output rows) of the linear at ``path`` in a decoder layer."""
     module, _, proj = path.rpartition(".")
     fused = [(name, i) for name, (target, i) in FUSED_PROJECTIONS.items() if target == proj]
@@ -129,7 +130,7 @@ def save_quantized(target, path: str | Path, tokenizer=None) -> Path:
     for i, layer in enumerate(model.model.layers):
         for linear_path in LINEARS:
             tensors, start = gptq_tensors(layer.get_submodule(linear_path)), 0
-            for name, rows in _parts(model, linear_path):
+            for name, rows in projections(model, linear_path):
                 per_word = 32 // spec.bits
                 for kind, tensor in tensors.items():
                     if kind == "g_idx":
@@ -164,13 +165,66 @@ def is_quantized_tensor(name: str) -> bool:
     return name.rpartition(".")[2] in QUANTIZED_TENSORS
 
 
+def packed_index(kind: str, index: tuple[slice, ...], bits: int, group_size: int) -> tuple[slice, ...]:
+    """Where part ``index`` of a linear's weight [out, in] lies in the linear's v1 tensor ``kind``.
+
+    ``index`` is a tensor-parallel rank's part (``minillm.parallel.tp.checkpoint_slice``): output
+    rows ``(rows,)`` of a column-parallel linear, input columns ``(everything, columns)`` of a
+    row-parallel one. The v1 tensors are [K, N]-shaped, so output rows are their columns; input
+    channels are packed ``32 / bits`` to a ``qweight`` row and grouped in ``scales`` / ``qzeros``
+    rows (one row for every channel with ``group_size=-1``), zero points packed along the outputs.
+    """
+    outputs, inputs = (*index, slice(None))[:2]
+    per_word = 32 // bits
+    if kind == "g_idx":
+        return (inputs,)
+    if kind == "qweight":
+        return _whole_units(inputs, per_word, f"input channels ({per_word} codes per int32)"), outputs
+    groups = slice(None) if group_size == -1 else \
+        _whole_units(inputs, group_size, f"input channels (groups of {group_size})")
+    if kind == "scales":
+        return groups, outputs
+    if kind == "qzeros":
+        return groups, _whole_units(outputs, per_word, f"output channels ({per_word} zero points per int32)")
+    raise ValueError(f"{kind!r} is not a quantized tensor; valid: {', '.join(QUANTIZED_TENSORS)}")
+
+
+def _whole_units(part: slice, unit: int, what: str) -> slice:
+    """``part`` counted in units of ``unit``: both of its ends must fall on a unit's boundary."""
+    if any(end is not None and end % unit for end in (part.start, part.stop)):
+        raise ValueError(f"{what} [{part.start}, {part.stop}) do not split into whole units of {unit}")
+    return slice(*(None if end is None else end // unit for end in (part.start, part.stop)))
+
+
+def read_quantized(weights, name: str, spec: QuantSpec, config: ModelConfig,
+                   part=None) -> tuple[str, torch.Tensor] | None:
+    """Quantized checkpoint tensor ``name`` from safetensors file ``weights``: its name in this
+    process's model and the part of it that ``part`` (a ``ModelPart`` of the loader) holds, read
+    without the rest; None if another pipeline stage holds it. Whole tensors without a part.
+
+    The part is asked where the linear's weight would go; ``g_idx`` is renumbered from the part's
+    first group (a row-parallel rank's first input channel starts a group: ``tp.check_layout``)."""
+    linear, _, kind = name.rpartition(".")
+    if part is None:
+        return name, weights.get_tensor(name)
+    where = part.locate(f"{linear}.weight", config)
+    if where is None:
+        return None
+    local_linear, index = where[0].rpartition(".")[0], where[1]
+    tensor = weights.get_slice(name)[packed_index(kind, index, spec.bits, spec.group_size)]
+    inputs = (*index, slice(None))[1]
+    if kind == "g_idx" and spec.group_size != -1 and inputs.start:
+        tensor = tensor - inputs.start // spec.group_size
+    return f"{local_linear}.{kind}", tensor
+
+
 def load_quantized_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Fill the QuantLinear shells from a checkpoint's v1 tensors (``tensors``: name -> tensor)."""
     for i, layer in enumerate(model.model.layers):
         for linear_path in LINEARS:
             module = layer.get_submodule(linear_path)
             codes, zeros, scales, g_idx = [], [], [], []
-            for name, _ in _parts(model, linear_path):
+            for name, _ in projections(model, linear_path):
                 found = [tensors.pop(f"model.layers.{i}.{name}.{kind}", None) for kind in QUANTIZED_TENSORS]
                 if any(t is None for t in found):
                     missing = [kind for kind, t in zip(QUANTIZED_TENSORS, found) if t is None]

@@ -124,6 +124,11 @@ class QuantLinear(nn.Module):
         return original
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T without the bias (a row-parallel layer adds the bias once, after summing the ranks')."""
         if self.perm is not None:
             x = x[..., self.perm]
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
@@ -131,12 +136,9 @@ class QuantLinear(nn.Module):
             from minillm.kernels.quant_matmul import w4a16_matmul, w8a16_matmul
 
             if self.bits == 4:
-                y = w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size)
-            else:
-                y = w8a16_matmul(x, self.qweight, self.scales)
-        else:
-            y = x @ self.dequantized_kn()
-        return y if self.bias is None else y + self.bias
+                return w4a16_matmul(x, self.qweight, self.scales, self.zeros, self.group_size)
+            return w8a16_matmul(x, self.qweight, self.scales)
+        return x @ self.dequantized_kn()
 
     def extra_repr(self) -> str:
         group = "per channel" if self.group_size == -1 else f"group_size={self.group_size}"

@@ -8,6 +8,8 @@ The model is changed in place; ``model.quant_spec`` records what was done (savin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -24,6 +26,14 @@ def rtn_linear(weight: torch.Tensor, bias: torch.Tensor | None, spec: QuantSpec)
     """Round-to-nearest of one weight [out, in] into a ``QuantLinear`` (scales in the weight's dtype)."""
     codes, scales, zeros = rtn.quantize_groupwise(weight, spec.bits, spec.group_size, spec.sym)
     return QuantLinear.from_codes(codes, scales, zeros, spec.bits, spec.group_size, bias, dtype=weight.dtype)
+
+
+def quantize_linear(linear: nn.Linear, spec: QuantSpec) -> nn.Module:
+    """RTN or FP8 of one linear by itself, no calibration: what replaces it in one process."""
+    return FP8Linear.from_linear(linear) if spec.method == "fp8" else rtn_linear(linear.weight, linear.bias, spec)
+
+
+LinearQuantizer = Callable[[nn.Module, QuantSpec], nn.Module]
 
 
 def gptq_linear(linear: nn.Linear, x: torch.Tensor, spec: QuantSpec) -> QuantLinear:
@@ -75,9 +85,11 @@ def calibration_for(spec: QuantSpec | str, loaded, num_samples: int, seed: int =
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, spec: QuantSpec | str, calibration: torch.Tensor | None = None, *,
-                   progress: bool = True) -> QuantSpec:
+                   progress: bool = True, linear_quantizer: LinearQuantizer = quantize_linear) -> QuantSpec:
     """Quantize ``model`` (a ``LlamaForCausalLM``) in place; GPTQ and AWQ need ``calibration`` token
-    ids [samples, seq_len]. Returns the parsed spec."""
+    ids [samples, seq_len]. RTN and FP8 swap each linear for ``linear_quantizer(linear, spec)``: a
+    tensor-parallel rank passes its own (``minillm.parallel.tp``), for the layers it splits by rows.
+    Returns the parsed spec."""
     spec = QuantSpec.parse(spec)
     if getattr(model, "quant_spec", None) is not None:
         raise ValueError(f"this model is already quantized ({model.quant_spec.name}); load it unquantized first")
@@ -89,9 +101,6 @@ def quantize_model(model: nn.Module, spec: QuantSpec | str, calibration: torch.T
     else:
         for layer in tqdm(model.model.layers, desc=spec.name, unit="layer", disable=not progress):
             for name in LINEARS:
-                linear = layer.get_submodule(name)
-                swapped = FP8Linear.from_linear(linear) if spec.method == "fp8" else \
-                    rtn_linear(linear.weight, linear.bias, spec)
-                layer.set_submodule(name, swapped)
+                layer.set_submodule(name, linear_quantizer(layer.get_submodule(name), spec))
     model.quant_spec = spec
     return spec
