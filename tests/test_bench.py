@@ -104,6 +104,7 @@ def test_cli_bench_writes_the_keys_benchmarks_md_asks_for(tmp_path, capsys):
     for run in result["runs"].values():  # ignore_eos: both do exactly the workload's work
         assert run["completed"] == 3 and run["total_output_tokens"] == expected_tokens
     assert 0.0 <= result["greedy_agreement"]["hf_static"] <= 1.0
+    assert result["runs"]["minillm"]["triton_compiles"] == 0  # the static engine runs no Triton kernel
     kv = result["kv_memory"]  # the static engine's own contiguous cache: batches of --max-num-seqs
     assert kv["static_batch_size"] == 2 and kv["num_requests"] == 3
     assert 0 < kv["contiguous_utilisation"] < kv["paged_utilisation"] <= 1

@@ -14,14 +14,21 @@ The paged prefill kernel reads the rows of a mixed step that follow its decode r
 tensors, so on a 16-byte boundary only for some n. Here a step is run with every n from 0 to 7
 and each launch's specialisation is computed as Triton's rule does, skipping the arguments the
 kernel declares per-step (``PER_STEP_ARGS``): it must come out the same every time.
+
+The throughput harness counts the compiles inside each timed run (``minillm.bench.jit_compiles``),
+so a variant the warm-up missed shows in the JSON instead of as a slower engine; tested last.
 """
 
 from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
+import triton
+import triton.language as tl
 
+from minillm.bench.jit_compiles import CompileCounter
 from minillm.kernels import flash_attention
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedKVCache, PagedStep
 from minillm.kv.paged_triton import TritonPagedBatch
@@ -85,3 +92,41 @@ def test_paged_prefill_specialisation_does_not_follow_the_number_of_decode_rows(
     changing = {a[0] for key in keys for a, b in zip(key, keys[0]) if a != b}
     assert not changing, f"the prefill kernel's variant follows the decode rows through {sorted(changing)}"
 
+
+def test_compile_counter_counts_the_hook_calls_and_keeps_an_earlier_hook():
+    """Triton calls ``jit_cache_hook`` before each compile and skips the compile if it returns true:
+    the counter counts the calls, passes an earlier hook's answer on, and puts that hook back."""
+    runtime = pytest.importorskip("triton.knobs").runtime
+    seen = []
+
+    def earlier(**kwargs):
+        seen.append(kwargs["key"])
+        return kwargs["key"] == "skip"
+
+    saved, runtime.jit_cache_hook = runtime.jit_cache_hook, earlier
+    try:
+        with CompileCounter() as compiles:
+            answers = [runtime.jit_cache_hook(key=key, repr=key, fn=None, compile={}, is_manual_warmup=False,
+                                              already_compiled=False) for key in ("a", "skip", "b")]
+        assert runtime.jit_cache_hook is earlier
+    finally:
+        runtime.jit_cache_hook = saved
+    assert compiles.count == 3 and seen == ["a", "skip", "b"] and answers == [False, True, False]
+
+
+@triton.jit
+def _add_one_kernel(X, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(X + offsets, tl.load(X + offsets) + 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter compiles nothing")
+def test_compile_counter_sees_a_real_compile_once():
+    x = torch.randn(16, device="cuda")
+    expected = x + 1
+    with CompileCounter() as first:
+        _add_one_kernel[(1,)](x, N=16)
+    with CompileCounter() as again:
+        _add_one_kernel[(1,)](x, N=16)
+    assert (first.count, again.count) == (1, 0)
+    torch.testing.assert_close(x, expected + 1)
