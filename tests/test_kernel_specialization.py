@@ -4,10 +4,11 @@ Triton compiles one variant of a kernel per *specialisation*: the constexprs, an
 argument not listed in ``do_not_specialize``, whether an integer is 1 or a multiple of 16 and
 whether a pointer sits on a 16-byte boundary (``triton.jit``; ``specialize_impl`` in
 ``triton/runtime/jit.py``). If the engine's arguments move between those classes from step to
-step, a run meets new variants as it goes and stops for a compile each time (about a second on the
-H200's host). The warm-up cannot be trusted to have met them all: the multi-turn benchmark at commit
-776800a compiled a paged-prefill variant at its 18th step, which cost the prefix-cache run 24 % of
-its throughput (figures/h200/prefix_cache_multi_turn_fcfs.json).
+step, a run meets new variants as it goes and stops for a compile each time. The warm-up cannot be
+trusted to have met them all: replayed on a CPU, the schedule of the multi-turn benchmark at commit
+776800a meets a new paged-prefill variant at its 18th step, and one stall of 0.9 s there accounts
+for the prefix-cache run's TTFT and TPOT shifts and its 24 % lower throughput
+(figures/h200/prefix_cache_multi_turn_fcfs.json).
 
 The paged prefill kernel reads the rows of a mixed step that follow its decode rows, through views
 ``context_lens[n:]`` and ``block_tables[n:]`` (``TritonPagedBatch``): n * 4 bytes into int32
