@@ -138,9 +138,17 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
     return acc, m_i, l_i
 
 
-# The table's row stride (its width) changes from step to step in the engine: left specialised,
-# Triton would compile a variant for each of "== 1", "% 16 == 0" and "other" — in the middle of a run.
-@triton.jit(do_not_specialize=["stride_table"])
+# Arguments that change from step to step in the engine are not specialised. Triton compiles a
+# variant per pattern of its other arguments (an integer "== 1" or "% 16 == 0", a pointer on a
+# 16-byte boundary or not), and a pattern first met inside a timed run stalls it for the compile.
+# The table's row stride is its width; ``context_lens`` and ``block_tables`` arrive as views past a
+# mixed step's decode rows (TritonPagedBatch), 4 bytes a row in, so their alignment followed the
+# number of decode rows (tests/test_kernel_specialization.py tells the story). Nothing is lost: the
+# kernel loads one length and gathers page ids, which no alignment hint can widen into vector loads.
+PER_STEP_ARGS = ("stride_table", "context_lens", "block_tables")
+
+
+@triton.jit(do_not_specialize=PER_STEP_ARGS)
 def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables,
                       stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kh, stride_kd,
                       stride_vb, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,

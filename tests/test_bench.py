@@ -37,7 +37,12 @@ def test_workloads_are_seeded_and_prefix_stable():
         a = make_workload(name, "cpu", seed=3)
         assert a == make_workload(name, "cpu", seed=3)
         assert a != make_workload(name, "cpu", seed=4)
-        assert make_workload(name, "cpu", num_requests=2, seed=3) == a[: len(make_workload(name, "cpu", 2, 3))]
+        head = make_workload(name, "cpu", num_requests=2, seed=3)
+        if name == "multi-turn":  # the first 2 chats, listed turn by turn: the head of each turn's block
+            per_turn = len(a) // 4
+            assert head == [r for turn in range(4) for r in a[turn * per_turn: turn * per_turn + 2]]
+        else:
+            assert head == a[: len(head)]
 
 
 def test_multi_turn_resends_the_whole_history():
@@ -46,6 +51,22 @@ def test_multi_turn_resends_the_whole_history():
     for earlier, later in zip(chat, chat[1:]):
         assert later.prompt_token_ids[: len(earlier.prompt_token_ids)] == earlier.prompt_token_ids
         assert len(later.prompt_token_ids) == len(earlier.prompt_token_ids) + 128
+
+
+def test_multi_turn_lets_each_turn_reuse_the_previous_turns_prompt():
+    """Every chat's first turn is listed first, then every second turn, ...: a turn is admitted
+    after the previous turn's prompt was computed and cached. Listed chat by chat, the two were
+    mostly admitted in one step: 14 % of the prompt tokens hit here (4.8 % at GPU scale)."""
+    requests = make_workload("multi-turn", "cpu", vocab_size=512)
+    llm = LLM("tiny", load_format="dummy", dtype="float32", device="cpu", batching="continuous",
+              enable_prefix_caching=True)
+    outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+                           [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests],
+                           use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [r.max_tokens for r in requests]
+    # Turn k can reuse turn k-1's prompt: 0 + 64 + 192 + 320 of a chat's 1024 prompt tokens (56 %).
+    # A 2048-token step admits the 8 second turns with the 8 first ones, which leaves 44 %.
+    assert llm.engine.prefix_cache.hit_rate > 0.4
 
 
 def test_workload_errors_name_the_bad_value():
@@ -104,6 +125,7 @@ def test_cli_bench_writes_the_keys_benchmarks_md_asks_for(tmp_path, capsys):
     for run in result["runs"].values():  # ignore_eos: both do exactly the workload's work
         assert run["completed"] == 3 and run["total_output_tokens"] == expected_tokens
     assert 0.0 <= result["greedy_agreement"]["hf_static"] <= 1.0
+    assert result["runs"]["minillm"]["triton_compiles"] == 0  # the static engine runs no Triton kernel
     kv = result["kv_memory"]  # the static engine's own contiguous cache: batches of --max-num-seqs
     assert kv["static_batch_size"] == 2 and kv["num_requests"] == 3
     assert 0 < kv["contiguous_utilisation"] < kv["paged_utilisation"] <= 1

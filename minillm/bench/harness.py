@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from minillm.bench.jit_compiles import CompileCounter
 from minillm.bench.kv_waste import ServedRequest, kv_memory_summary
 from minillm.bench.metrics import RequestTiming, serving_metrics
 from minillm.bench.peers import hf_model_sharing_weights, run_hf_continuous, run_hf_static
@@ -122,8 +123,10 @@ def _timed_run(llm: LLM, requests, warmup) -> tuple[dict, list[list[int]], list[
     if cache is not None:  # the warm-up's prompts must not count as hits
         cache.reset()
         cache.queries = cache.hits = 0
-    timings, tokens, duration = run_minillm(llm, requests)
+    with CompileCounter() as compiles:
+        timings, tokens, duration = run_minillm(llm, requests)
     metrics = serving_metrics(timings, duration) | step_summary(engine.stats)
+    metrics["triton_compiles"] = compiles.count  # 0 unless the warm-up missed a kernel variant
     if graphs is not None:
         metrics["cuda_graph_steps"] = graphs.num_replays
     if cache is not None:  # vLLM's names, in tokens
@@ -284,6 +287,10 @@ def format_table(result: dict) -> str:
         if "prefix_cache_hit_rate" in m:
             lines.append(f"{name}: prefix cache hit rate {m['prefix_cache_hit_rate']:.1%} "
                          f"({m['prefix_cache_hits']} of {m['prefix_cache_queries']} prompt tokens)")
+    for name, m in runs.items():
+        if m.get("triton_compiles"):
+            lines.append(f"{name}: {m['triton_compiles']} Triton compiles inside the timed run: the warm-up "
+                         f"missed them, and its time includes them")
     kv = result.get("kv_memory")
     if kv:
         lines.append(f"KV memory used / reserved over the run: contiguous (max_model_len={kv['max_model_len']}, "
