@@ -111,6 +111,15 @@ def use_variant(engine, variant: str) -> None:
         raise ValueError(f"variant {variant!r} needs the engine on attention_backend='triton'")
 
 
+def engine_warmup(requests: list[WorkloadRequest], device: torch.device) -> list[WorkloadRequest]:
+    """What minillm runs before a timed run, on the workload's own prompts: the Triton kernels
+    compile and autotune on their first calls, and on a GPU the first use of each cuBLAS/Triton
+    kernel loads its module (CUDA lazy loading). On CUDA a full batch (the first 64 requests, a few
+    tokens each), so the timed run's batched shapes are met too; a CPU has nothing to load."""
+    warm = 64 if device.type == "cuda" else 4
+    return [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:warm]]
+
+
 def _timed_run(llm: LLM, requests, warmup) -> tuple[dict, list[list[int]], list[RequestTiming]]:
     """Warm up, then run the workload once; serving metrics, step statistics, prefix-cache hits."""
     engine = llm.engine
@@ -156,12 +165,7 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
     engine = llm.engine
     requests = make_workload(workload, scale, num_requests, seed, engine.model_config.vocab_size)
     warmup = [WorkloadRequest(requests[0].prompt_token_ids[:16], 4)]
-    # minillm warms up on the workload's own prompts, outside the timed run: the Triton prefill kernel
-    # autotunes on its first call, and on a GPU the first use of each cuBLAS/Triton kernel loads its
-    # module (CUDA lazy loading). On CUDA the warm-up is a full batch (the first 64 requests, a few
-    # tokens each) so the batched shapes of the timed run are loaded too; a CPU has nothing to load.
-    warm = 64 if engine.device.type == "cuda" else 4
-    minillm_warmup = [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:warm]]
+    minillm_warmup = engine_warmup(requests, engine.device)
     runs, tokens = {}, {}
     runs["minillm"], tokens["minillm"], timings = _timed_run(llm, requests, minillm_warmup)
     for variant in variants:
