@@ -45,7 +45,7 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool:
 
 
 @triton.jit
-def _quantize_row(X, t, stride, slot, Pool, ScalePool, top, HEADS: tl.constexpr, DIM: tl.constexpr,
+def _quantize_row(X, t, stride, slot, Pool, ScalePool, top, inv_top, HEADS: tl.constexpr, DIM: tl.constexpr,
                   HEADS_P2: tl.constexpr, DIM_P2: tl.constexpr):
     """Token t's [HEADS, DIM] row of X -> int8 codes in Pool's slot and one fp16 scale per head."""
     h = tl.arange(0, HEADS_P2)
@@ -54,7 +54,9 @@ def _quantize_row(X, t, stride, slot, Pool, ScalePool, top, HEADS: tl.constexpr,
     x = tl.load(X + t * stride + h[:, None] * DIM + d[None, :], mask=mask, other=0.0).to(tl.float32)
     # quantize_kv: the scale absmax / top, clamped to fp16's range and rounded to fp16; codes are x
     # divided by the scale *as stored*, clamped to [-top, top] (the rounded scale may be a bit small).
-    scale = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1) / top, 2.0 ** -24), 65504.0).to(tl.float16)
+    # absmax times the fp32 reciprocal of top, as quantize_kv computes it: a product rounds the same on
+    # every device, where torch on CUDA would turn "/ top" into that product and Triton into an approximate divide.
+    scale = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1) * inv_top, 2.0 ** -24), 65504.0).to(tl.float16)
     y = tl.math.div_rn(x, scale.to(tl.float32)[:, None])  # IEEE division, as torch's: the rounding must match
     y = tl.minimum(tl.maximum(y, -top), top)
     codes = round_half_even(y).to(tl.int8)  # as torch.round
@@ -63,13 +65,13 @@ def _quantize_row(X, t, stride, slot, Pool, ScalePool, top, HEADS: tl.constexpr,
 
 
 @triton.jit
-def _store_quantized_kv_kernel(K, V, KPool, VPool, KScale, VScale, Slots, stride_k, stride_v, top,
+def _store_quantized_kv_kernel(K, V, KPool, VPool, KScale, VScale, Slots, stride_k, stride_v, top, inv_top,
                                HEADS: tl.constexpr, DIM: tl.constexpr, HEADS_P2: tl.constexpr,
                                DIM_P2: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t)
-    _quantize_row(K, t, stride_k, slot, KPool, KScale, top, HEADS, DIM, HEADS_P2, DIM_P2)
-    _quantize_row(V, t, stride_v, slot, VPool, VScale, top, HEADS, DIM, HEADS_P2, DIM_P2)
+    _quantize_row(K, t, stride_k, slot, KPool, KScale, top, inv_top, HEADS, DIM, HEADS_P2, DIM_P2)
+    _quantize_row(V, t, stride_v, slot, VPool, VScale, top, inv_top, HEADS, DIM, HEADS_P2, DIM_P2)
 
 
 @triton.jit
@@ -104,8 +106,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
         check_runnable(name, pool)
     for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
         expected = (*k_pool.shape[:3],)
-        _check((scales is None) != quantized or (quantized and scales is not None and scales.dtype == torch.float16
-                                                 and scales.shape == expected and scales.is_contiguous()),
+        fits = scales is not None and scales.dtype == torch.float16 and scales.shape == expected \
+            and scales.is_contiguous() and scales.device == k_pool.device
+        _check(fits if quantized else scales is None,
                f"{name} must be a contiguous float16 {expected} pool with an int8 cache and None otherwise; "
                f"got {None if scales is None else (scales.dtype, tuple(scales.shape))} with a {k_pool.dtype} cache")
     _check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (k.shape[0],),
@@ -114,8 +117,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
         return
     if quantized:
         heads, dim = k.shape[1:]
+        top = QUANTIZED_POOLS[k_pool.dtype]
         _store_quantized_kv_kernel[(k.shape[0],)](
-            k, v, k_pool, v_pool, k_scale, v_scale, slot_mapping, k.stride(0), v.stride(0), QUANTIZED_POOLS[k_pool.dtype],
+            k, v, k_pool, v_pool, k_scale, v_scale, slot_mapping, k.stride(0), v.stride(0), top, 1.0 / top,
             HEADS=heads, DIM=dim, HEADS_P2=triton.next_power_of_2(heads), DIM_P2=triton.next_power_of_2(dim))
         return
     row = k.shape[1] * k.shape[2]

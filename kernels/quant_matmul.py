@@ -31,6 +31,8 @@ Two kernels per format, chosen by M (the number of tokens):
 - **dequant** (W4A16 only, M >= DEQUANT_MIN_M, prefill): one kernel writes the weight in x's dtype
   to a temporary, then ``torch.matmul`` (cuBLAS). Once M is large the GEMM is compute-bound, and
   cuBLAS's tensor-core pipeline beats a Triton dot whose B operand is rebuilt in registers per tile.
+  Decode graphs of DEQUANT_MIN_M rows or more take this path too; their temporary lives in the
+  graph's memory pool: one weight in x's dtype (180 MB for llama2-7b's fused gate/up).
 
 Both are memory-bound at small M, and then the limit is how many bytes are in flight: N / BLOCK_N
 programs alone leave most of the 132 SMs of an H200 idle when N = 4096. So the K dimension is
@@ -362,10 +364,7 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
     path = path or ("gemv" if rows <= GEMV_MAX_M else "dot")
     check(path in ("gemv", "dot"), f"path is {path!r}; expected 'gemv', 'dot' or None (chosen by M)")
     name = f"{fmt}_{path}"
-    shape = (*x_in.shape[:-1], n)
-    out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
-    check(out.shape == shape and out.dtype == x.dtype and out.device == x.device and out.is_contiguous(),
-          f"out is {out.dtype} {tuple(out.shape)} on {out.device}; expected a contiguous {x.dtype} {shape} on {x.device}")
+    out = _output(x_in, n, out)
     y = out.view(rows, n)
     if rows == 0 or n == 0:
         return y
@@ -396,6 +395,15 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
     return out
 
 
+def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` checked to be a contiguous [..., N] of x's dtype on x's device, or a new one."""
+    shape = (*x.shape[:-1], n)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+    check(out.shape == shape and out.dtype == x.dtype and out.device == x.device and out.is_contiguous(),
+          f"out is {out.dtype} {tuple(out.shape)} on {out.device}; expected a contiguous {x.dtype} {shape} on {x.device}")
+    return out
+
+
 def autotuned_config(fmt: str, path: str) -> str | None:
     """The config the autotuner chose at the last autotuned call of ``fmt`` ("w4", "w8") on ``path``, for benchmarks."""
     chosen = getattr(_KERNELS[f"{fmt}_{path}"][1], "best_config", None)
@@ -415,6 +423,22 @@ def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, 
     check(t.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {t.stride()}")
 
 
+def _check_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                like: torch.Tensor) -> tuple[int, int, int]:
+    """The packed weight's (K, N, group) after checking the layout; scales must have ``like``'s dtype."""
+    k, n = 8 * qweight.shape[0], qweight.shape[1]
+    group = k if group_size in (-1, k) else group_size
+    check(isinstance(group, int) and group > 0 and group % 8 == 0,
+          f"group_size is {group_size!r}; expected a positive multiple of 8 (e.g. 32, 64, 128), or -1 or K = {k} "
+          "for one group per column")
+    check(n % 8 == 0, f"N = {n} (qweight.shape[1]) must be a multiple of 8: zeros pack eight columns per int32")
+    groups = -(-k // group)
+    _check_tensor("qweight", qweight, torch.int32, (k // 8, n), like)
+    _check_tensor("scales", scales, like.dtype, (groups, n), like)
+    _check_tensor("zeros", zeros, torch.int32, (groups, n // 8), like)
+    return k, n, group
+
+
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, path: str | None = None, config: dict | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -424,25 +448,16 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     weight and cuBLAS from DEQUANT_MIN_M, the dot between); ``config`` pins a launch
     configuration instead of autotuning, e.g. {"BLOCK_N": 64, "BLOCK_KP": 16, "SPLIT_K": 4,
     "num_warps": 4} for the GEMV (BLOCK_KP: packed rows per tile, 8 inputs each), or BLOCK_M,
-    BLOCK_N, BLOCK_K (inputs per tile) and SPLIT_K for the dot (all powers of two, at least 16). ``out`` [..., N], contiguous, receives y if given.
+    BLOCK_N, BLOCK_K (inputs per tile) and SPLIT_K for the dot (all powers of two, at least 16).
+    ``out`` [..., N], contiguous, receives y if given.
     """
     check(qweight.dim() == 2, f"qweight must be int32 [K // 8, N], got shape {tuple(qweight.shape)}")
-    k, n = 8 * qweight.shape[0], qweight.shape[1]
-    _check_x(x, k)
-    group = k if group_size in (-1, k) else group_size
-    check(isinstance(group, int) and group > 0 and group % 8 == 0,
-          f"group_size is {group_size!r}; expected a positive multiple of 8 (e.g. 32, 64, 128), or -1 or K = {k} "
-          "for one group per column")
-    check(n % 8 == 0, f"N = {n} (qweight.shape[1]) must be a multiple of 8: zeros pack eight columns per int32")
-    groups = -(-k // group)
-    _check_tensor("qweight", qweight, torch.int32, (k // 8, n), x)
-    _check_tensor("scales", scales, x.dtype, (groups, n), x)
-    _check_tensor("zeros", zeros, torch.int32, (groups, n // 8), x)
+    _check_x(x, 8 * qweight.shape[0])
+    k, n, group = _check_int4(qweight, scales, zeros, group_size, x)
     if path == "dequant" or (path is None and x.numel() // k >= DEQUANT_MIN_M):
         check(config is None, f"config {config} was given, but the dequant path runs fixed tiles and cuBLAS")
-        w = w4a16_dequantize(qweight, scales, zeros, group, x.dtype)
-        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device) if out is None else out
-        return torch.matmul(x, w, out=out)
+        out = _output(x, n, out)
+        return torch.matmul(x, w4a16_dequantize(qweight, scales, zeros, group, x.dtype), out=out)
     weights = (qweight, scales, zeros, group, _ONE_BITS, qweight.stride(0), scales.stride(0), zeros.stride(0))
     return _launch("w4", x, k, n, weights, path, config, out)
 
@@ -450,8 +465,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                      dtype: torch.dtype) -> torch.Tensor:
     """The dense weight [K, N] in ``dtype``, by one Triton kernel: what ``dequantize_int4`` computes."""
-    k, n = 8 * qweight.shape[0], qweight.shape[1]
-    group = k if group_size in (-1, k) else group_size
+    check(qweight.dim() == 2, f"qweight must be int32 [K // 8, N], got shape {tuple(qweight.shape)}")
+    k, n, group = _check_int4(qweight, scales, zeros, group_size, scales)
     w = torch.empty(k, n, dtype=dtype, device=qweight.device)
     block_kp, block_n = (4, 32) if INTERPRET else (16, 128)
     grid = (triton.cdiv(k // 8, block_kp), triton.cdiv(n, block_n))

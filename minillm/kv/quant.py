@@ -127,7 +127,9 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype: str,
         half = x.shape[-1] // 2
         return q[..., :half] | (q[..., half:] << 4), torch.stack([scale, minimum], dim=-1)
     top = CODE_MAX[kv_cache_dtype]
-    scale = _fp16_scale(x.abs().amax(-1) / top)
+    # Times the fp32 reciprocal, not "/ top": torch on CUDA computes a division by a scalar that way and
+    # on CPU exactly, so only the product gives the same scales everywhere (and in kernels/kv_store.py).
+    scale = _fp16_scale(x.abs().amax(-1) * (1.0 / top))
     scaled = (x / scale.float()[..., None]).clamp_(-top, top)  # rounding the scale may push past the top
     if kv_cache_dtype == "int8":
         return scaled.round_().to(torch.int8), scale

@@ -68,6 +68,14 @@ def test_quantized_store_needs_its_scale_pools():
     pool = torch.zeros(3, 8, 2, 16, dtype=torch.int8, device=DEVICE)
     with pytest.raises(ValueError, match="k_scale"):
         store_kv(k, k, pool, pool, torch.arange(2, device=DEVICE))
+    slots = torch.arange(2, device=DEVICE)
+    for bad in (torch.zeros(3, 8, 2, device=DEVICE),  # float32
+                torch.zeros(1, dtype=torch.float16, device=DEVICE)):  # too small: the kernel would write past it
+        with pytest.raises(ValueError, match="k_scale"):
+            store_kv(k, k, pool, pool, slots, bad, torch.zeros(3, 8, 2, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="k_scale"):  # scales with a float cache
+        store_kv(k, k, pool.float(), pool.float(), slots, torch.zeros(3, 8, 2, dtype=torch.float16, device=DEVICE),
+                 torch.zeros(3, 8, 2, dtype=torch.float16, device=DEVICE))
     with pytest.raises(ValueError, match="float8_e4m3fn"):  # fp8 stays on the torch path
         fp8 = pool.to(torch.float8_e4m3fn)
         store_kv(k, k, fp8, fp8, torch.arange(2, device=DEVICE))
