@@ -27,8 +27,11 @@ from minillm.bench.metrics import serving_metrics
 from minillm.bench.peers import hf_model_sharing_weights
 from minillm.bench.workloads import WorkloadRequest, make_workload
 from minillm.config import EngineConfig, parse_bytes
+from minillm.engine import resolve_device
 from minillm.kv.budget import workspace_bytes
+from minillm.kv.quant import kv_bytes_per_token
 from minillm.llm import LLM
+from minillm.model.loader import model_bytes_before_loading, read_model_config, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -57,25 +60,40 @@ GPU_BUDGET, CPU_STATIC_SEQUENCES = "24GB", 4
 MAX_MODEL_LEN = {"gpu": 2048, "cpu": 256}
 
 
-def _cpu_budget(llm: LLM, max_model_len: int) -> int:
-    engine = llm.engine
-    return engine.weight_bytes + workspace_bytes(engine.weight_bytes) + \
-        CPU_STATIC_SEQUENCES * max_model_len * engine.kv_bytes_per_token
+def cpu_budget(step0: EngineConfig, max_model_len: int) -> int:
+    """The CPU scale's card, sized from the model's config before any engine exists: step 0's weights
+    plus their workspace plus KV for ``CPU_STATIC_SEQUENCES`` sequences of ``max_model_len``, by the
+    engine's own arithmetic (``Engine.weight_bytes``, ``kv/budget.py``, ``kv/quant.py``). Every
+    step, and a run of only some steps, gets this same card."""
+    config = read_model_config(step0.model, step0.load_format)
+    dtype = resolve_dtype(step0.dtype, resolve_device(step0.device))
+    weights = model_bytes_before_loading(config, dtype)
+    per_token = kv_bytes_per_token(config, step0.kv_cache_dtype, dtype)
+    return weights + workspace_bytes(weights) + CPU_STATIC_SEQUENCES * max_model_len * per_token
 
 
 def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_requests: int | None,
                       peers: list[str], steps: list[str] | None = None, memory_budget: int | str | None = None,
                       seed: int = 0, command: str = "", **engine_kwargs) -> dict:
     """Run the chosen steps (all by default, in order, each on top of the ones before) and peers."""
-    chosen = list(STEP_NAMES) if steps is None else steps
-    check_choices("step", chosen, STEP_NAMES)
+    if steps is not None:
+        check_choices("step", steps, STEP_NAMES)
+        if not steps:
+            raise ValueError("no step to run: give at least one of " + ", ".join(STEP_NAMES))
+    chosen = [name for name in STEP_NAMES if steps is None or name in steps]  # the path's order
     check_choices("peer", peers, PEERS)
+    if peers and STEP_NAMES[0] not in chosen:
+        raise ValueError(f"the peers {', '.join(peers)} run on step {STEP_NAMES[0]}'s weights, which is not among "
+                         f"the steps {', '.join(chosen)}: add it, or run no peers (--peers with no names)")
     max_model_len = engine_kwargs.pop("max_model_len", None) or MAX_MODEL_LEN[scale]
     budget = memory_budget if memory_budget is not None else (GPU_BUDGET if scale == "gpu" else None)
-    configs, config = {}, dict(engine_kwargs)
+    configs, config, checked = {}, dict(engine_kwargs), []
     for step in STEPS:  # every step's configuration is checked before the first one runs
         config = configs[step.name] = config | step.changes
-        EngineConfig(model=model, load_format=load_format, max_model_len=max_model_len, **config)
+        checked.append(EngineConfig(model=model, load_format=load_format, max_model_len=max_model_len,
+                                    memory_budget=budget, seed=seed, **config))
+    if budget is None:  # CPU scale
+        budget = cpu_budget(checked[0], max_model_len)
     runs, requests, header = {}, None, None
     for step in STEPS:
         config = configs[step.name]
@@ -83,11 +101,6 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
             continue
         llm = LLM(model, load_format=load_format, seed=seed, max_model_len=max_model_len,
                   memory_budget=budget, **config)
-        if budget is None:  # CPU scale: the card is sized from the model, then the step is rebuilt in it
-            budget = _cpu_budget(llm, max_model_len)
-            llm.close()
-            llm = LLM(model, load_format=load_format, seed=seed, max_model_len=max_model_len,
-                      memory_budget=budget, **config)
         engine = llm.engine
         if requests is None:
             requests = make_workload("tuning-path", scale, num_requests, seed, engine.model_config.vocab_size)
@@ -100,8 +113,6 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
         if step.name == "0_static" and peers:
             runs |= _run_peers(engine, requests, peers)
         _free(llm)
-    if not runs:
-        raise ValueError("no step ran: give at least one of " + ", ".join(STEP_NAMES))
     first = runs.get("0_static")
     for name in chosen:
         runs[name]["speedup_over_step0"] = runs[name]["output_throughput"] / first["output_throughput"] \
