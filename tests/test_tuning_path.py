@@ -11,8 +11,8 @@ import torch
 
 from minillm import LLM
 from minillm.bench import tuning_path
-from minillm.bench.tuning_path import (CPU_STATIC_SEQUENCES, STEP_NAMES, Step, bench_tuning_path, cpu_budget,
-                                       format_tuning_path)
+from minillm.bench.tuning_path import (CALIBRATION_SAMPLES, CPU_STATIC_SEQUENCES, STEP_NAMES, Step,
+                                       bench_tuning_path, cpu_budget, format_tuning_path)
 from minillm.bench.workloads import make_workload
 from minillm.cli import main
 from minillm.config import EngineConfig
@@ -48,6 +48,7 @@ def test_steps_run_on_one_card_and_report_capacity(tmp_path, capsys):
     for key in ("benchmark", "workload", "model", "device", "date", "command", "commit", "runs"):
         assert key in result, key
     assert result["memory_budget"] == cpu_budget(EngineConfig(**TINY, batching="static"), 256)
+    assert result["calibration_samples"] == CALIBRATION_SAMPLES["cpu"]  # the CLI leaves it to the scale
     assert result["steps"] == ["0_static", "1_paged", "2_kv_int8"] and set(result["runs"]) == set(result["steps"])
     runs = result["runs"]
     expected_tokens = sum(r.max_tokens for r in make_workload("tuning-path", "cpu", 3, vocab_size=512))
@@ -94,3 +95,20 @@ def test_bad_choices_name_the_value_and_what_is_valid(capsys):
         main(["bench", "tuning-path", "--steps", "1_paged", "3_awq"])
     err = capsys.readouterr().err
     assert "invalid choice: '3_awq'" in err and all(name in err for name in STEP_NAMES)
+
+
+def test_later_steps_reuse_the_quantized_weights_instead_of_calibrating_again(monkeypatch):
+    import minillm.quant.quantize as quantize
+
+    calls = []
+    original = quantize.quantize_model
+    monkeypatch.setattr(quantize, "quantize_model", lambda *a, **k: calls.append(a[1]) or original(*a, **k))
+    result = bench_tuning_path(**TINY, scale="cpu", num_requests=2, peers=[], calibration_samples=1,
+                               steps=["3_awq_int4", "4_prefix_cache", "5_token_budget"])
+    runs = result["runs"]
+    assert calls == ["awq-int4"]  # step 3 calibrated; steps 4 and 5 loaded its checkpoint
+    assert "quantized_weights_from" not in runs["3_awq_int4"]
+    for name in ("4_prefix_cache", "5_token_budget"):
+        assert runs[name]["quantized_weights_from"] == "3_awq_int4"
+        assert runs[name]["weight_bytes"] == runs["3_awq_int4"]["weight_bytes"]
+        assert runs[name]["prefix_cache_queries"] > 0
