@@ -301,8 +301,9 @@ is a configuration of the same engine that adds one change to the steps before i
 the other on the tuning-path workload under the same memory budget (weights + KV must fit):
   0 static batching, contiguous KV   1 + continuous batching, paged KV   2 + INT8 KV cache
   3 + AWQ INT4 weights               4 + prefix caching (lpm)            5 + token budget 8192
-transformers' static generate and continuous batching run on step 0's weights. Prints the table,
-writes JSON and a plot (speed-up per step beside the seeds' path, median TTFT).
+transformers' static generate and continuous batching run on step 0's weights. AWQ calibrates once
+(steps 4 and 5 load step 3's weights) on 32 samples at gpu scale, 8 at cpu scale (--calibration-samples).
+Prints the table, writes JSON and a plot (speed-up per step beside the seeds' path, median TTFT).
 
 examples:
   minillm bench tuning-path --model llama2-7b --load-format dummy --num-requests 64 --output figures/h200/tuning_path.json
@@ -460,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers on step 0's weights (default: both; none: --peers)")
     t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
     _add_model_args(t)
-    t.set_defaults(func=cmd_bench_tuning_path)
+    # None: the scale's own (tuning_path.CALIBRATION_SAMPLES: 32 on gpu, 8 on cpu).
+    t.set_defaults(func=cmd_bench_tuning_path, calibration_samples=None)
 
     from minillm.eval import perplexity as ppl
 

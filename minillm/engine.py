@@ -24,7 +24,7 @@ from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCac
 from minillm.kv.quant import kv_bytes_per_token
 from minillm.kv.radix import RadixCache
 from minillm.kv.swap import KVSwapper, swap_blocks_that_fit
-from minillm.model.loader import load_model, resolve_dtype
+from minillm.model.loader import load_model, model_bytes, resolve_dtype
 from minillm.parallel.pp import PipelineRunner, Stage, stage_footprints
 from minillm.parallel.workers import Workers
 from minillm.request import Request, RequestOutput, SamplingParams
@@ -88,7 +88,7 @@ class Engine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's sliding window ({window}); "
                              f"minillm has no sliding-window attention, so keep max_model_len <= {window}")
         # Parameters and buffers: quantized layers keep their packed weights in buffers.
-        self.weight_bytes = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        self.weight_bytes = model_bytes(self.model)
         # Scales included with a quantized kv_cache_dtype: this is what the memory budget divides by.
         self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, config.kv_cache_dtype, self.dtype)
         self.attention_backend: str | None = None  # the paged cache's; the contiguous cache has one path

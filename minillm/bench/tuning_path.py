@@ -16,7 +16,9 @@ from another engine on other hardware, so only the shape of the path (each step'
 from __future__ import annotations
 
 import gc
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -27,8 +29,13 @@ from minillm.bench.metrics import serving_metrics
 from minillm.bench.peers import hf_model_sharing_weights
 from minillm.bench.workloads import WorkloadRequest, make_workload
 from minillm.config import EngineConfig, parse_bytes
+from minillm.engine import resolve_device
 from minillm.kv.budget import workspace_bytes
+from minillm.kv.quant import kv_bytes_per_token
 from minillm.llm import LLM
+from minillm.model.loader import model_bytes_before_loading, read_model_config, resolve_dtype
+from minillm.quant.checkpoint import save_quantized
+from minillm.quant.spec import QuantSpec
 
 
 @dataclass(frozen=True)
@@ -55,59 +62,82 @@ PEERS = ("hf_static", "hf_cb")
 # 8 sequences are for a 7B.
 GPU_BUDGET, CPU_STATIC_SEQUENCES = "24GB", 4
 MAX_MODEL_LEN = {"gpu": 2048, "cpu": 256}
+# AWQ's calibration (step 3) sets the quantized weights' accuracy, not their speed, which is what this
+# benchmark measures; on a CPU 32 samples of 512 tokens take minutes, so the CPU scale takes 8.
+CALIBRATION_SAMPLES = {"gpu": 32, "cpu": 8}
 
 
-def _cpu_budget(llm: LLM, max_model_len: int) -> int:
-    engine = llm.engine
-    return engine.weight_bytes + workspace_bytes(engine.weight_bytes) + \
-        CPU_STATIC_SEQUENCES * max_model_len * engine.kv_bytes_per_token
+def cpu_budget(step0: EngineConfig, max_model_len: int) -> int:
+    """The CPU scale's card, sized from the model's config before any engine exists: step 0's weights
+    plus their workspace plus KV for ``CPU_STATIC_SEQUENCES`` sequences of ``max_model_len``, by the
+    engine's own arithmetic (``Engine.weight_bytes``, ``kv/budget.py``, ``kv/quant.py``). Every
+    step, and a run of only some steps, gets this same card."""
+    config = read_model_config(step0.model, step0.load_format)
+    dtype = resolve_dtype(step0.dtype, resolve_device(step0.device))
+    weights = model_bytes_before_loading(config, dtype)
+    per_token = kv_bytes_per_token(config, step0.kv_cache_dtype, dtype)
+    return weights + workspace_bytes(weights) + CPU_STATIC_SEQUENCES * max_model_len * per_token
 
 
 def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_requests: int | None,
                       peers: list[str], steps: list[str] | None = None, memory_budget: int | str | None = None,
                       seed: int = 0, command: str = "", **engine_kwargs) -> dict:
     """Run the chosen steps (all by default, in order, each on top of the ones before) and peers."""
-    chosen = list(STEP_NAMES) if steps is None else steps
-    check_choices("step", chosen, STEP_NAMES)
+    if steps is not None:
+        check_choices("step", steps, STEP_NAMES)
+        if not steps:
+            raise ValueError("no step to run: give at least one of " + ", ".join(STEP_NAMES))
+    chosen = [name for name in STEP_NAMES if steps is None or name in steps]  # the path's order
     check_choices("peer", peers, PEERS)
+    if peers and STEP_NAMES[0] not in chosen:
+        raise ValueError(f"the peers {', '.join(peers)} run on step {STEP_NAMES[0]}'s weights, which is not among "
+                         f"the steps {', '.join(chosen)}: add it, or run no peers (--peers with no names)")
     max_model_len = engine_kwargs.pop("max_model_len", None) or MAX_MODEL_LEN[scale]
+    if engine_kwargs.get("calibration_samples") is None:
+        engine_kwargs["calibration_samples"] = CALIBRATION_SAMPLES[scale]
     budget = memory_budget if memory_budget is not None else (GPU_BUDGET if scale == "gpu" else None)
-    configs, config = {}, dict(engine_kwargs)
+    configs, config, checked = {}, dict(engine_kwargs), []
     for step in STEPS:  # every step's configuration is checked before the first one runs
         config = configs[step.name] = config | step.changes
-        EngineConfig(model=model, load_format=load_format, max_model_len=max_model_len, **config)
+        checked.append(EngineConfig(model=model, load_format=load_format, max_model_len=max_model_len,
+                                    memory_budget=budget, seed=seed, **config))
+    if budget is None:  # CPU scale
+        budget = cpu_budget(checked[0], max_model_len)
     runs, requests, header = {}, None, None
-    for step in STEPS:
-        config = configs[step.name]
-        if step.name not in chosen:
-            continue
-        llm = LLM(model, load_format=load_format, seed=seed, max_model_len=max_model_len,
-                  memory_budget=budget, **config)
-        if budget is None:  # CPU scale: the card is sized from the model, then the step is rebuilt in it
-            budget = _cpu_budget(llm, max_model_len)
-            llm.close()
-            llm = LLM(model, load_format=load_format, seed=seed, max_model_len=max_model_len,
+    with tempfile.TemporaryDirectory(prefix="minillm-tuning-path-") as scratch:
+        saved: dict[str, tuple[str, str]] = {}  # quantization -> (checkpoint, the step that quantized)
+        for index, name in enumerate(chosen):
+            step, config = STEPS[STEP_NAMES.index(name)], configs[name]
+            quantization = config.get("quantization")
+            # A later step with the same quantized weights loads the first one's checkpoint instead of
+            # calibrating again (minutes for AWQ; the weights are identical, tests/test_quant_checkpoint.py).
+            source, source_format = (saved[quantization][0], "auto") if quantization in saved else (model, load_format)
+            llm = LLM(source, load_format=source_format, seed=seed, max_model_len=max_model_len,
                       memory_budget=budget, **config)
-        engine = llm.engine
-        if requests is None:
-            requests = make_workload("tuning-path", scale, num_requests, seed, engine.model_config.vocab_size)
-            header = result_header("tuning-path", "tuning-path", engine.model_source, command)
-        warmup = [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:4]]
-        metrics, _, _ = _timed_run(llm, requests, warmup)
-        runs[step.name] = {"label": step.label, "changes": dict(step.changes), "seeds_tok_s": step.seeds_tok_s,
-                           "max_batch": engine.max_batch, "kv_capacity_tokens": engine.kv_capacity_tokens,
-                           "weight_bytes": engine.weight_bytes, **metrics}
-        if step.name == "0_static" and peers:
-            runs |= _run_peers(engine, requests, peers)
-        _free(llm)
-    if not runs:
-        raise ValueError("no step ran: give at least one of " + ", ".join(STEP_NAMES))
+            engine = llm.engine
+            if requests is None:
+                requests = make_workload("tuning-path", scale, num_requests, seed, engine.model_config.vocab_size)
+                header = result_header("tuning-path", "tuning-path", engine.model_source, command)
+            warmup = [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:4]]
+            metrics, _, _ = _timed_run(llm, requests, warmup)
+            runs[name] = {"label": step.label, "changes": dict(step.changes), "seeds_tok_s": step.seeds_tok_s,
+                          "max_batch": engine.max_batch, "kv_capacity_tokens": engine.kv_capacity_tokens,
+                          "weight_bytes": engine.weight_bytes, **metrics}
+            if quantization in saved:
+                runs[name]["quantized_weights_from"] = saved[quantization][1]
+            elif quantization is not None and QuantSpec.parse(quantization).method != "fp8" and \
+                    any(configs[later].get("quantization") == quantization for later in chosen[index + 1:]):
+                saved[quantization] = (str(save_quantized(llm, Path(scratch) / name)), name)
+            if name == "0_static" and peers:
+                runs |= _run_peers(engine, requests, peers)
+            _free(llm)
     first = runs.get("0_static")
     for name in chosen:
         runs[name]["speedup_over_step0"] = runs[name]["output_throughput"] / first["output_throughput"] \
             if first else None
     return {**header, "scale": scale, "num_requests": len(requests), "memory_budget": parse_bytes(budget),
-            "max_model_len": max_model_len, "steps": chosen, "runs": runs}
+            "max_model_len": max_model_len, "calibration_samples": engine_kwargs["calibration_samples"],
+            "steps": chosen, "runs": runs}
 
 
 def _run_peers(engine, requests: list[WorkloadRequest], peers: list[str]) -> dict:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -142,6 +143,19 @@ def checkpoint_quantization(path: Path):
     from minillm.quant.checkpoint import spec_from_config
 
     return spec_from_config(config)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes a model occupies: parameters and buffers (quantized layers keep their packed weights in
+    buffers). What a memory budget charges for the weights."""
+    return sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def model_bytes_before_loading(config: ModelConfig, dtype: torch.dtype) -> int:
+    """``model_bytes`` of the unquantized model of ``config`` in ``dtype``, without loading it: the
+    model is built on the meta device, which allocates nothing, so a memory budget can be sized
+    before the first engine exists (``minillm.bench.tuning_path``)."""
+    return model_bytes(_empty_model(config, dtype, torch.device("meta")))
 
 
 def _resolve_source(model: str | None, load_format: str) -> tuple[str, str | Path]:
