@@ -273,7 +273,7 @@ def _w4_dequantize_kernel(QW, S, Z, W, K, N, group_size, stride_q, stride_s, str
     zero = (tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0) >> ((n % 8) * 4)[None, :]) & 15
     j = tl.arange(0, 8)
     q = (packed[:, None, :] >> (4 * j)[None, :, None]) & 15
-    w = ((q - zero[:, None, :]).to(tl.float32) * scale[:, None, :]).to(W.dtype.element_ty)  # rounded once, as the reference
+    w = ((q - zero[:, None, :]).to(tl.float32) * scale[:, None, :]).to(W.dtype.element_ty)  # rounded once, as in the ref
     k = 8 * r[:, None, None] + j[None, :, None]
     tl.store(W + k.to(tl.int64) * N + n[None, None, :], w, mask=mask[:, None, :])
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from minillm.bench.harness import (_release_kv_for_peers, _timed_run, check_choices, result_header,
-                                   run_hf_continuous, run_hf_static)
+from minillm.bench.harness import (_release_kv_for_peers, _timed_run, check_choices, engine_warmup,
+                                   result_header, run_hf_continuous, run_hf_static)
 from minillm.bench.metrics import serving_metrics
 from minillm.bench.peers import hf_model_sharing_weights
 from minillm.bench.workloads import WorkloadRequest, make_workload
@@ -118,8 +118,9 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
             if requests is None:
                 requests = make_workload("tuning-path", scale, num_requests, seed, engine.model_config.vocab_size)
                 header = result_header("tuning-path", "tuning-path", engine.model_source, command)
-            warmup = [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:4]]
-            metrics, _, _ = _timed_run(llm, requests, warmup)
+            # The throughput bench's warm-up (64 requests on CUDA): a kernel variant or autotuning met
+            # first inside a run of seconds would weigh on it (each run records triton_compiles).
+            metrics, _, _ = _timed_run(llm, requests, engine_warmup(requests, engine.device))
             runs[name] = {"label": step.label, "changes": dict(step.changes), "seeds_tok_s": step.seeds_tok_s,
                           "max_batch": engine.max_batch, "kv_capacity_tokens": engine.kv_capacity_tokens,
                           "weight_bytes": engine.weight_bytes, **metrics}
