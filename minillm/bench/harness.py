@@ -111,6 +111,12 @@ def use_variant(engine, variant: str) -> None:
         raise ValueError(f"variant {variant!r} needs the engine on attention_backend='triton'")
 
 
+def compile_warnings(runs: dict) -> list[str]:
+    """A line for each run whose timed part compiled Triton kernels (its time includes them)."""
+    return [f"{name}: {m['triton_compiles']} Triton compiles inside the timed run: the warm-up missed them, "
+            "and its time includes them" for name, m in runs.items() if m.get("triton_compiles")]
+
+
 def engine_warmup(requests: list[WorkloadRequest], device: torch.device) -> list[WorkloadRequest]:
     """What minillm runs before a timed run, on the workload's own prompts: the Triton kernels
     compile and autotune on their first calls, and on a GPU the first use of each cuBLAS/Triton
@@ -291,10 +297,7 @@ def format_table(result: dict) -> str:
         if "prefix_cache_hit_rate" in m:
             lines.append(f"{name}: prefix cache hit rate {m['prefix_cache_hit_rate']:.1%} "
                          f"({m['prefix_cache_hits']} of {m['prefix_cache_queries']} prompt tokens)")
-    for name, m in runs.items():
-        if m.get("triton_compiles"):
-            lines.append(f"{name}: {m['triton_compiles']} Triton compiles inside the timed run: the warm-up "
-                         f"missed them, and its time includes them")
+    lines += compile_warnings(runs)
     kv = result.get("kv_memory")
     if kv:
         lines.append(f"KV memory used / reserved over the run: contiguous (max_model_len={kv['max_model_len']}, "

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from minillm.bench.harness import (_release_kv_for_peers, _timed_run, check_choices, engine_warmup,
-                                   result_header, run_hf_continuous, run_hf_static)
+from minillm.bench.harness import (_release_kv_for_peers, _timed_run, check_choices, compile_warnings,
+                                   engine_warmup, result_header, run_hf_continuous, run_hf_static)
 from minillm.bench.metrics import serving_metrics
 from minillm.bench.peers import hf_model_sharing_weights
 from minillm.bench.workloads import WorkloadRequest, make_workload
@@ -183,6 +183,7 @@ def format_tuning_path(result: dict) -> str:
             m = runs[peer]
             lines.append(f"{peer:<16}{m['output_throughput']:>9.1f}{m['median_ttft_ms']:>13.0f}{m['p99_ttft_ms']:>9.0f}")
     lines.append("seeds = the design documents' tok/s for a 7B on their hardware (a reference, not measured here)")
+    lines += compile_warnings(runs)
     return "\n".join(lines)
 
 
