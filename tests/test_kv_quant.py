@@ -22,7 +22,8 @@ import torch
 from minillm import LLM, SamplingParams
 from minillm.attention import CausalAttention
 from minillm.bench.kv_quant import heldout_token_ids, kv_capacity, paged_perplexity
-from minillm.cli import _engine_kwargs, build_parser
+from minillm.cli import build_parser
+from minillm.cli_args import engine_kwargs
 from minillm.config import EngineConfig
 from minillm.kv.paged import PagedKVCache
 from minillm.kv.quant import INT4_GROUP_SIZE, dequantize_kv, kv_bytes_per_token, quantize_kv
@@ -88,7 +89,7 @@ def test_bad_kv_cache_dtypes_are_refused():
     with pytest.raises(ValueError, match="head_dim=24 is not a multiple of 16"):
         PagedKVCache(dataclasses.replace(PRESETS["tiny"], head_dim=24), 4, 4, torch.float32, "cpu", "int4")
     args = build_parser().parse_args(["generate", "hi", "--batching", "continuous", "--kv-cache-dtype", "int4"])
-    assert EngineConfig(**_engine_kwargs(args)).kv_cache_dtype == "int4"
+    assert EngineConfig(**engine_kwargs(args)).kv_cache_dtype == "int4"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "int2"])
 

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minillm import SamplingParams
-from minillm.cli import _engine_kwargs, build_parser
+from minillm.cli import build_parser
+from minillm.cli_args import engine_kwargs
 from minillm.config import EngineConfig
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedKVCache
 from minillm.kv.swap import KVSwapper
@@ -183,7 +184,7 @@ def test_config_and_cli_validation():
         tiny_engine(batching="continuous", block_size=2, preemption_mode="swap", swap_space=100)
     args = build_parser().parse_args(["generate", "hi", "--batching", "continuous", "--preemption-mode", "swap",
                                       "--swap-space", "1MiB"])
-    kwargs = _engine_kwargs(args)
+    kwargs = engine_kwargs(args)
     assert (kwargs["preemption_mode"], kwargs["swap_space"]) == ("swap", "1MiB")
     assert EngineConfig(**kwargs).swap_space == 2**20
     with pytest.raises(SystemExit):

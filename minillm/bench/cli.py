@@ -1,0 +1,238 @@
+"""``minillm bench ...``: the benchmark subcommands (BENCHMARKS.md), each a thin wrapper that runs one
+benchmark of ``minillm.bench``, writes its JSON (and a plot beside it) and prints its table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from minillm.cli_args import add_model_args, add_parallel_args, engine_kwargs, parallel_kwargs
+
+
+def _write_with_plot(result: dict, output: str | None) -> None:
+    """The JSON at ``output`` and its plot beside it (``.png``)."""
+    from minillm.bench.harness import write_result
+    from minillm.bench.plots import plot_result
+
+    if output:
+        print(f"wrote {write_result(result, output)} and {plot_result(result, output)}")
+
+
+def cmd_bench(args) -> None:
+    from minillm.bench.harness import bench_throughput, format_table
+
+    result = bench_throughput(model=args.model, workload=args.workload, scale=args.scale,
+                              num_requests=args.num_requests, peers=args.peers, peer_batch_size=args.peer_batch_size,
+                              variants=tuple(args.variants),
+                              command=args.command_line, **engine_kwargs(args), **parallel_kwargs(args))
+    _write_with_plot(result, args.output)
+    print(format_table(result))
+
+
+def cmd_bench_latency(args) -> None:
+    from minillm.bench.harness import bench_latency, format_latency_table
+
+    result = bench_latency(model=args.model, scale=args.scale, num_requests=args.num_requests, peers=args.peers,
+                           command=args.command_line, **engine_kwargs(args), **parallel_kwargs(args))
+    _write_with_plot(result, args.output)
+    print(format_latency_table(result))
+
+
+def cmd_bench_kernels(args) -> None:
+    import torch
+
+    from minillm.bench.harness import result_header, write_result
+    from minillm.bench.kernels import SECTIONS, bench_kernels, format_kernel_table, plot_kernels
+    from minillm.kernels.checks import interpreter_on
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not interpreter_on():
+        raise ValueError("bench kernels needs a CUDA device; on a CPU, TRITON_INTERPRET=1 runs a tiny sweep "
+                         "through Triton's interpreter (a check that it works, not a measurement)")
+    chosen = args.only or list(SECTIONS)
+    result = result_header("kernels", " + ".join(chosen) + " sweep", "-", args.command_line)
+    result["runs"] = bench_kernels(device, **{name: None if name in chosen else [] for name in SECTIONS})
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+        print(f"wrote {plot_kernels(result, args.output.removesuffix('.json') + '.png')}")
+    print(format_kernel_table(result))
+
+
+def cmd_bench_kv_capacity(args) -> None:
+    import torch
+
+    from minillm.bench.harness import result_header, write_result
+    from minillm.bench.kv_quant import format_capacity_table, kv_capacity
+    from minillm.bench.workloads import make_workload
+    from minillm.config import parse_bytes
+    from minillm.model.config import PRESETS
+
+    config, dtype, budget = PRESETS[args.model], getattr(torch, args.dtype), parse_bytes(args.memory_budget)
+    requests = make_workload(args.workload, "gpu", vocab_size=config.vocab_size)
+    lens = {f"of_{args.max_model_len}_tokens": [args.max_model_len],
+            args.workload: [min(len(r.prompt_token_ids) + r.max_tokens, args.max_model_len) for r in requests]}
+    result = result_header("kv_capacity", args.workload, args.model, args.command_line)
+    result |= {"dtype": args.dtype, "memory_budget": budget, "block_size": args.block_size,
+               "max_model_len": args.max_model_len, "runs": kv_capacity(config, budget, dtype, args.block_size, lens)}
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+    print(f"{args.model} ({args.dtype} weights) in {budget / 1e9:.0f} GB: sequences held at once, each with "
+          f"blocks for its whole length")
+    print(format_capacity_table(result["runs"]))
+
+
+def cmd_bench_load(args) -> None:
+    from minillm.bench.harness import bench_gguf_load, write_result
+
+    result = bench_gguf_load(args.gguf, command=args.command_line)
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+    first, second = result["runs"]["first_load"]["seconds"], result["runs"]["second_load"]["seconds"]
+    print(f"{result['model']}: first load {first:.1f} s (convert + cache), second {second:.2f} s "
+          f"({result['speedup']:.0f}x faster)")
+
+
+PARALLEL_DESCRIPTION = """\
+One process, then each size N > 1 split each way (tensor parallel: every layer over N ranks;
+pipeline parallel: the layers in N stages), one at a time: batch-1 decode latency, throughput on a
+workload (greedy tokens compared with one process's), all-reduce and send/recv times on the
+process group the layers use, and for pipelines the bubble measured against (S-1)/(M+S-1).
+All sizes run with continuous batching, as the engine runs by default (CUDA graphs on GPUs for one
+process and tensor parallel; pipelines eagerly; --enforce-eager for all). One GPU per rank (NCCL);
+on a CPU, processes over gloo. A size the model cannot split into is recorded as skipped, with why.
+
+examples:
+  minillm bench parallel --model llama2-7b --load-format dummy --sizes 1 2 --output figures/h200/parallel.json
+  minillm bench parallel --model tiny --load-format dummy --dtype float32 --num-requests 8   # a CPU check
+"""
+
+
+TUNING_PATH_DESCRIPTION = """\
+The design documents' tuning path for a 7B model under a 24 GB card, replayed on minillm: each step
+is a configuration of the same engine that adds one change to the steps before it, run one after
+the other on the tuning-path workload under the same memory budget (weights + KV must fit):
+  0 static batching, contiguous KV   1 + continuous batching, paged KV   2 + INT8 KV cache
+  3 + AWQ INT4 weights               4 + prefix caching (lpm)            5 + token budget 8192
+transformers' static generate and continuous batching run on step 0's weights. AWQ calibrates once
+(steps 4 and 5 load step 3's weights) on 32 samples at gpu scale, 8 at cpu scale (--calibration-samples).
+Prints the table, writes JSON and a plot (speed-up per step beside the seeds' path, median TTFT).
+
+examples:
+  minillm bench tuning-path --model llama2-7b --load-format dummy --num-requests 64 --output figures/h200/tuning_path.json
+  minillm bench tuning-path --scale cpu --output figures/cpu/tuning_path.json   # the embedded model, minutes
+"""
+
+
+def cmd_bench_tuning_path(args) -> None:
+    from minillm.bench.tuning_path import bench_tuning_path, format_tuning_path
+
+    kwargs = engine_kwargs(args)
+    memory_budget = kwargs.pop("memory_budget")
+    kwargs.pop("batching")  # the steps set it
+    result = bench_tuning_path(model=args.model, scale=args.scale, num_requests=args.num_requests, peers=args.peers,
+                               steps=args.steps, memory_budget=memory_budget, command=args.command_line,
+                               **kwargs)
+    _write_with_plot(result, args.output)
+    print(format_tuning_path(result))
+
+
+def cmd_bench_parallel(args) -> None:
+    from minillm.bench.harness import write_result
+    from minillm.bench.parallel import bench_parallel, format_parallel_table
+
+    kwargs = engine_kwargs(args)
+    kwargs.pop("batching")  # the benchmark sets it: continuous
+    result = bench_parallel(model=args.model, sizes=args.sizes, modes=args.modes, workload=args.workload,
+                            scale=args.scale, num_requests=args.num_requests, latency_runs=args.latency_runs,
+                            micro_batches=args.micro_batches, command=args.command_line, **kwargs)
+    if args.output:
+        print(f"wrote {write_result(result, args.output)}")
+    print(format_parallel_table(result))
+
+
+def add_bench_parser(sub) -> None:
+    """The ``bench`` command and its subcommands, on ``sub`` (the top-level subparsers)."""
+    from minillm.bench.harness import LATENCY_PEERS, PEERS, VARIANTS
+    from minillm.bench.tuning_path import STEP_NAMES as TUNING_STEPS
+    from minillm.bench.workloads import WORKLOADS
+    from minillm.model.config import PRESETS
+
+    p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
+    bench = p.add_subparsers(dest="bench", required=True,
+                             metavar="{throughput,latency,kernels,kv-capacity,load,parallel,tuning-path}")
+    t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
+    t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
+    t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
+    t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
+    t.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),
+                   help="peers run in the same process on the same workload")
+    t.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
+                   help="also run minillm on the same engine with a step of the tuning path undone, in the "
+                        "order given (continuous): prefix_cache_off (needs --enable-prefix-caching), "
+                        "triton_eager = no CUDA graphs, torch_eager = the torch reference attention")
+    t.add_argument("--peer-batch-size", type=int, default=None,
+                   help="hf_static's batch size (default: minillm's static batch, or 16 against continuous)")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    add_model_args(t)
+    add_parallel_args(t)
+    t.set_defaults(func=cmd_bench)
+    t = bench.add_parser("latency", help="batch-1 decode tok/s against the bandwidth roofline; JSON out")
+    t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
+    t.add_argument("--num-requests", type=int, default=None, help="runs (default 5 gpu, 3 cpu)")
+    t.add_argument("--peers", nargs="*", default=list(LATENCY_PEERS), choices=list(LATENCY_PEERS),
+                   help="hf_compiled (static cache + torch.compile) runs on CUDA only")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    add_model_args(t)
+    add_parallel_args(t)
+    t.set_defaults(func=cmd_bench_latency)
+    t = bench.add_parser("kernels", help="Triton kernels (attention, quantized matmul) vs torch and the measured ceilings")
+    t.add_argument("--only", nargs="+", default=None, choices=["prefill", "decode", "quant"],
+                   help="run only these sweeps (default: all)")
+    t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
+    t.set_defaults(func=cmd_bench_kernels)
+    t = bench.add_parser("kv-capacity", help="KV blocks and concurrent sequences a memory budget holds per "
+                                             "kv_cache_dtype (computed, no model is loaded); JSON out")
+    t.add_argument("--model", default="llama2-7b", choices=list(PRESETS), help="a preset's shape")
+    t.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"], help="weights' dtype")
+    t.add_argument("--memory-budget", default="24GB", help="weights + workspace + KV must fit (BENCHMARKS.md: 24GB)")
+    t.add_argument("--max-model-len", type=int, default=2048)
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--workload", default="tuning-path", choices=list(WORKLOADS),
+                   help="also count sequences of this workload's lengths (prompt + max_tokens, gpu scale)")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    t.set_defaults(func=cmd_bench_kv_capacity)
+    t = bench.add_parser("load", help="GGUF load time: first (convert and cache) vs second (from cache)")
+    t.add_argument("--gguf", default=None, help="a .gguf file (default: the embedded SmolLM2)")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    t.set_defaults(func=cmd_bench_load)
+    t = bench.add_parser("parallel", help="tensor vs pipeline parallel over 1..N processes: latency, throughput, "
+                                          "collectives, pipeline bubble; JSON out",
+                         description=PARALLEL_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--sizes", nargs="+", type=int, default=[1, 2],
+                   help="process (GPU) counts; 1 always runs, as the reference (default: 1 2)")
+    t.add_argument("--modes", nargs="+", default=["tp", "pp"], choices=["tp", "pp"],
+                   help="tp = tensor parallel, pp = pipeline parallel (default: both)")
+    t.add_argument("--workload", default="mixed", choices=list(WORKLOADS), help="the throughput workload")
+    t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
+    t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
+    t.add_argument("--latency-runs", type=int, default=None, help="batch-1 requests timed (default 5 gpu, 3 cpu)")
+    t.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4, 8],
+                   help="pipeline micro-batch counts of the bubble sweep (default: 1 2 4 8)")
+    t.add_argument("--output", default=None, help="write the JSON result here")
+    add_model_args(t)
+    t.set_defaults(func=cmd_bench_parallel)
+    t = bench.add_parser("tuning-path", help="the seeds' tuning path, step by step on one engine, with the "
+                                             "transformers peers; table, JSON and plot",
+                         description=TUNING_PATH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--scale", default=None, choices=["gpu", "cpu"],
+                   help="gpu: the full workload on a 24 GB card (default on CUDA); cpu: 32 requests on a card "
+                        "sized from the model (weights + 4 sequences of KV)")
+    t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
+    t.add_argument("--steps", nargs="+", default=None, choices=list(TUNING_STEPS),
+                   help="run only these steps (each still on top of the ones before it; default: all)")
+    t.add_argument("--peers", nargs="*", default=["hf_static", "hf_cb"], choices=["hf_static", "hf_cb"],
+                   help="transformers on step 0's weights (default: both; none: --peers)")
+    t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
+    add_model_args(t)
+    # None: the scale's own (tuning_path.CALIBRATION_SAMPLES: 32 on gpu, 8 on cpu).
+    t.set_defaults(func=cmd_bench_tuning_path, calibration_samples=None)

@@ -1,0 +1,83 @@
+"""The command line's shared options: the model and engine flags every command that builds an engine
+takes, and the parallelism flags; each mirrors an ``EngineConfig`` field (vLLM's names).
+
+Its own module because both ``minillm/cli.py`` (generate, chat, info, eval) and
+``minillm/bench/cli.py`` (the benchmarks) build their parsers from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from minillm.kv.quant import KV_CACHE_DTYPES
+
+
+def add_model_args(p: argparse.ArgumentParser, several_quantizations: bool = False) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None,
+                   help="HF directory, .gguf file, or a preset with --load-format dummy (default: embedded SmolLM2)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="'dummy' = a preset's shape with random weights (benchmarks without downloads)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float16, bfloat16, float32")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
+    g.add_argument("--batching", default="static", choices=["static", "dynamic", "continuous"],
+                   help="static: fixed padded batches, contiguous KV; dynamic: static batches grouped by length "
+                        "after a short wait; continuous: paged KV, iteration-level scheduling")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default 8 static, 256 continuous)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (continuous)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV capacity in blocks (continuous)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "lpm"],
+                   help="continuous: fcfs = arrival order; priority = per-request priority, then arrival; "
+                        "lpm = longest cached prefix first (with --enable-prefix-caching)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage: auto = the model's dtype; int8 / fp8 with a scale per token and KV head, "
+                        "int4 with a scale per 16 channels (continuous)")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="a preempted request recomputes its prefill when readmitted, or swaps its KV blocks "
+                        "to CPU memory and back (continuous)")
+    g.add_argument("--swap-space", default="4GiB",
+                   help="CPU memory for swapped-out KV blocks, e.g. 4GiB (--preemption-mode swap)")
+    g.add_argument("--memory-budget", default=None, help="emulate a smaller card, e.g. 24GB")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="paged attention (continuous): auto = triton kernels on CUDA, torch reference elsewhere")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (continuous)")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV of shared prompt prefixes through a radix tree (continuous)")
+    g.add_argument("--seed", type=int, default=0)
+    if several_quantizations:
+        g.add_argument("--quantization", nargs="+", default=["none"], metavar="METHOD",
+                       help="one run per method, 'none' = unquantized: rtn-int8, rtn-int4, gptq-int4, awq-int4, fp8; "
+                            "INT4 with -g64 / -channel / -sym (e.g. gptq-int4-g64)")
+    else:
+        g.add_argument("--quantization", default=None,
+                       help="quantize the weights on load: rtn-int8, rtn-int4, gptq-int4, awq-int4, fp8; INT4 with "
+                            "-g64 / -channel / -sym (e.g. gptq-int4-g64); a quantized checkpoint needs none")
+    g.add_argument("--calibration-samples", type=int, default=32,
+                   help="gptq / awq: 512-token calibration samples from the corpus (default %(default)s)")
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (one kind at a time; needs --batching continuous)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="processes (GPUs) each layer is split over")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="processes (GPUs) the layers are split over, in stages")
+    g.add_argument("--pipeline-micro-batches", type=int, default=None,
+                   help="micro-batches a step's sequences flow through the stages in (default: the stage count)")
+
+
+def parallel_kwargs(args) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                pipeline_micro_batches=args.pipeline_micro_batches)
+
+
+def engine_kwargs(args) -> dict:
+    return dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, batching=args.batching,
+                max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                scheduling_policy=args.scheduling_policy, kv_cache_dtype=args.kv_cache_dtype,
+                memory_budget=args.memory_budget, attention_backend=args.attention_backend,
+                preemption_mode=args.preemption_mode, swap_space=args.swap_space,
+                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                quantization=args.quantization, calibration_samples=args.calibration_samples)
