@@ -110,10 +110,11 @@ def use_variant(engine, variant: str) -> None:
         raise ValueError(f"variant {variant!r} needs the engine on attention_backend='triton'")
 
 
-def _timed_run(llm: LLM, requests, warmup) -> tuple[dict, list[list[int]], list[RequestTiming]]:
+def _timed_run(llm: LLM, requests, warmup,
+               use_tqdm: bool = True) -> tuple[dict, list[list[int]], list[RequestTiming]]:
     """Warm up, then run the workload once; serving metrics, step statistics, prefix-cache hits."""
     engine = llm.engine
-    run_minillm(llm, warmup)
+    run_minillm(llm, warmup, use_tqdm)
     engine.stats.clear()
     graphs = getattr(engine.runner, "graphs", None)  # the static runner has none
     if graphs is not None:
@@ -122,7 +123,7 @@ def _timed_run(llm: LLM, requests, warmup) -> tuple[dict, list[list[int]], list[
     if cache is not None:  # the warm-up's prompts must not count as hits
         cache.reset()
         cache.queries = cache.hits = 0
-    timings, tokens, duration = run_minillm(llm, requests)
+    timings, tokens, duration = run_minillm(llm, requests, use_tqdm)
     metrics = serving_metrics(timings, duration) | step_summary(engine.stats)
     if graphs is not None:
         metrics["cuda_graph_steps"] = graphs.num_replays
