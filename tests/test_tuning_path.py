@@ -67,7 +67,7 @@ def test_steps_run_on_one_card_and_report_capacity(tmp_path, capsys):
 
 
 def test_a_later_step_alone_gets_the_same_card():
-    result = bench_tuning_path(**TINY, scale="cpu", num_requests=1, peers=[], steps=["2_kv_int8"])
+    result = bench_tuning_path(**TINY, scale="cpu", num_requests=1, peers=[], steps=["2_kv_int8"], progress=False)
     assert result["memory_budget"] == cpu_budget(EngineConfig(**TINY, batching="static"), 256)
     assert result["runs"]["2_kv_int8"]["speedup_over_step0"] is None  # no step 0 to compare with
 

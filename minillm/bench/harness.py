@@ -126,10 +126,11 @@ def engine_warmup(requests: list[WorkloadRequest], device: torch.device) -> list
     return [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:warm]]
 
 
-def _timed_run(llm: LLM, requests, warmup) -> tuple[dict, list[list[int]], list[RequestTiming]]:
+def _timed_run(llm: LLM, requests, warmup,
+               use_tqdm: bool = True) -> tuple[dict, list[list[int]], list[RequestTiming]]:
     """Warm up, then run the workload once; serving metrics, step statistics, prefix-cache hits."""
     engine = llm.engine
-    run_minillm(llm, warmup)
+    run_minillm(llm, warmup, use_tqdm)
     engine.stats.clear()
     graphs = getattr(engine.runner, "graphs", None)  # the static runner has none
     if graphs is not None:
@@ -139,7 +140,7 @@ def _timed_run(llm: LLM, requests, warmup) -> tuple[dict, list[list[int]], list[
         cache.reset()
         cache.queries = cache.hits = 0
     with CompileCounter() as compiles:
-        timings, tokens, duration = run_minillm(llm, requests)
+        timings, tokens, duration = run_minillm(llm, requests, use_tqdm)
     metrics = serving_metrics(timings, duration) | step_summary(engine.stats)
     metrics["triton_compiles"] = compiles.count  # 0 unless the warm-up missed a kernel variant
     if graphs is not None:

@@ -81,8 +81,9 @@ def cpu_budget(step0: EngineConfig, max_model_len: int) -> int:
 
 def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_requests: int | None,
                       peers: list[str], steps: list[str] | None = None, memory_budget: int | str | None = None,
-                      seed: int = 0, command: str = "", **engine_kwargs) -> dict:
-    """Run the chosen steps (all by default, in order, each on top of the ones before) and peers."""
+                      seed: int = 0, command: str = "", progress: bool = True, **engine_kwargs) -> dict:
+    """Run the chosen steps (all by default, in order, each on top of the ones before) and peers;
+    ``progress=False`` hides the progress bars of the timed runs."""
     if steps is not None:
         check_choices("step", steps, STEP_NAMES)
         if not steps:
@@ -120,7 +121,7 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
                 header = result_header("tuning-path", "tuning-path", engine.model_source, command)
             # The throughput bench's warm-up (64 requests on CUDA): a kernel variant or autotuning met
             # first inside a run of seconds would weigh on it (each run records triton_compiles).
-            metrics, _, _ = _timed_run(llm, requests, engine_warmup(requests, engine.device))
+            metrics, _, _ = _timed_run(llm, requests, engine_warmup(requests, engine.device), progress)
             runs[name] = {"label": step.label, "changes": dict(step.changes), "seeds_tok_s": step.seeds_tok_s,
                           "max_batch": engine.max_batch, "kv_capacity_tokens": engine.kv_capacity_tokens,
                           "weight_bytes": engine.weight_bytes, **metrics}
@@ -130,7 +131,7 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
                     any(configs[later].get("quantization") == quantization for later in chosen[index + 1:]):
                 saved[quantization] = (str(save_quantized(llm, Path(scratch) / name)), name)
             if name == "0_static" and peers:
-                runs |= _run_peers(engine, requests, peers)
+                runs |= _run_peers(engine, requests, peers, progress)
             _free(llm)
     first = runs.get("0_static")
     for name in chosen:
@@ -141,13 +142,13 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
             "steps": chosen, "runs": runs}
 
 
-def _run_peers(engine, requests: list[WorkloadRequest], peers: list[str]) -> dict:
+def _run_peers(engine, requests: list[WorkloadRequest], peers: list[str], progress: bool) -> dict:
     """transformers on step 0's weights, after minillm's step 0 gave its KV cache back."""
     _release_kv_for_peers(engine)
     hf, runs = hf_model_sharing_weights(engine.model, engine.model_config), {}
     if "hf_static" in peers:
         run_hf_static(hf, [WorkloadRequest(requests[0].prompt_token_ids[:16], 4)], engine.max_batch)
-        with tqdm(total=len(requests), desc="hf_static", unit="req") as bar:
+        with tqdm(total=len(requests), desc="hf_static", unit="req", disable=not progress) as bar:
             timings, _, duration = run_hf_static(hf, requests, engine.max_batch, progress=bar)
         runs["hf_static"] = serving_metrics(timings, duration) | {"batch_size": engine.max_batch}
     if "hf_cb" in peers:
