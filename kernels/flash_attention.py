@@ -40,9 +40,9 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable, interpreter_on
-from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode,
-                                        per_token_codes, scale_strides)
-from minillm.kv.quant import INT4_GROUP_SIZE, dequantize_kv
+from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
+                                        kv_quant_mode, per_token_codes, scale_strides)
+from minillm.kv.quant import INT4_GROUP_SIZE
 
 INTERPRET = interpreter_on()
 LOG2E = 1.4426950408889634
@@ -252,8 +252,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 context_lens: torch.Tensor, scale: float | None = None,
                                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What ``paged_prefill_attention`` computes: gather each sequence's context from its pages
-    (dequantized to fp32 if the cache is quantized), then causal attention of its new (last q_len)
-    tokens over the whole context."""
+    (dequantized as the kernel does, ``kv_dequant.dequantize_as_kernels_do``, if the cache is
+    quantized), then causal attention of its new (last q_len) tokens over the whole context."""
     block_size = k_cache.shape[1]
     ks, vs = [], []
     for b, ctx in enumerate(context_lens.tolist()):
@@ -263,7 +263,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
             if scales is None:
                 gathered.append(cache[slots])
             else:
-                gathered.append(dequantize_kv(cache[slots], scales[slots], torch.float32))
+                gathered.append(dequantize_as_kernels_do(cache[slots], scales[slots], q.dtype))
     cu_seqlens_k = torch.nn.functional.pad(context_lens.cumsum(0), (1, 0)).to(torch.int32)
     return flash_attention_ref(q, torch.cat(ks), torch.cat(vs), cu_seqlens_q, cu_seqlens_k, True, scale)
 

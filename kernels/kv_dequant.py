@@ -22,7 +22,7 @@ import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check
 from minillm.kernels.int_float import int8_to_float
-from minillm.kv.quant import format_of, kv_layout
+from minillm.kv.quant import dequantize_kv, format_of, kv_layout
 
 # The KV_QUANT values; constexpr so that the kernels may read them as globals.
 NO_QUANT, PER_TOKEN, INT4_GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -62,6 +62,16 @@ def kv_quant_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               f"strides {k_scale.stride()}")
         return INT4_GROUPS
     return PER_TOKEN
+
+
+def dequantize_as_kernels_do(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """K or V as the kernels multiply them, in fp32, for the references: int8 and fp8 codes are exact
+    in fp16 / bf16 and their scales apply in fp32, so they are exact; int4 values are computed in
+    fp32 and rounded to q's ``dtype`` for ``tl.dot`` (in bf16 a 2^-9 relative step, small next to
+    int4's own but not next to a test's tolerance). A float pool comes back in fp32."""
+    if format_of(data.dtype) == "int4":
+        return dequantize_kv(data, scales, dtype).float()
+    return dequantize_kv(data, scales, torch.float32)
 
 
 def scale_strides(k_scale: torch.Tensor | None) -> tuple[int, int, int]:

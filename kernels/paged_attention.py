@@ -44,9 +44,9 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
-from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode,
-                                        per_token_codes, scale_strides)
-from minillm.kv.quant import INT4_GROUP_SIZE, dequantize_kv
+from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
+                                        kv_quant_mode, per_token_codes, scale_strides)
+from minillm.kv.quant import INT4_GROUP_SIZE
 
 _LN2 = tl.constexpr(math.log(2.0))
 
@@ -58,12 +58,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _gather_sequence(cache: torch.Tensor, table: torch.Tensor, length: int,
-                     scales: torch.Tensor | None = None) -> torch.Tensor:
+def _gather_sequence(cache: torch.Tensor, table: torch.Tensor, length: int, scales: torch.Tensor | None,
+                     dtype: torch.dtype) -> torch.Tensor:
     """One sequence's first ``length`` tokens, [length, Hkv, D] in fp32, from the block pool
-    (dequantized with ``scales`` if the pool is quantized)."""
+    (dequantized with ``scales`` as the kernel does for queries of ``dtype``, if quantized)."""
     blocks = table[: _cdiv(length, cache.shape[1])].long()
-    values = dequantize_kv(cache[blocks], None if scales is None else scales[blocks], torch.float32)
+    values = dequantize_as_kernels_do(cache[blocks], None if scales is None else scales[blocks], dtype)
     return values.flatten(0, 1)[:length]
 
 
@@ -78,7 +78,8 @@ def split_partials_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     that as ``tile`` to compare its partials split by split. Returns ``out`` [B, H, num_splits, D], each split's
     softmax-normalised output, and ``lse`` [B, H, num_splits], the natural log of its softmax
     denominator (the log-sum-exp of its scores); an empty split has out 0 and lse -inf. A quantized
-    cache is dequantized with ``k_scale`` / ``v_scale`` first (``minillm/kv/quant.py``).
+    cache is dequantized with ``k_scale`` / ``v_scale`` first, as the kernel does
+    (``kv_dequant.dequantize_as_kernels_do``).
     """
     batch, heads, dim = q.shape
     group = heads // k_cache.shape[2]
@@ -87,8 +88,8 @@ def split_partials_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     lse = q.new_full((batch, heads, num_splits), float("-inf"), dtype=torch.float32)
     for b in range(batch):
         ctx = int(context_lens[b])
-        keys = _gather_sequence(k_cache, block_tables[b], ctx, k_scale).repeat_interleave(group, dim=1)
-        values = _gather_sequence(v_cache, block_tables[b], ctx, v_scale).repeat_interleave(group, dim=1)
+        keys = _gather_sequence(k_cache, block_tables[b], ctx, k_scale, q.dtype).repeat_interleave(group, dim=1)
+        values = _gather_sequence(v_cache, block_tables[b], ctx, v_scale, q.dtype).repeat_interleave(group, dim=1)
         length = _cdiv(_cdiv(ctx, num_splits), tile) * tile
         for s in range(num_splits):
             lo, hi = s * length, min((s + 1) * length, ctx)
@@ -134,12 +135,9 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     ``merge_attention_partials`` (looked up when called, so a replacement patched into this module
     is the one used) — the same result by the algebra in that function's docstring.
     """
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
-    if num_splits > 1:
-        out, lse = split_partials_ref(q, k_cache, v_cache, block_tables, context_lens, num_splits, scale, **scales)
-        return merge_attention_partials(out, lse)[0].to(q.dtype)
-    return split_partials_ref(q, k_cache, v_cache, block_tables, context_lens, 1, scale,
-                              **scales)[0][:, :, 0].to(q.dtype)
+    out, lse = split_partials_ref(q, k_cache, v_cache, block_tables, context_lens, num_splits, scale,
+                                  k_scale=k_scale, v_scale=v_scale)
+    return (merge_attention_partials(out, lse)[0] if num_splits > 1 else out[:, :, 0]).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -158,9 +156,8 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   WRITE_LSE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
-    KV_QUANT: how K/V are stored (``kv_dequant.py``); KScale/VScale are read only if quantized.
-    (Their arguments come last so that the others keep their places: the unquantized kernel
-    compiles to the same instructions as before they existed.)"""
+    KV_QUANT: how K/V are stored (``kv_dequant.py``). The scale arguments come last, so that without
+    quantization the kernel compiles to the instructions it had before they existed."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ContextLens + b)
     # Splits are whole tiles long (only a sequence's last tile is partial); from the length on the
