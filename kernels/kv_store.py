@@ -52,10 +52,9 @@ def _quantize_row(X, t, stride, slot, Pool, ScalePool, top, inv_top, HEADS: tl.c
     d = tl.arange(0, DIM_P2)
     mask = (h < HEADS)[:, None] & (d < DIM)[None, :]
     x = tl.load(X + t * stride + h[:, None] * DIM + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    # quantize_kv: the scale absmax / top, clamped to fp16's range and rounded to fp16; codes are x
-    # divided by the scale *as stored*, clamped to [-top, top] (the rounded scale may be a bit small).
-    # absmax times the fp32 reciprocal of top, as quantize_kv computes it: a product rounds the same on
-    # every device, where torch on CUDA would turn "/ top" into that product and Triton into an approximate divide.
+    # As quantize_kv: the scale is absmax times the fp32 reciprocal of top (a product rounds alike on
+    # every device; a divide by a scalar would not), clamped to fp16's range and rounded to fp16; the
+    # codes are x divided by the scale *as stored*, clamped to [-top, top] (that scale may be a bit small).
     scale = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1) * inv_top, 2.0 ** -24), 65504.0).to(tl.float16)
     y = tl.math.div_rn(x, scale.to(tl.float32)[:, None])  # IEEE division, as torch's: the rounding must match
     y = tl.minimum(tl.maximum(y, -top), top)
