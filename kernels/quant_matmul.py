@@ -3,7 +3,8 @@
 Why it exists: a batch-1 decode step reads every weight once and does two FLOPs with it, so its
 time is bytes / bandwidth. INT4 weights are a quarter of bf16's bytes and INT8 half, but only if the
 matmul reads them packed and dequantizes in registers; unpacking to a bf16 copy first reads more
-than the bf16 layer did. The kernels here never write a dequantized weight.
+than the bf16 layer did. So the GEMV and dot kernels never write a dequantized weight; only large M
+(prefill), where the matmul is compute-bound, takes the dequantize-then-cuBLAS path.
 
 Layout (GPTQ's "v1" packing, which AutoGPTQ, AutoAWQ's GEMM format and vLLM read too):
 - ``qweight`` int32 [K // 8, N]: input index k = 8i + j lives in bits 4j..4j+3 of row i;
@@ -14,7 +15,7 @@ Layout (GPTQ's "v1" packing, which AutoGPTQ, AutoAWQ's GEMM format and vLLM read
   weights of a packed row share their group; then every tile row needs only one scale and zero.
 W8A16: ``qweight`` int8 [K, N], ``scales`` [N]: y = (x @ q) * s (symmetric, per output channel).
 
-Two kernels per format, chosen by M (the number of tokens):
+Paths, chosen by M (the number of tokens):
 - **GEMV** (decode, M <= GEMV_MAX_M): one program per row of x, so every tensor is 2-d and stays in
   the layout it was loaded in (no trips through shared memory). A tile of packed weights is
   unpacked nibble by nibble; each nibble plane is multiplied into an fp32 accumulator with plain
@@ -34,16 +35,9 @@ Two kernels per format, chosen by M (the number of tokens):
   Decode graphs of DEQUANT_MIN_M rows or more take this path too; their temporary lives in the
   graph's memory pool: one weight in x's dtype (180 MB for llama2-7b's fused gate/up).
 
-Both are memory-bound at small M, and then the limit is how many bytes are in flight: N / BLOCK_N
-programs alone leave most of the 132 SMs of an H200 idle when N = 4096. So the K dimension is
-also split over SPLIT_K programs (split-K), each writing an fp32 partial; the *last* program of a
-column tile to finish sums the partials in split order and writes y (the "serial split-K" or
-Stream-K fix-up: Osama et al., "Stream-K", PPoPP 2023, https://arxiv.org/abs/2301.03598). Compared
-with a second reduction kernel this saves a launch (microseconds, on a kernel that should take ~6);
-compared with atomic adds into y it needs no zeroed output and stays deterministic. It needs a
-per-tile arrival counter: a small int32 buffer per device, zeroed once and reset to zero by the
-last program, so CUDA-graph replays find it clean. (Two streams must not run these kernels on one
-device at once; minillm runs one.)
+The GEMV and the dot are memory-bound at small M, where N / BLOCK_N programs alone would leave
+most of an H200's SMs idle: the K dimension is also split over SPLIT_K programs, whose partials the
+last one to finish sums (``split_k.py``).
 
 Integer to float without the converter: an int->float conversion issues at 1/8 of the FMA rate
 (CUDA C Programming Guide, arithmetic instruction throughput, cc 9.0), slower than HBM delivers
@@ -70,6 +64,7 @@ import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
 from minillm.kernels.int_float import int8_to_float
+from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
 # The layout's helpers live in a Triton-free file; re-exported so that one import serves.
 from minillm.kernels.quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
                                         unpack_int4, unpack_int4_along_n)
@@ -84,7 +79,6 @@ GEMV_MAX_M = 1
 DEQUANT_MIN_M = 128
 _SPLIT_MAX_M = 64  # above this, enough programs come from M tiles alone: no split-K, no partials
 _ONE_BITS = 0x3F800000  # the float 1.0: mantissa bits 19..22 under its exponent count sixteenths
-_MAX_TILES = 1 << 16  # arrival counters per device: column tiles x row tiles of one split-K launch
 
 
 def _configs(rows: list[tuple], names: tuple[str, ...]) -> list[triton.Config]:
@@ -134,14 +128,6 @@ def w8a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 
 @triton.jit
-def _split_range(rows, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr):
-    """This program's part [start, end) of the reduction dim: SPLIT_K runs of whole tiles (some may be empty)."""
-    per_split = tl.cdiv(tl.cdiv(rows, SPLIT_K), BLOCK) * BLOCK
-    start = tl.program_id(1) * per_split
-    return start, tl.minimum(start + per_split, rows)
-
-
-@triton.jit
 def _one_plus_sixteenth(v, one_bits):
     """1 + v / 16 as fp32, exactly, for int32 v whose bits 19..22 hold v (all other bits are ignored).
     ``one_bits`` is 0x3F800000, the float 1.0, passed in as an argument: as a second immediate next to
@@ -159,6 +145,12 @@ def _nibble(packed, j: tl.constexpr, one_bits):
 
 
 @triton.jit
+def _zero_point(packed_zero, n, one_bits):
+    """1 + z / 16 for columns n, from zeros packed eight columns per int32 (nibble n % 8)."""
+    return _one_plus_sixteenth((packed_zero >> ((n % 8) * 4)) << 19, one_bits)
+
+
+@triton.jit
 def _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits, stride_q, stride_s, stride_z, BLOCK_KP: tl.constexpr):
     """Packed rows r = r0 .. r0 + BLOCK_KP (those below end) of columns n: (r, the packed int32 words,
     their scales in fp32, 1 + zero / 16), each [BLOCK_KP, len(n)] but r."""
@@ -168,28 +160,7 @@ def _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits, stride_q, stride_s
     g = (8 * r) // group_size  # all eight weights of packed row r share this group (group_size % 8 == 0)
     scale = tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
     packed_zero = tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0)
-    return r, packed, scale, _one_plus_sixteenth((packed_zero >> ((n % 8) * 4)[None, :]) << 19, one_bits)
-
-
-@triton.jit
-def _finish(acc, Y, Partials, Counters, m, n, mask, M, N, stride_ym, tile, SPLIT_K: tl.constexpr):
-    """Write the [BLOCK_M, BLOCK_N] result; with split-K, the last program of the tile sums the partials."""
-    y_ptrs = Y + m[:, None] * stride_ym + n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask)
-    else:
-        part_ptrs = Partials + m[:, None] * N + n[None, :]  # Partials [SPLIT_K, M, N] fp32
-        tl.store(part_ptrs + tl.program_id(1) * M * N, acc, mask=mask)
-        # Every thread's stores happen before thread 0's release (barrier, then acq_rel atomic), so
-        # the program that sees SPLIT_K - 1 earlier arrivals sees every partial (CUTLASS's semaphore).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Counters + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for s in tl.static_range(SPLIT_K):  # in split order, whichever program came last: deterministic
-                total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")  # L2, not L1
-            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=mask)
-            tl.store(Counters + tile, 0)  # clean for the next launch or graph replay
+    return r, packed, scale, _zero_point(packed_zero, n[None, :], one_bits)
 
 
 # ----------------------------------------------------------------------------- W4A16 kernels
@@ -202,7 +173,7 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
     """Program (row m and column tile, split): one row of x, BLOCK_N columns, a split of the K // 8 packed rows."""
     m = tl.program_id(0) % M  # the M programs of a column tile run side by side and share its weights in L2
     n = tl.program_id(0) // M * BLOCK_N + tl.arange(0, BLOCK_N)
-    start, end = _split_range(K // 8, BLOCK_KP, SPLIT_K)
+    start, end = split_range(K // 8, BLOCK_KP, SPLIT_K)
     acc = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
     for r0 in range(start, end, BLOCK_KP):
         r, packed, scale, zero = _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
@@ -215,7 +186,7 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
             part += x[:, None] * _nibble(packed, j, one_bits)  # sum_j x_j (1 + q_j / 16): one FMA per weight
         # sum_j x_j (q_j - z) = 16 (part - (1 + z / 16) sum_j x_j); the 16 waits for the end.
         acc += scale * (part - zero * x_sum[:, None])
-    _finish(16.0 * tl.sum(acc, axis=0)[None, :], Y, Partials, Counters, m + tl.arange(0, 1), n, (n < N)[None, :],
+    finish(16.0 * tl.sum(acc, axis=0)[None, :], Y, Partials, Counters, m + tl.arange(0, 1), n, (n < N)[None, :],
             M, N, stride_ym, tl.program_id(0), SPLIT_K)
 
 
@@ -229,7 +200,7 @@ def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     x_rows = X + m.to(tl.int64)[:, None] * stride_xm
-    start, end = _split_range(K, BLOCK_K, SPLIT_K)  # whole tiles of BLOCK_K inputs, so tiles start group-aligned
+    start, end = split_range(K, BLOCK_K, SPLIT_K)  # whole tiles of BLOCK_K inputs, so tiles start group-aligned
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # Row k = 8r + j of the tile is nibble j of packed row r: shifting each packed word by 4j for
     # j = 0..7 gives a [BLOCK_K // 8, 8, BLOCK_N] block whose row-major order is k's order.
@@ -243,20 +214,20 @@ def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
             g = k0 // group_size
             scale = 16.0 * tl.load(S + g * stride_s + n, mask=n < N, other=0.0).to(tl.float32)
             packed_zero = tl.load(Z + g * stride_z + n // 8, mask=n < N, other=0)
-            zero = _one_plus_sixteenth((packed_zero >> ((n % 8) * 4)) << 19, one_bits)
+            zero = _zero_point(packed_zero, n, one_bits)
             w = (nibbles - zero[None, None, :]) * scale[None, None, :]
         else:
             g = (8 * r) // group_size  # the eight weights of a packed row share a group (group_size % 8 == 0)
             scale = 16.0 * tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
             packed_zero = tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0)
-            zero = _one_plus_sixteenth((packed_zero >> ((n % 8) * 4)[None, :]) << 19, one_bits)
+            zero = _zero_point(packed_zero, n[None, :], one_bits)
             w = (nibbles - zero[:, None, :]) * scale[:, None, :]
         # (1 + q/16 - (1 + z/16)) * 16 s = (q - z) s exactly in fp32, rounded once to x's dtype: the reference's weight.
         w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(X.dtype.element_ty)
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=(m < M)[:, None] & (k < end)[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision="ieee")  # "ieee": fp32 x gets fp32 products, not TF32
-    _finish(acc, Y, Partials, Counters, m.to(tl.int64), n, (m < M)[:, None] & (n < N)[None, :], M, N, stride_ym,
+    finish(acc, Y, Partials, Counters, m.to(tl.int64), n, (m < M)[:, None] & (n < N)[None, :], M, N, stride_ym,
             tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), SPLIT_K)
 
 
@@ -286,7 +257,7 @@ def _w8_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym, QW,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     m = tl.program_id(0) % M
     n = tl.program_id(0) // M * BLOCK_N + tl.arange(0, BLOCK_N)
-    start, end = _split_range(K, BLOCK_K, SPLIT_K)
+    start, end = split_range(K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for k0 in range(start, end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -294,7 +265,7 @@ def _w8_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym, QW,
         x = tl.load(X + m * stride_xm + k, mask=k < end, other=0.0).to(tl.float32)
         acc += x[:, None] * int8_to_float(q)
     scale = tl.load(S + n, mask=n < N, other=0.0).to(tl.float32)
-    _finish((tl.sum(acc, axis=0) * scale)[None, :], Y, Partials, Counters, m + tl.arange(0, 1), n,
+    finish((tl.sum(acc, axis=0) * scale)[None, :], Y, Partials, Counters, m + tl.arange(0, 1), n,
             (n < N)[None, :], M, N, stride_ym, tl.program_id(0), SPLIT_K)
 
 
@@ -304,7 +275,7 @@ def _w8_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym, QW, 
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     x_rows = X + m.to(tl.int64)[:, None] * stride_xm
-    start, end = _split_range(K, BLOCK_K, SPLIT_K)
+    start, end = split_range(K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(start, end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -313,7 +284,7 @@ def _w8_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym, QW, 
         # |q| <= 128 is exact in every float dtype: the per-channel scale waits for the end.
         acc = tl.dot(x, int8_to_float(q).to(X.dtype.element_ty), acc, input_precision="ieee")
     scale = tl.load(S + n, mask=n < N, other=0.0).to(tl.float32)
-    _finish(acc * scale[None, :], Y, Partials, Counters, m.to(tl.int64), n, (m < M)[:, None] & (n < N)[None, :],
+    finish(acc * scale[None, :], Y, Partials, Counters, m.to(tl.int64), n, (m < M)[:, None] & (n < N)[None, :],
             M, N, stride_ym, tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), SPLIT_K)
 
 
@@ -341,19 +312,6 @@ _KERNELS = {  # name -> (the kernel, the kernel autotuned on CUDA)
                                                prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w8_dot_kernel)),
 }
 _MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in _W4_GEMV + _W4_DOT + _W8_GEMV + _W8_DOT)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device) -> torch.Tensor:
-    """The device's split-K arrival counters, zeroed once; the kernels leave them at zero."""
-    if device not in _COUNTERS:
-        check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
-              "the first quantized matmul on a device allocates its split-K counters; run one before capturing "
-              "a CUDA graph (the autotuner needs an eager call anyway)")
-        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
 def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: str | None, config: dict | None,
             out: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] -> y [..., N] through format ``fmt``'s GEMV or dot kernel; ``weights`` are the
@@ -375,9 +333,9 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
     # Autotuned split-K configs exist only for M <= _SPLIT_MAX_M (see the pruning): no partials beyond.
     splits = config["SPLIT_K"] if config else (_MAX_SPLIT_K if rows <= _SPLIT_MAX_M else 1)
     partials = torch.empty(splits * rows * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
-    check(splits == 1 or triton.cdiv(n, 32) * triton.cdiv(rows, 16) <= _MAX_TILES,
-          f"a split-K launch with N = {n}, M = {rows} needs more than {_MAX_TILES} tile counters")
-    args = (x, y, partials, _tile_counters(x.device), rows, n, x.shape[1], x.stride(0), y.stride(0), *weights)
+    check(splits == 1 or triton.cdiv(n, 32) * triton.cdiv(rows, 16) <= MAX_TILES,
+          f"a split-K launch with N = {n}, M = {rows} needs more than {MAX_TILES} tile counters")
+    args = (x, y, partials, tile_counters(x.device), rows, n, x.shape[1], x.stride(0), y.stride(0), *weights)
     if path == "gemv":
         consts = {}
         grid = lambda meta: (rows * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kernels import quant_matmul
+from minillm.kernels import quant_matmul, split_k
 from minillm.kernels.quant_matmul import (pack_int4, pack_int4_along_n, unpack_int4, unpack_int4_along_n,
                                           w4a16_matmul, w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref)
 
@@ -51,7 +51,7 @@ def poisoned(shape, dtype) -> torch.Tensor:
 
 def counters_are_clean() -> bool:
     """Split-K launches must leave their arrival counters at zero, or the next launch (or graph replay) breaks."""
-    return all(int(c.abs().sum()) == 0 for c in quant_matmul._COUNTERS.values())
+    return all(int(c.abs().sum()) == 0 for c in split_k.COUNTERS.values())
 
 
 # ----------------------------------------------------------------------------- packing
