@@ -63,7 +63,18 @@ class DecodeGraphs:
         self._capture_all()
 
     def fits(self, batch: int) -> bool:
-        return batch <= self.sizes[-1]
+        return bool(self.graphs) and batch <= self.sizes[-1]
+
+    def release(self) -> None:
+        """Destroy the graphs (later decode steps run eagerly). A parallel engine must do this before
+        its NCCL communicator is destroyed: NCCL's teardown waits until every CUDA graph that captured
+        one of its collectives is gone (``commDestroySync`` in NCCL's init.cc; pytorch/pytorch#115388),
+        so a live graph makes ``destroy_process_group`` wait forever."""
+        torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
 
     def _forward(self, size: int) -> torch.Tensor:
         step = PagedStep(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size],

@@ -74,7 +74,10 @@ class Workers:
         self.processes, self.connections = list(processes), list(connections)
         # Step metadata are pickled Python lists: they travel over gloo even when the layers use NCCL.
         self.meta_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        self._finalizer = weakref.finalize(self, _shutdown, part.rank, self.meta_group, self.processes)
+        # Called before the group is destroyed (the Engine adds its CUDA graphs' release).
+        self.before_shutdown: list = []
+        self._finalizer = weakref.finalize(self, _shutdown, part.rank, self.meta_group, self.processes,
+                                           self.before_shutdown)
         atexit.register(self._finalizer)  # registered after multiprocessing's own exit hook, so it runs first
 
     @property
@@ -180,20 +183,23 @@ def live_driver() -> Workers | None:
     return None if driver is None or driver.closed else driver
 
 
-def _shutdown(rank: int, meta_group, processes: list) -> None:
+def _shutdown(rank: int, meta_group, processes: list, before_shutdown: list) -> None:
     if not dist.is_initialized():
         return
-    if rank == 0:
-        if all(p.is_alive() for p in processes):  # a dead peer would make the broadcast fail
-            try:
-                dist.broadcast_object_list([None], src=0, group=meta_group)
-            except RuntimeError:
-                pass  # a rank that died meanwhile: it is terminated below
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.terminate()
+    for release in before_shutdown:
+        release()
+    if rank == 0 and all(p.is_alive() for p in processes):  # a dead peer would make the broadcast fail
+        try:
+            dist.broadcast_object_list([None], src=0, group=meta_group)
+        except RuntimeError:
+            pass  # a rank that died meanwhile: it is terminated below
+    # Every rank destroys the group at the same time (rank 0 joins its workers only afterwards):
+    # NCCL's communicator teardown can wait on the other ranks of the node.
     dist.destroy_process_group()
+    for process in processes:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.terminate()
 
 
 def _worker_main(config, rank: int, address: str, connection, num_threads: int) -> None:
