@@ -85,6 +85,16 @@ def test_close_stops_the_workers():
         llm.generate([[1, 2]], GREEDY, use_tqdm=False)
 
 
+def test_close_runs_the_release_hooks_before_the_group_is_destroyed():
+    # On GPUs the hook destroys the CUDA graphs: NCCL's teardown waits until graphs holding its collectives are gone.
+    llm = LLM("tiny", load_format="dummy", tensor_parallel_size=2, **CONTINUOUS)
+    seen = []
+    llm.engine.workers.before_shutdown.append(lambda: seen.append(torch.distributed.is_initialized()))
+    llm.close()
+    assert seen == [True]
+    assert not torch.distributed.is_initialized()
+
+
 TORCHRUN_SCRIPT = """
 import torch
 torch.set_num_threads(1)

@@ -30,3 +30,15 @@ def greedy_tokens(**kwargs) -> list[list[int]]:
 
 def test_tp2_on_two_gpus_gives_the_one_gpu_tokens():
     assert greedy_tokens(tensor_parallel_size=2) == greedy_tokens()
+
+
+def test_pp2_on_two_gpus_gives_the_one_gpu_tokens():
+    assert greedy_tokens(pipeline_parallel_size=2) == greedy_tokens()
+
+
+def test_close_destroys_the_captured_graphs_first():
+    llm = LLM("tiny", load_format="dummy", batching="continuous", tensor_parallel_size=2)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.graphs
+    llm.close()  # would wait forever in NCCL's teardown with the graphs alive
+    assert not graphs.graphs
