@@ -194,14 +194,15 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
 def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
                    QW, S, Z, group_size, one_bits, stride_q, stride_s, stride_z, M_BUCKET,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   ONE_GROUP: tl.constexpr):
+                   ONE_GROUP: tl.constexpr, SWAP_AB: tl.constexpr = False):
     """Program (column tile, split, row tile): y[m, n] over a split of K, BLOCK_K inputs per dot.
-    M_BUCKET is only the autotuner's key; ONE_GROUP: every tile lies inside one group."""
+    M_BUCKET is only the autotuner's key; ONE_GROUP: every tile lies inside one group; SWAP_AB:
+    compute y^T = W^T x^T (see the module docstring)."""
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     x_rows = X + m.to(tl.int64)[:, None] * stride_xm
     start, end = split_range(K, BLOCK_K, SPLIT_K)  # whole tiles of BLOCK_K inputs, so tiles start group-aligned
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), tl.float32)
     # Row k = 8r + j of the tile is nibble j of packed row r: shifting each packed word by 4j for
     # j = 0..7 gives a [BLOCK_K // 8, 8, BLOCK_N] block whose row-major order is k's order.
     shifts = 4 * tl.arange(0, 8)
@@ -222,11 +223,17 @@ def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
             packed_zero = tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0)
             zero = _zero_point(packed_zero, n[None, :], one_bits)
             w = (nibbles - zero[:, None, :]) * scale[:, None, :]
-        # (1 + q/16 - (1 + z/16)) * 16 s = (q - z) s exactly in fp32, rounded once to x's dtype: the reference's weight.
-        w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(X.dtype.element_ty)
+        # (1 + q/16 - (1 + z/16)) * 16 s = (q - z) s exactly in fp32, rounded once to x's dtype: the
+        # reference's weight. Rounded before the reshape, so a reshape that moves data moves half the bytes.
+        w = tl.reshape(w.to(X.dtype.element_ty), (BLOCK_K, BLOCK_N))
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=(m < M)[:, None] & (k < end)[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision="ieee")  # "ieee": fp32 x gets fp32 products, not TF32
+        if SWAP_AB:
+            acc = tl.dot(tl.trans(w), tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc, input_precision="ieee")  # "ieee": fp32 x gets fp32 products, not TF32
+    if SWAP_AB:
+        acc = tl.trans(acc)
     finish(acc, Y, Partials, Counters, m.to(tl.int64), n, (m < M)[:, None] & (n < N)[None, :], M, N, stride_ym,
             tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), SPLIT_K)
 

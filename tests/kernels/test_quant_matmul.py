@@ -185,6 +185,20 @@ def test_w4a16_split_counts_agree(path, config):
     assert torch.equal(first, again) and counters_are_clean()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, group_size, config", [
+    (37, 128, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1)),  # three row tiles, one group per tile
+    (5, 64, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=2)),    # tiles span two groups, split-K
+])
+def test_w4a16_swapped_dot_matches_reference(dtype, m, group_size, config):
+    """SWAP_AB computes y^T = W^T x^T (the weight as the dot's first operand): the same y."""
+    x, qweight, scales, zeros, _, _ = int4_problem(m, 576, 40, group_size, dtype, seed=m)
+    y = w4a16_matmul(x, qweight, scales, zeros, group_size, path="dot", config={**config, "SWAP_AB": True},
+                     out=poisoned((m, 40), dtype))
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, group_size), dtype)
+    assert counters_are_clean()
+
+
 @pytest.mark.parametrize("path, config", [("gemv", dict(BLOCK_N=32, BLOCK_K=16, SPLIT_K=3)),
                                           ("dot", dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=1))])
 def test_w8a16_pinned_configs(path, config):
