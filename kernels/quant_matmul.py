@@ -28,7 +28,11 @@ Paths, chosen by M (the number of tokens):
   into a [BLOCK_K // 8, 8, BLOCK_N] block, whose row-major order is k's; it is dequantized to x's
   dtype, reshaped to [BLOCK_K, BLOCK_N] and fed to one ``tl.dot`` with x's contiguous
   [BLOCK_M, BLOCK_K] tile. (An earlier version did eight dots of K = BLOCK_K / 8 per tile, one per
-  nibble plane, with x read at stride 8: 4 to 15 times slower than bf16 on an H200.)
+  nibble plane, with x read at stride 8: 4 to 15 times slower than bf16 on an H200.) With SWAP_AB
+  the kernel computes y^T = W^T x^T: on Hopper a warpgroup MMA takes its second operand from shared
+  memory only, but its first may come from registers, and it wants 64 rows there; swapped, those
+  are BLOCK_N weight columns instead of BLOCK_M tokens. Only a pinned config reaches it until
+  measured on an H200.
 - **dequant** (W4A16 only, M >= DEQUANT_MIN_M, prefill): one kernel writes the weight in x's dtype
   to a temporary, then ``torch.matmul`` (cuBLAS). Once M is large the GEMM is compute-bound, and
   cuBLAS's tensor-core pipeline beats a Triton dot whose B operand is rebuilt in registers per tile.
