@@ -39,3 +39,5 @@ def test_bench_parallel_cpu(tmp_path, capsys):
     assert "tp1" not in runs and runs["1"]["ranks"] == 1 and runs["pp2"]["ranks"] == 2
     table = capsys.readouterr().out
     assert "skipped: pipeline_parallel_size=3" in table and format_parallel_table(result) in table
+    # The file is rewritten after each measured configuration: a run cut short keeps what it measured.
+    assert "done: 1\n" in table and "done: 1, tp2\n" in table and "done: 1, tp2, tp3, pp2\n" in table

@@ -142,9 +142,15 @@ def cmd_bench_parallel(args) -> None:
 
     kwargs = engine_kwargs(args)
     kwargs.pop("batching")  # the benchmark sets it: continuous
+    def progress(document: dict) -> None:
+        print(f"done: {', '.join(document['runs'])}", flush=True)
+        if args.output:
+            write_result(document, args.output)
+
     result = bench_parallel(model=args.model, sizes=args.sizes, modes=args.modes, workload=args.workload,
                             scale=args.scale, num_requests=args.num_requests, latency_runs=args.latency_runs,
-                            micro_batches=args.micro_batches, command=args.command_line, **kwargs)
+                            micro_batches=args.micro_batches, command=args.command_line, on_progress=progress,
+                            **kwargs)
     if args.output:
         print(f"wrote {write_result(result, args.output)}")
     print(format_parallel_table(result))

@@ -43,8 +43,10 @@ BUBBLE_OUTPUT = {"gpu": 64, "cpu": 16}  # ... for this many tokens each, once pe
 
 def bench_parallel(*, model: str | None, load_format: str, sizes: list[int], modes: list[str], workload: str,
                    scale: str, num_requests: int | None, latency_runs: int | None, micro_batches: list[int],
-                   seed: int = 0, command: str = "", **engine_kwargs) -> dict:
-    """Run every configuration in turn (one LLM alive at a time) and return the result document."""
+                   seed: int = 0, command: str = "", on_progress=None, **engine_kwargs) -> dict:
+    """Run every configuration in turn (one LLM alive at a time) and return the result document.
+    ``on_progress(document)`` gets the document so far after each configuration (the CLI writes it:
+    a run cut short by a time limit keeps what it measured)."""
     check_choices("mode", modes, MODES)
     if any(not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"sizes must be positive integers, got {sizes}")
@@ -54,6 +56,11 @@ def bench_parallel(*, model: str | None, load_format: str, sizes: list[int], mod
     configurations = [("1", {})] + [(f"{mode}{n}", {MODES[mode]: n}) for mode in modes
                                     for n in sorted(set(sizes)) if n > 1]
     runs, reference, facts = {}, None, {}
+
+    def document() -> dict:
+        return {**result_header("parallel", workload, facts.get("model", str(model)), command), "scale": scale,
+                "dtype": facts.get("dtype"), "sizes": sorted(set(sizes) | {1}), "modes": list(modes), "runs": runs}
+
     for name, parallel in configurations:
         try:
             llm = LLM(model, load_format=load_format, seed=seed, batching="continuous", **parallel, **engine_kwargs)
@@ -74,8 +81,9 @@ def bench_parallel(*, model: str | None, load_format: str, sizes: list[int], mod
                 torch.cuda.empty_cache()
         reference = reference or tokens
         runs[name]["greedy_agreement"] = sum(a == b for a, b in zip(tokens, reference)) / len(reference)
-    return {**result_header("parallel", workload, facts.get("model", str(model)), command), "scale": scale,
-            "dtype": facts.get("dtype"), "sizes": sorted(set(sizes) | {1}), "modes": list(modes), "runs": runs}
+        if on_progress is not None:
+            on_progress(document())
+    return document()
 
 
 def _measure(llm: LLM, workload: str, scale: str, num_requests: int | None, latency_runs: int | None,
