@@ -60,7 +60,11 @@ class DecodeGraphs:
         self.num_replays = 0  # decode steps served from a graph (the benchmarks report it)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self._capture_all()
+        try:
+            self._capture_all()
+        except BaseException:
+            self.release()  # graphs captured before the failure would otherwise outlive it (see release)
+            raise
 
     def fits(self, batch: int) -> bool:
         return bool(self.graphs) and batch <= self.sizes[-1]

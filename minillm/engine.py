@@ -166,7 +166,7 @@ class Engine:
             graphs = DecodeGraphs(self.model, cache, make_attention, min(c.max_num_seqs, num_blocks),
                                   self.max_model_len, self.device)
             if self.workers is not None:
-                self.workers.before_shutdown.append(graphs.release)
+                self.workers.on_shutdown(graphs.release)
         if self.stage is not None:
             self.runner = PipelineRunner(self.model, cache, self.block_tables, self.device, c.seed, make_attention,
                                          self.workers, c.pipeline_micro_batches)

@@ -89,10 +89,24 @@ def test_close_runs_the_release_hooks_before_the_group_is_destroyed():
     # On GPUs the hook destroys the CUDA graphs: NCCL's teardown waits until graphs holding its collectives are gone.
     llm = LLM("tiny", load_format="dummy", tensor_parallel_size=2, **CONTINUOUS)
     seen = []
-    llm.engine.workers.before_shutdown.append(lambda: seen.append(torch.distributed.is_initialized()))
+    llm.engine.workers.on_shutdown(lambda: seen.append(torch.distributed.is_initialized()))
     llm.close()
     assert seen == [True]
     assert not torch.distributed.is_initialized()
+
+
+def test_a_failing_release_hook_still_brings_the_group_down():
+    llm = LLM("tiny", load_format="dummy", tensor_parallel_size=2, **CONTINUOUS)
+    workers = llm.engine.workers.processes
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    llm.engine.workers.on_shutdown(broken)
+    with pytest.warns(RuntimeWarning, match="illegal memory access"):
+        llm.close()
+    assert not torch.distributed.is_initialized()
+    assert [p.exitcode for p in workers] == [0]  # told to stop, not killed
 
 
 TORCHRUN_SCRIPT = """

@@ -142,8 +142,9 @@ def cmd_bench_parallel(args) -> None:
 
     kwargs = engine_kwargs(args)
     kwargs.pop("batching")  # the benchmark sets it: continuous
+
     def progress(document: dict) -> None:
-        print(f"done: {', '.join(document['runs'])}", flush=True)
+        print(f"done: {', '.join(document['runs'])}", flush=True)  # skipped sizes are listed too
         if args.output:
             write_result(document, args.output)
 

@@ -310,7 +310,9 @@ def format_table(result: dict) -> str:
 def write_result(result: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2) + "\n")
+    partial.replace(path)  # atomic: a run killed mid-write keeps the previous complete file
     return path
 
 

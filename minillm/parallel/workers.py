@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import warnings
 import weakref
 from datetime import timedelta
 
@@ -74,11 +75,15 @@ class Workers:
         self.processes, self.connections = list(processes), list(connections)
         # Step metadata are pickled Python lists: they travel over gloo even when the layers use NCCL.
         self.meta_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        # Called before the group is destroyed (the Engine adds its CUDA graphs' release).
-        self.before_shutdown: list = []
+        self.before_shutdown: list = []  # see on_shutdown
         self._finalizer = weakref.finalize(self, _shutdown, part.rank, self.meta_group, self.processes,
                                            self.before_shutdown)
         atexit.register(self._finalizer)  # registered after multiprocessing's own exit hook, so it runs first
+
+    def on_shutdown(self, release) -> None:
+        """Call ``release()`` on this rank before the group is destroyed (the Engine's CUDA graphs:
+        NCCL's teardown waits until every graph that captured one of its collectives is gone)."""
+        self.before_shutdown.append(release)
 
     @property
     def closed(self) -> bool:
@@ -187,19 +192,34 @@ def _shutdown(rank: int, meta_group, processes: list, before_shutdown: list) -> 
     if not dist.is_initialized():
         return
     for release in before_shutdown:
-        release()
+        try:
+            release()
+        except Exception as e:  # e.g. a CUDA error after a device fault: the group must still come down
+            warnings.warn(f"rank {rank}: {release} failed while shutting down: {e}", RuntimeWarning)
+    told = False
     if rank == 0 and all(p.is_alive() for p in processes):  # a dead peer would make the broadcast fail
         try:
             dist.broadcast_object_list([None], src=0, group=meta_group)
+            told = True
         except RuntimeError:
-            pass  # a rank that died meanwhile: it is terminated below
-    # Every rank destroys the group at the same time (rank 0 joins its workers only afterwards):
-    # NCCL's communicator teardown can wait on the other ranks of the node.
+            pass  # a rank that died meanwhile
+    if rank == 0 and not told:
+        # Some rank is gone or did not hear the end: stop them all before destroying, since NCCL's
+        # teardown may wait on the other ranks of the node.
+        _stop(processes, timeout=0)
+    # Every told rank destroys the group at the same time, rank 0 included (it joins its workers
+    # only afterwards), for the same reason.
     dist.destroy_process_group()
+    _stop(processes, timeout=30)
+
+
+def _stop(processes: list, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for each process to exit, then terminate it."""
     for process in processes:
-        process.join(timeout=30)
+        process.join(timeout=timeout)
         if process.is_alive():
             process.terminate()
+            process.join(timeout=5)
 
 
 def _worker_main(config, rank: int, address: str, connection, num_threads: int) -> None:
