@@ -55,6 +55,9 @@ def add_model_args(p: argparse.ArgumentParser, several_quantizations: bool = Fal
                             "-g64 / -channel / -sym (e.g. gptq-int4-g64); a quantized checkpoint needs none")
     g.add_argument("--calibration-samples", type=int, default=32,
                    help="gptq / awq: 512-token calibration samples from the corpus (default %(default)s)")
+    g.add_argument("--cpu-offload-gb", type=float, default=0,
+                   help="GiB of weights kept in CPU memory (whole decoder layers, the last ones), copied to the "
+                        "device in every forward pass (default 0)")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -80,4 +83,5 @@ def engine_kwargs(args) -> dict:
                 memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                quantization=args.quantization, calibration_samples=args.calibration_samples)
+                quantization=args.quantization, calibration_samples=args.calibration_samples,
+                cpu_offload_gb=args.cpu_offload_gb)

@@ -56,6 +56,8 @@ class EngineConfig:
     #                                  "awq-int4" | "fp8", INT4 with -g64 / -channel ... (minillm.quant.spec);
     #                                  a quantized checkpoint loads as saved (give None or its own name)
     calibration_samples: int = 32  # gptq / awq on load: 512-token samples of the corpus's calibration part
+    cpu_offload_gb: float = 0  # GiB of weights kept in CPU memory, whole decoder layers (the last ones), copied
+    #                            in every forward pass (minillm/offload.py); the device keeps the rest + 2 layers
 
     def __post_init__(self):
         if self.batching not in BATCHING_MODES:
@@ -117,6 +119,9 @@ class EngineConfig:
         if isinstance(self.calibration_samples, bool) or not isinstance(self.calibration_samples, int) \
                 or self.calibration_samples < 1:
             raise ValueError(f"calibration_samples must be a positive integer, got {self.calibration_samples!r}")
+        if isinstance(self.cpu_offload_gb, bool) or not isinstance(self.cpu_offload_gb, (int, float)) \
+                or not self.cpu_offload_gb >= 0:
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0 (0 = no offload), got {self.cpu_offload_gb!r}")
         counts = ["tensor_parallel_size", "pipeline_parallel_size"]
         if self.pipeline_micro_batches is not None:
             counts.append("pipeline_micro_batches")
@@ -148,6 +153,9 @@ class EngineConfig:
             if self.preemption_mode != "recompute":
                 raise ValueError(f"{parallel[0]} > 1 needs preemption_mode='recompute', "
                                  f"got {self.preemption_mode!r}")
+            if self.cpu_offload_gb:  # the offloader hooks one process's whole model, not a shard or a stage
+                raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb} with {parallel[0]} > 1 is not supported; "
+                                 f"offload in one process (cpu_offload_gb) or split the model, not both")
         if self.pipeline_parallel_size > 1:
             # Micro-batches hand activations between processes mid-step: no graph spans that.
             self.enforce_eager = True

@@ -25,6 +25,7 @@ from minillm.kv.quant import kv_bytes_per_token
 from minillm.kv.radix import RadixCache
 from minillm.kv.swap import KVSwapper, swap_blocks_that_fit
 from minillm.model.loader import load_model, model_bytes, resolve_dtype
+from minillm.offload import offload_layers
 from minillm.parallel.pp import PipelineRunner, Stage, stage_footprints
 from minillm.parallel.workers import Workers
 from minillm.request import Request, RequestOutput, SamplingParams
@@ -87,8 +88,14 @@ class Engine:
         if window is not None and self.max_model_len > window:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's sliding window ({window}); "
                              f"minillm has no sliding-window attention, so keep max_model_len <= {window}")
-        # Parameters and buffers: quantized layers keep their packed weights in buffers.
-        self.weight_bytes = model_bytes(self.model)
+        # Before the caches are sized and the decode graphs captured (the graphs capture its copies).
+        self.offloader = offload_layers(self.model, config.cpu_offload_gb, self.device)
+        self.offloaded_weight_bytes = 0 if self.offloader is None else self.offloader.offloaded_bytes
+        # Weights on the device, what the memory budget charges: parameters and buffers (quantized layers
+        # keep their packed weights in buffers), less the offloaded layers, plus their two staging buffers.
+        self.weight_bytes = model_bytes(self.model) - self.offloaded_weight_bytes
+        if self.offloader is not None:
+            self.weight_bytes += self.offloader.staging_bytes
         # Scales included with a quantized kv_cache_dtype: this is what the memory budget divides by.
         self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, config.kv_cache_dtype, self.dtype)
         self.attention_backend: str | None = None  # the paged cache's; the contiguous cache has one path

@@ -157,6 +157,33 @@ def cmd_bench_parallel(args) -> None:
     print(format_parallel_table(result))
 
 
+OFFLOAD_DESCRIPTION = """\
+What cpu_offload_gb costs: for each amount (0 GiB always runs first, as the reference), one engine
+(continuous batching; CUDA graphs on GPUs, the weight copies captured inside) measures batch-1 decode
+tok/s and the throughput of a small workload, beside the bytes that cross PCIe per step, the time
+floor they set at the host->device bandwidth measured in the same run, the device's weight bytes and
+the KV capacity left under the budget. Greedy tokens must equal the 0 GiB run's (agree = 100 %).
+
+examples:
+  minillm bench offload --model llama2-7b --load-format dummy --cpu-offload-gb 0 1 2 4 --memory-budget 24GB \\
+      --output figures/h200/offload.json
+  minillm bench offload --scale cpu --output figures/cpu/offload.json   # the embedded model, about a minute
+"""
+
+
+def cmd_bench_offload(args) -> None:
+    from minillm.bench.offload import bench_offload, format_offload_table
+
+    kwargs = engine_kwargs(args)
+    amounts = kwargs.pop("cpu_offload_gb")
+    kwargs.pop("batching")  # the benchmark sets it: continuous
+    result = bench_offload(model=args.model, amounts=amounts, workload=args.workload, scale=args.scale,
+                           num_requests=args.num_requests, latency_runs=args.latency_runs,
+                           command=args.command_line, **kwargs)
+    _write_with_plot(result, args.output)
+    print(format_offload_table(result))
+
+
 def add_bench_parser(sub) -> None:
     """The ``bench`` command and its subcommands, on ``sub`` (the top-level subparsers)."""
     from minillm.bench.harness import LATENCY_PEERS, PEERS, VARIANTS
@@ -166,7 +193,7 @@ def add_bench_parser(sub) -> None:
 
     p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
     bench = p.add_subparsers(dest="bench", required=True,
-                             metavar="{throughput,latency,kernels,kv-capacity,load,parallel,tuning-path}")
+                             metavar="{throughput,latency,kernels,kv-capacity,load,parallel,tuning-path,offload}")
     t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
     t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
     t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
@@ -243,3 +270,18 @@ def add_bench_parser(sub) -> None:
     add_model_args(t)
     # None: the scale's own (tuning_path.CALIBRATION_SAMPLES: 32 on gpu, 8 on cpu).
     t.set_defaults(func=cmd_bench_tuning_path, calibration_samples=None)
+    # "resolve": the sweep's --cpu-offload-gb (several amounts) replaces the model flags' single one.
+    t = bench.add_parser("offload", help="cpu_offload_gb swept: batch-1 decode and throughput against the "
+                                         "bytes crossing PCIe per step; table, JSON and plot",
+                         description=OFFLOAD_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                         conflict_handler="resolve")
+    t.add_argument("--workload", default="mixed", choices=list(WORKLOADS), help="the throughput workload")
+    t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
+    t.add_argument("--num-requests", type=int, default=None,
+                   help="requests of the throughput workload (default 32 gpu, 8 cpu)")
+    t.add_argument("--latency-runs", type=int, default=None, help="batch-1 requests timed (default 3 gpu, 2 cpu)")
+    t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
+    add_model_args(t)
+    t.add_argument("--cpu-offload-gb", nargs="+", type=float, default=None, metavar="GIB",
+                   help="GiB of weights in CPU memory, one run each (default 0 1 2 4 gpu, 0 0.05 0.1 cpu)")
+    t.set_defaults(func=cmd_bench_offload)

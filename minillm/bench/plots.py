@@ -1,7 +1,7 @@
 """Plots of the throughput and latency benchmarks, drawn from their JSON (so a committed JSON can be
 redrawn at any time: ``python -m minillm.bench.plots figures/h200/*.json``).
 
-``minillm bench throughput|latency|tuning-path --output x.json`` also writes ``x.png`` beside the JSON.
+``minillm bench throughput|latency|tuning-path|offload --output x.json`` also writes ``x.png`` beside the JSON.
 """
 
 from __future__ import annotations
@@ -65,16 +65,18 @@ def _save(plt, fig, path) -> Path:
 
 def plot_result(result: dict, json_path: str | Path) -> Path | None:
     """The plot for a benchmark result, beside its JSON; None for benchmarks without one here."""
+    from minillm.bench.offload import plot_offload
     from minillm.bench.tuning_path import plot_tuning_path
 
-    plotters = {"throughput": plot_throughput, "latency": plot_latency, "tuning-path": plot_tuning_path}
+    plotters = {"throughput": plot_throughput, "latency": plot_latency, "tuning-path": plot_tuning_path,
+                "offload": plot_offload}
     plot = plotters.get(result.get("benchmark"))
     return None if plot is None else plot(result, Path(json_path).with_suffix(".png"))
 
 
 def main(paths: list[str]) -> None:
     if not paths:
-        sys.exit("usage: python -m minillm.bench.plots RESULT.json [...]  (throughput, latency, tuning-path)")
+        sys.exit("usage: python -m minillm.bench.plots RESULT.json [...]  (throughput, latency, tuning-path, offload)")
     for path in paths:
         written = plot_result(json.loads(Path(path).read_text()), path)
         print(f"{path}: " + (f"wrote {written}" if written else "no plot for this benchmark"))

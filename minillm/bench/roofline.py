@@ -80,6 +80,18 @@ def measure_bandwidth(device: str | torch.device, nbytes: int | None = None, rep
     return 2 * src.nbytes / seconds / 1e9
 
 
+def measure_host_to_device_bandwidth(device: str | torch.device, nbytes: int | None = None,
+                                     repeats: int = 5) -> float:
+    """GB/s of a copy of ``nbytes`` from host memory (pinned when ``device`` is a GPU) to ``device``,
+    bytes counted once: the link that offloaded weights cross (PCIe on a GPU; on a CPU, a memcpy)."""
+    device = torch.device(device)
+    nbytes = nbytes or (2**30 if device.type == "cuda" else 2**28)
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(7)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds = _best_seconds(lambda: dst.copy_(src, non_blocking=True), device, repeats)
+    return nbytes / seconds / 1e9
+
+
 def measure_matmul_flops(device: str | torch.device, dtype: torch.dtype = torch.float32, n: int | None = None,
                          repeats: int = 10) -> float:
     """TFLOP/s of an n×n×n matmul (2·n³ FLOPs). Default n: 8192 on a GPU, 2048 on a CPU."""
