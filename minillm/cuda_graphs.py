@@ -16,6 +16,8 @@ A graph replays fixed kernels on fixed addresses with fixed shapes, so:
 - the attention kernels' launch grids depend on shapes only, never on the context lengths, which
   change every step (see ``kernels/paged_attention.py``).
 Only pure decode steps (every sequence brings one token) are captured; prefills run eagerly.
+With ``cpu_offload_gb`` the graphs also hold the offloader's copies (``minillm/offload.py``): they
+read its pinned host buffers and write its staging buffers, which live as long as the engine.
 """
 
 from __future__ import annotations

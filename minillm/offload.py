@@ -9,8 +9,8 @@ byte host -> device once, over PCIe (tens of GB/s; ``minillm bench offload`` mea
 of reading it from HBM (4.2 TB/s on the H200). Decode reads all weights every step, so a step
 takes at least ``bytes_per_step / PCIe bandwidth``: about 20 ms for 1 GiB, against ~3.2 ms for
 all of llama2-7b's 13.5 GB from HBM. Large batches share that cost; batch 1 pays all of it. Two
-staging buffers of one layer each stay on the device, so offloading fewer than three layers saves
-no device memory at all.
+staging buffers of one layer each stay on the device, so offloading two layers saves no device
+memory at all (one layer needs one buffer: it saves nothing either).
 
 How:
 - Whole decoder layers, the last ones (``layers_to_offload`` says why). Each one's parameters and
@@ -29,6 +29,10 @@ How:
   events (CUDA C++ Programming Guide, "Stream Capture", cross-stream dependencies). Turning graphs
   off instead would slow the offloaded runs by the launch overhead too (an eager llama2-7b step is
   bound by launches, ``cuda_graphs.py``), and the benchmark could no longer tell the two apart.
+
+Host memory: the pinned allocator rounds each layer's buffer up to a power of two (a 405 MB
+llama2-7b layer takes 512 MiB of pinned memory). The memory budget's workspace reserve is a tenth
+of the weights left on the device, so it shrinks a little as layers leave, although activations do not.
 
 The model is loaded onto the device first and then moved: offloading here gives an emulated card
 (``memory_budget``) its KV cache; loading straight into host memory is left out.
@@ -95,7 +99,8 @@ class LayerOffloader:
         self.tensors = [layer_tensors(model.model.layers[i]) for i in self.indices]
         layouts = [_layout(tensors) for tensors in self.tensors]
         size = max(end for _, end in layouts)
-        self.staging = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        # Two buffers (one when a single layer is offloaded: then it alone is staged, and costs nothing).
+        self.staging = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(indices)))]
         self.host: list[torch.Tensor] = []  # one flat buffer per offloaded layer
         self.host_views: list[list[torch.Tensor]] = []
         self.staging_views: list[list[torch.Tensor]] = []
@@ -104,11 +109,14 @@ class LayerOffloader:
             host_views = _views(host, tensors, offsets)
             for tensor, view in zip(tensors, host_views):
                 view.copy_(tensor)
-                tensor.data = view  # the device copy has no other owner: it is freed here
+                tensor.data = view  # the device copy has no other owner: it goes back to the allocator
             self.host.append(host)
             self.host_views.append(host_views)
             self.staging_views.append(_views(self.staging[j % 2], tensors, offsets))
-        self.side = torch.cuda.Stream(device) if cuda else None  # the copies' stream; None: copy in place
+        # The copies' stream (None on a CPU: copy in place). A high-priority stream comes from a pool of
+        # its own, so it cannot be one that torch.cuda.graph or a warm-up hands out for compute, which
+        # would serialise the copies behind the layers they should overlap.
+        self.side = torch.cuda.Stream(device, priority=-1) if cuda else None
         if cuda:
             self.step_start = torch.cuda.Event()
             self.copied = [torch.cuda.Event() for _ in self.indices]
@@ -136,6 +144,7 @@ class LayerOffloader:
         return sum(buffer.nbytes for buffer in self.staging)
 
     def _compute_stream(self) -> torch.cuda.Stream:
+        """The stream the layers run on now: the default one, a graph warm-up's, or the capture stream."""
         return torch.cuda.current_stream(self.device)
 
     def _copy_in(self, j: int) -> None:
@@ -149,6 +158,7 @@ class LayerOffloader:
             self.copied[j].record(self.side)
 
     def _start_step(self) -> None:
+        """At the start of a forward pass: start copying the first two offloaded layers."""
         if self.side is not None:
             # Fork: the side stream starts after all work queued so far, including the last step's
             # layers that read the staging buffers.
@@ -158,12 +168,14 @@ class LayerOffloader:
             self._copy_in(j)
 
     def _before_layer(self, j: int) -> None:
+        """Offloaded layer j is next: wait for its copy and point its tensors at the staging buffer."""
         if self.side is not None:
             self._compute_stream().wait_event(self.copied[j])  # its own copy only: later ones keep running
         for tensor, view in zip(self.tensors[j], self.staging_views[j]):
             tensor.data = view
 
     def _after_layer(self, j: int) -> None:
+        """Offloaded layer j is done: point its tensors back home and refill its buffer with layer j + 2."""
         for tensor, view in zip(self.tensors[j], self.host_views[j]):
             tensor.data = view
         if j + 2 >= len(self.indices):

@@ -52,6 +52,7 @@ def test_tiny_continuous_batch_gives_the_resident_tokens(batching, layers):
         sharpen(llm.engine)
         results.append(greedy(llm, prompts, max_tokens))
     assert llm.engine.offloader.indices == [0, 1][2 - layers:]  # the last layers
+    assert len(llm.engine.offloader.staging) == layers  # one layer needs one staging buffer, not two
     assert results[1] == results[0]
 
 
@@ -201,12 +202,37 @@ def test_graph_replay_with_offload_gives_the_resident_tokens():
     results = {}
     for gb in (0, 0.1):  # smollm2-135m's fp32 layers are 13.5 MiB: 8 layers offloaded
         for eager in (True, False):
-            engine = sharpen(tiny_engine(model="smollm2-135m", device="cuda", batching="continuous", block_size=4,
-                                         enforce_eager=eager, cpu_offload_gb=gb, num_kv_blocks=200,
-                                         max_num_batched_tokens=24, max_num_seqs=10))
+            engine = tiny_engine(model="smollm2-135m", device="cuda", batching="continuous", block_size=4,
+                                 enforce_eager=eager, cpu_offload_gb=gb, num_kv_blocks=200,
+                                 max_num_batched_tokens=24, max_num_seqs=10)
             results[gb, eager] = run_staggered(engine, prompts, max_tokens)
     offloader = engine.offloader
     assert len(offloader.indices) == 8 and engine.runner.graphs.num_replays > 10
     assert all(t.device.type == "cpu" and t.is_pinned() for tensors in offloader.tensors for t in tensors)
     assert all(buffer.is_cuda for buffer in offloader.staging)
     assert results[0.1, True] == results[0, True] and results[0.1, False] == results[0, False]
+
+
+@needs_cuda
+def test_slow_copies_and_stale_staging_cannot_change_the_graph_tokens(monkeypatch):
+    """Each copy starts after ~1 ms of spinning on the side stream, and the staging buffers start out
+    as garbage: a layer that ran before its copy landed (a missing wait, in a graph or eagerly) would
+    compute with stale or random weights and change the tokens."""
+    from minillm import offload
+    copy_in = offload.LayerOffloader._copy_in
+
+    def slow_copy_in(self, j):
+        with torch.cuda.stream(self.side):
+            torch.cuda._sleep(2_000_000)  # clock cycles
+        copy_in(self, j)
+
+    prompts, max_tokens = random_prompts(8, seed=5)
+    kwargs = dict(model="smollm2-135m", device="cuda", batching="continuous", block_size=4, num_kv_blocks=200,
+                  max_num_batched_tokens=24, max_num_seqs=10)
+    resident = run_staggered(tiny_engine(**kwargs), prompts, max_tokens)
+    monkeypatch.setattr(offload.LayerOffloader, "_copy_in", slow_copy_in)
+    engine = tiny_engine(cpu_offload_gb=0.1, **kwargs)
+    for buffer in engine.offloader.staging:
+        buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8, device=buffer.device))
+    assert run_staggered(engine, prompts, max_tokens) == resident
+    assert engine.runner.graphs.num_replays > 10

@@ -9,8 +9,10 @@ engine runs by default (continuous batching; CUDA graphs on GPUs, the copies cap
 - **throughput** on a small workload (``mixed``, 32 requests on a GPU), where a batch shares it;
 - what crosses PCIe per step (``pcie_bytes_per_step``), the device's weight bytes (resident layers
   plus two staging buffers) and the KV capacity they leave under the budget (``--memory-budget``);
-- ratios to the 0 GiB run, and greedy agreement with it: offload moves bytes and never changes
-  them, so anything below 1.0 is a bug (a layer computed from a buffer before its copy landed).
+- ratios to the 0 GiB run, and greedy agreement with it on the batch-1 requests (run one at a
+  time, so their schedule does not depend on the KV capacity, unlike the workload's): offload
+  moves bytes and never changes them, so anything below 1.0 is a bug (a layer computed from a
+  buffer before its copy landed).
 """
 
 from __future__ import annotations
@@ -42,11 +44,7 @@ def bench_offload(*, model: str | None, load_format: str, amounts: list[float] |
         llm = LLM(model, load_format=load_format, seed=seed, batching="continuous", cpu_offload_gb=amount,
                   **engine_kwargs)
         try:
-            if not facts:  # once, on the 0 GiB engine: the model, and both links the weights cross
-                engine = llm.engine
-                facts = {"model": engine.model_source, "dtype": str(engine.dtype).removeprefix("torch."),
-                         "hbm_bandwidth_gbs": measure_bandwidth(engine.device),
-                         "h2d_bandwidth_gbs": measure_host_to_device_bandwidth(engine.device)}
+            facts = facts or _facts(llm)  # once, on the 0 GiB engine (no reference to it outlives this LLM)
             run, tokens = _measure(llm, facts, workload, scale, num_requests, latency_runs, seed)
         finally:
             device = llm.engine.device
@@ -64,6 +62,14 @@ def bench_offload(*, model: str | None, load_format: str, amounts: list[float] |
             "memory_budget": engine_kwargs.get("memory_budget"),
             "hbm_bandwidth_gbs": facts["hbm_bandwidth_gbs"], "h2d_bandwidth_gbs": facts["h2d_bandwidth_gbs"],
             "latency_max_tokens": LATENCY_TOKENS[scale], "runs": runs}
+
+
+def _facts(llm: LLM) -> dict:
+    """The model, and both links the weights cross: HBM (device copy) and PCIe (host to device)."""
+    engine = llm.engine
+    return {"model": engine.model_source, "dtype": str(engine.dtype).removeprefix("torch."),
+            "hbm_bandwidth_gbs": measure_bandwidth(engine.device),
+            "h2d_bandwidth_gbs": measure_host_to_device_bandwidth(engine.device)}
 
 
 def _measure(llm: LLM, facts: dict, workload: str, scale: str, num_requests: int | None, latency_runs: int | None,
@@ -84,12 +90,13 @@ def _measure(llm: LLM, facts: dict, workload: str, scale: str, num_requests: int
     requests = [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, LATENCY_TOKENS[scale]))
                 for r in make_workload("latency", scale, latency_runs or LATENCY_RUNS[scale], seed, vocab)]
     run_minillm(llm, requests[:1], use_tqdm=False)  # warm-up
-    timings = [run_minillm(llm, [r], use_tqdm=False)[0][0] for r in requests]
+    runs = [run_minillm(llm, [r], use_tqdm=False) for r in requests]
+    timings, tokens = [t[0] for t, _, _ in runs], [k[0] for _, k, _ in runs]
     run["latency"] = _decode_metrics(timings, 1e3 / max(run["hbm_ms_per_step"], run["pcie_ms_per_step"]))
 
     requests = make_workload(workload, scale, num_requests or NUM_REQUESTS[scale], seed, vocab)
-    run["throughput"], tokens, _ = _timed_run(llm, requests, engine_warmup(requests, engine.device), use_tqdm=False)
-    return run, tokens
+    run["throughput"], _, _ = _timed_run(llm, requests, engine_warmup(requests, engine.device), use_tqdm=False)
+    return run, tokens  # the batch-1 tokens: their schedule is the same whatever the KV capacity
 
 
 def format_offload_table(result: dict) -> str:
