@@ -173,15 +173,27 @@ def _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits, stride_q, stride_s
 @triton.jit
 def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
                     QW, S, Z, group_size, one_bits, stride_q, stride_s, stride_z,
-                    BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Program (row m and column tile, split): one row of x, BLOCK_N columns, a split of the K // 8 packed rows."""
+                    BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, SPLIT_K: tl.constexpr,
+                    PREFETCH: tl.constexpr = False):
+    """Program (row m and column tile, split): one row of x, BLOCK_N columns, a split of the K // 8 packed rows.
+    PREFETCH: the next tile's weight loads are issued in this tile's iteration, masked off past the
+    end (Triton's pipeliner leaves this loop's loads alone: plain LDGs in the sm_90 SASS, each
+    tile waiting out its own memory latency). Reached by a pinned config until an H200 sweep decides."""
     m = tl.program_id(0) % M  # the M programs of a column tile run side by side and share its weights in L2
     n = tl.program_id(0) // M * BLOCK_N + tl.arange(0, BLOCK_N)
     start, end = split_range(K // 8, BLOCK_KP, SPLIT_K)
     acc = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
+    if PREFETCH:
+        r_next, packed_next, scale_next, zero_next = _int4_tile(QW, S, Z, start, end, n, N, group_size, one_bits,
+                                                                stride_q, stride_s, stride_z, BLOCK_KP)
     for r0 in range(start, end, BLOCK_KP):
-        r, packed, scale, zero = _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
-                                            stride_q, stride_s, stride_z, BLOCK_KP)
+        if PREFETCH:
+            r, packed, scale, zero = r_next, packed_next, scale_next, zero_next
+            r_next, packed_next, scale_next, zero_next = _int4_tile(QW, S, Z, r0 + BLOCK_KP, end, n, N, group_size,
+                                                                    one_bits, stride_q, stride_s, stride_z, BLOCK_KP)
+        else:
+            r, packed, scale, zero = _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
+                                                stride_q, stride_s, stride_z, BLOCK_KP)
         part = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
         x_sum = tl.zeros((BLOCK_KP,), tl.float32)
         for j in tl.static_range(8):  # nibble j of row r is input k = 8r + j

@@ -186,6 +186,23 @@ def test_w4a16_split_counts_agree(path, config):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size, config", [
+    (128, dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=1)),   # 64 inputs a tile: one group each
+    (32, dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=3)),    # two groups a tile: a scale per packed row
+    (64, dict(BLOCK_N=16, BLOCK_KP=4, SPLIT_K=5)),    # 18 tiles over 5 splits, the last split short
+])
+def test_w4a16_gemv_prefetch_matches_reference(dtype, group_size, config):
+    """PREFETCH loads tile t + 1 while tile t is computed, masked past the split's end."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 576, 40, group_size, dtype, seed=group_size)
+    ref = w4a16_matmul_ref(x, qweight, scales, zeros, group_size)
+    for prefetch in (False, True):
+        y = w4a16_matmul(x, qweight, scales, zeros, group_size, path="gemv", config={**config, "PREFETCH": prefetch},
+                         out=poisoned((1, 40), dtype))
+        assert_matches(y, ref, dtype)
+    assert counters_are_clean()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, group_size, config", [
     (37, 128, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1)),  # three row tiles, one group per tile
     (5, 64, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=2)),    # tiles span two groups, split-K
