@@ -26,6 +26,7 @@ from minillm.kv.radix import RadixCache
 from minillm.kv.swap import KVSwapper, swap_blocks_that_fit
 from minillm.model.loader import load_model, model_bytes, resolve_dtype
 from minillm.offload import offload_layers
+from minillm.parallel import all_reduce as tp_all_reduce
 from minillm.parallel.pp import PipelineRunner, Stage, stage_footprints
 from minillm.parallel.workers import Workers
 from minillm.request import Request, RequestOutput, SamplingParams
@@ -70,6 +71,7 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.workers: Workers | None = None  # this process's rank, with tensor or pipeline parallelism
+        symmetric = config.tensor_parallel_size > 1 and tp_all_reduce.chosen(self.device) == "symm_mem"
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             self.workers = Workers.start(config, self.device)
             self.device = self.workers.device
@@ -78,6 +80,10 @@ class Engine:
                             None if self.workers is None else self.workers.part, config.quantization,
                             config.calibration_samples)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        if symmetric:  # before any graph captures the all-reduces
+            tp_all_reduce.enable_symmetric(self.device, config.max_num_batched_tokens * self.model_config.hidden_size,
+                                           self.dtype)
+            self.workers.on_shutdown(tp_all_reduce.disable_symmetric)
         self.model_source, self.quantization = loaded.source, loaded.quantization
         model_limit = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)

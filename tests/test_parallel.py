@@ -109,6 +109,15 @@ def test_a_failing_release_hook_still_brings_the_group_down():
     assert [p.exitcode for p in workers] == [0]  # told to stop, not killed
 
 
+@pytest.mark.parametrize("value, message", [("ring", r"MINILLM_TP_ALLREDUCE='ring'; valid: nccl, symm_mem"),
+                                            ("symm_mem", "symm_mem needs CUDA GPUs .* run on cpu")])
+def test_a_bad_all_reduce_choice_is_refused_before_any_process_starts(monkeypatch, value, message):
+    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", value)
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny", load_format="dummy", tensor_parallel_size=2, **CONTINUOUS)
+    assert not torch.distributed.is_initialized()
+
+
 TORCHRUN_SCRIPT = """
 import torch
 torch.set_num_threads(1)

@@ -32,6 +32,13 @@ def test_tp2_on_two_gpus_gives_the_one_gpu_tokens():
     assert greedy_tokens(tensor_parallel_size=2) == greedy_tokens()
 
 
+def test_tp2_with_the_symmetric_memory_all_reduce_gives_the_same_tokens(monkeypatch):
+    # Two ranks' sum is a + b in either order: the one-shot all-reduce must match NCCL's bit for bit.
+    nccl = greedy_tokens(tensor_parallel_size=2)
+    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", "symm_mem")
+    assert greedy_tokens(tensor_parallel_size=2) == nccl
+
+
 def test_pp2_on_two_gpus_gives_the_one_gpu_tokens():
     assert greedy_tokens(pipeline_parallel_size=2) == greedy_tokens()
 

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.model.config import ModelConfig
+from minillm.parallel.all_reduce import all_reduce
 from minillm.quant import rtn
 from minillm.quant.linear import QuantLinear
 from minillm.quant.spec import QuantSpec
@@ -233,7 +234,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        dist.all_reduce(y)
+        all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
@@ -243,7 +244,7 @@ class RowParallelQuantLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
-        dist.all_reduce(y)
+        all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
@@ -276,7 +277,7 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.end - self.start)
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
-        dist.all_reduce(x)
+        all_reduce(x)
         return x
 
 

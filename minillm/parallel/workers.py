@@ -81,8 +81,9 @@ class Workers:
         atexit.register(self._finalizer)  # registered after multiprocessing's own exit hook, so it runs first
 
     def on_shutdown(self, release) -> None:
-        """Call ``release()`` on this rank before the group is destroyed (the Engine's CUDA graphs:
-        NCCL's teardown waits until every graph that captured one of its collectives is gone)."""
+        """Call ``release()`` on this rank before the group is destroyed, the last registered first
+        (as ``atexit`` does: what was built on top goes first). The Engine's CUDA graphs: NCCL's
+        teardown waits until every graph that captured one of its collectives is gone."""
         self.before_shutdown.append(release)
 
     @property
@@ -191,7 +192,7 @@ def live_driver() -> Workers | None:
 def _shutdown(rank: int, meta_group, processes: list, before_shutdown: list) -> None:
     if not dist.is_initialized():
         return
-    for release in before_shutdown:
+    for release in reversed(before_shutdown):
         try:
             release()
         except Exception as e:  # e.g. a CUDA error after a device fault: the group must still come down
