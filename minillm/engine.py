@@ -171,9 +171,7 @@ class Engine:
             make_attention = TritonPagedBatch
             self.model.enable_fused_kernels()  # the "triton" backend is all of minillm's kernels
         # CUDA graphs need the Triton kernels: the torch reference's shapes follow the context lengths.
-        # A pipeline stage runs eagerly: its micro-batches cross processes in the middle of a step.
-        self.cuda_graphs = (self.device.type == "cuda" and not c.enforce_eager and self.attention_backend == "triton"
-                            and self.stage is None)
+        self.cuda_graphs = self.device.type == "cuda" and not c.enforce_eager and self.attention_backend == "triton"
         graphs = None
         if self.cuda_graphs:
             graphs = DecodeGraphs(self.model, cache, make_attention, min(c.max_num_seqs, num_blocks),
