@@ -27,3 +27,11 @@ def check_runnable(name: str, tensor: torch.Tensor) -> None:
     """A CUDA tensor, or a CPU one with the interpreter on."""
     check(tensor.is_cuda or interpreter_on(), f"{name} is on {tensor.device}; the Triton kernels need CUDA tensors "
           "(or TRITON_INTERPRET=1 set before minillm.kernels is imported)")
+
+
+def check_operand(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, like: torch.Tensor) -> None:
+    """A kernel operand of exactly ``dtype`` and ``shape``, on ``like``'s device, contiguous in its last dim."""
+    check(t.dtype == dtype, f"{name}.dtype is {t.dtype}; expected {dtype}")
+    check(tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}; expected {shape}")
+    check(t.device == like.device, f"{name} is on {t.device} but x is on {like.device}")
+    check(t.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {t.stride()}")

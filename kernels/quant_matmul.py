@@ -33,10 +33,10 @@ Paths, chosen by M (the number of tokens):
   memory only, but its first may come from registers, and it wants 64 rows there; swapped, those
   are BLOCK_N weight columns instead of BLOCK_M tokens. Only a pinned config reaches it until
   measured on an H200.
-- **dequant** (W4A16 only, M >= DEQUANT_MIN_M, prefill): one kernel writes the weight in x's dtype
-  to a temporary, then ``torch.matmul`` (cuBLAS). Once M is large the GEMM is compute-bound, and
-  cuBLAS's tensor-core pipeline beats a Triton dot whose B operand is rebuilt in registers per tile.
-  Decode graphs of DEQUANT_MIN_M rows or more take this path too; their temporary lives in the
+- **dequant** (W4A16 only, M >= DEQUANT_MIN_M, prefill): one kernel (``int4_dequantize.py``) writes
+  the weight in x's dtype to a temporary, then ``torch.matmul`` (cuBLAS). Once M is large the GEMM
+  is compute-bound, and cuBLAS's tensor-core pipeline beats a Triton dot whose B operand is
+  rebuilt in registers per tile. Decode graphs of DEQUANT_MIN_M rows or more take this path too; their temporary lives in the
   graph's memory pool: one weight in x's dtype (180 MB for llama2-7b's fused gate/up).
 
 The GEMV and the dot are memory-bound at small M, where N / BLOCK_N programs alone would leave
@@ -66,7 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
+from minillm.kernels.checks import FLOAT_DTYPES, check, check_operand, check_runnable, interpreter_on
+from minillm.kernels.int4_dequantize import check_int4_layout, w4a16_dequantize
 from minillm.kernels.int_float import int8_to_float
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
 # The layout's helpers live in a Triton-free file; re-exported so that one import serves.
@@ -254,24 +255,6 @@ def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
             tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), SPLIT_K)
 
 
-@triton.jit
-def _w4_dequantize_kernel(QW, S, Z, W, K, N, group_size, stride_q, stride_s, stride_z,
-                          BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (packed row tile, column tile): W[k, n] = (q - z) s for k in 8 BLOCK_KP rows, in W's dtype."""
-    r = tl.program_id(0) * BLOCK_KP + tl.arange(0, BLOCK_KP)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (r < K // 8)[:, None] & (n < N)[None, :]
-    packed = tl.load(QW + r[:, None] * stride_q + n[None, :], mask=mask, other=0)
-    g = (8 * r) // group_size
-    scale = tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
-    zero = (tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0) >> ((n % 8) * 4)[None, :]) & 15
-    j = tl.arange(0, 8)
-    q = (packed[:, None, :] >> (4 * j)[None, :, None]) & 15
-    w = ((q - zero[:, None, :]).to(tl.float32) * scale[:, None, :]).to(W.dtype.element_ty)  # rounded once, as in the ref
-    k = 8 * r[:, None, None] + j[None, :, None]
-    tl.store(W + k.to(tl.int64) * N + n[None, None, :], w, mask=mask[:, None, :])
-
-
 # ----------------------------------------------------------------------------- W8A16 kernels
 
 
@@ -335,6 +318,8 @@ _KERNELS = {  # name -> (the kernel, the kernel autotuned on CUDA)
                                                prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w8_dot_kernel)),
 }
 _MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in _W4_GEMV + _W4_DOT + _W8_GEMV + _W8_DOT)
+
+
 def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: str | None, config: dict | None,
             out: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] -> y [..., N] through format ``fmt``'s GEMV or dot kernel; ``weights`` are the
@@ -397,29 +382,6 @@ def _check_x(x: torch.Tensor, k: int) -> None:
     check(x.dim() >= 1 and x.shape[-1] == k, f"x has shape {tuple(x.shape)}; its last dim must be K = {k}")
 
 
-def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, x: torch.Tensor) -> None:
-    check(t.dtype == dtype, f"{name}.dtype is {t.dtype}; expected {dtype}")
-    check(tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}; expected {shape}")
-    check(t.device == x.device, f"{name} is on {t.device} but x is on {x.device}")
-    check(t.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {t.stride()}")
-
-
-def _check_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                like: torch.Tensor) -> tuple[int, int, int]:
-    """The packed weight's (K, N, group) after checking the layout; scales must have ``like``'s dtype."""
-    k, n = 8 * qweight.shape[0], qweight.shape[1]
-    group = k if group_size in (-1, k) else group_size
-    check(isinstance(group, int) and group > 0 and group % 8 == 0,
-          f"group_size is {group_size!r}; expected a positive multiple of 8 (e.g. 32, 64, 128), or -1 or K = {k} "
-          "for one group per column")
-    check(n % 8 == 0, f"N = {n} (qweight.shape[1]) must be a multiple of 8: zeros pack eight columns per int32")
-    groups = -(-k // group)
-    _check_tensor("qweight", qweight, torch.int32, (k // 8, n), like)
-    _check_tensor("scales", scales, like.dtype, (groups, n), like)
-    _check_tensor("zeros", zeros, torch.int32, (groups, n // 8), like)
-    return k, n, group
-
-
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, path: str | None = None, config: dict | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -435,26 +397,13 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     """
     check(qweight.dim() == 2, f"qweight must be int32 [K // 8, N], got shape {tuple(qweight.shape)}")
     _check_x(x, 8 * qweight.shape[0])
-    k, n, group = _check_int4(qweight, scales, zeros, group_size, x)
+    k, n, group = check_int4_layout(qweight, scales, zeros, group_size, x)
     if path == "dequant" or (path is None and x.numel() // k >= DEQUANT_MIN_M):
         check(config is None, f"config {config} was given, but the dequant path runs fixed tiles and cuBLAS")
         out = _output(x, n, out)
         return torch.matmul(x, w4a16_dequantize(qweight, scales, zeros, group, x.dtype), out=out)
     weights = (qweight, scales, zeros, group, _ONE_BITS, qweight.stride(0), scales.stride(0), zeros.stride(0))
     return _launch("w4", x, k, n, weights, path, config, out)
-
-
-def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """The dense weight [K, N] in ``dtype``, by one Triton kernel: what ``dequantize_int4`` computes."""
-    check(qweight.dim() == 2, f"qweight must be int32 [K // 8, N], got shape {tuple(qweight.shape)}")
-    k, n, group = _check_int4(qweight, scales, zeros, group_size, scales)
-    w = torch.empty(k, n, dtype=dtype, device=qweight.device)
-    block_kp, block_n = (4, 32) if INTERPRET else (16, 128)
-    grid = (triton.cdiv(k // 8, block_kp), triton.cdiv(n, block_n))
-    _w4_dequantize_kernel[grid](qweight, scales, zeros, w, k, n, group, qweight.stride(0), scales.stride(0),
-                                zeros.stride(0), BLOCK_KP=block_kp, BLOCK_N=block_n)
-    return w
 
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, path: str | None = None,
@@ -464,6 +413,6 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, p
     check(qweight.dim() == 2, f"qweight must be int8 [K, N], got shape {tuple(qweight.shape)}")
     k, n = qweight.shape
     _check_x(x, k)
-    _check_tensor("qweight", qweight, torch.int8, (k, n), x)
-    _check_tensor("scales", scales, x.dtype, (n,), x)
+    check_operand("qweight", qweight, torch.int8, (k, n), x)
+    check_operand("scales", scales, x.dtype, (n,), x)
     return _launch("w8", x, k, n, (qweight, scales, qweight.stride(0)), path, config, out)

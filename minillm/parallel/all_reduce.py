@@ -54,7 +54,7 @@ class SymmetricAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = dist.group.WORLD.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a no-op since
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch releases, harmless in newer
             symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(max_elements, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank maps the others' buffers
