@@ -118,7 +118,7 @@ def cmd_info(args) -> None:
                      f"paged KV, {engine.attention_backend} backend, CUDA graphs {'on' if engine.cuda_graphs else 'off'}",
         "KV cache": f"{engine.kv_cache_bytes / 2**20:.1f} MiB for {engine.kv_capacity_tokens} tokens",
     }
-    if engine.offloader is not None:  # "weights" above are the device's: resident layers + 2 staging buffers
+    if engine.offloader is not None:  # "weights" above are the device's: resident layers + the staging buffers
         layers = engine.offloader.indices
         rows["CPU offload"] = (f"layers {layers[0]}-{layers[-1]}, {engine.offloaded_weight_bytes / 2**20:.1f} MiB in "
                                f"CPU memory, copied in every forward pass")

@@ -57,7 +57,7 @@ class EngineConfig:
     #                                  a quantized checkpoint loads as saved (give None or its own name)
     calibration_samples: int = 32  # gptq / awq on load: 512-token samples of the corpus's calibration part
     cpu_offload_gb: float = 0  # GiB of weights kept in CPU memory, whole decoder layers (the last ones), copied
-    #                            in every forward pass (minillm/offload.py); the device keeps the rest + 2 layers
+    #                            in every forward pass (minillm/offload.py); the device keeps the rest + staging
 
     def __post_init__(self):
         if self.batching not in BATCHING_MODES:

@@ -98,7 +98,7 @@ class Engine:
         self.offloader = offload_layers(self.model, config.cpu_offload_gb, self.device)
         self.offloaded_weight_bytes = 0 if self.offloader is None else self.offloader.offloaded_bytes
         # Weights on the device, what the memory budget charges: parameters and buffers (quantized layers
-        # keep their packed weights in buffers), less the offloaded layers, plus their two staging buffers.
+        # keep their packed weights in buffers), less the offloaded layers, plus their staging buffers.
         self.weight_bytes = model_bytes(self.model) - self.offloaded_weight_bytes
         if self.offloader is not None:
             self.weight_bytes += self.offloader.staging_bytes

@@ -88,8 +88,8 @@ def _views(flat: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]) 
 
 
 class LayerOffloader:
-    """Keeps decoder layers ``indices`` of ``model`` in host memory and streams them into two staging
-    buffers on ``device`` as each forward pass reaches them (see the module docstring)."""
+    """Keeps decoder layers ``indices`` of ``model`` in host memory and streams them into (up to) two
+    staging buffers on ``device`` as each forward pass reaches them (see the module docstring)."""
 
     def __init__(self, model: nn.Module, indices: list[int], device: torch.device):
         if not indices:
@@ -140,7 +140,7 @@ class LayerOffloader:
 
     @property
     def staging_bytes(self) -> int:
-        """Device memory of the two staging buffers (one layer each)."""
+        """Device memory of the staging buffers (one layer each; two, or one when one layer is offloaded)."""
         return sum(buffer.nbytes for buffer in self.staging)
 
     def _compute_stream(self) -> torch.cuda.Stream:

@@ -8,7 +8,7 @@ engine runs by default (continuous batching; CUDA graphs on GPUs, the copies cap
   offloaded bytes / host->device bandwidth)``, both bandwidths measured in the same run;
 - **throughput** on a small workload (``mixed``, 32 requests on a GPU), where a batch shares it;
 - what crosses PCIe per step (``pcie_bytes_per_step``), the device's weight bytes (resident layers
-  plus two staging buffers) and the KV capacity they leave under the budget (``--memory-budget``);
+  plus the staging buffers) and the KV capacity they leave under the budget (``--memory-budget``);
 - ratios to the 0 GiB run, and greedy agreement with it on the batch-1 requests (run one at a
   time, so their schedule does not depend on the KV capacity, unlike the workload's): offload
   moves bytes and never changes them, so anything below 1.0 is a bug (a layer computed from a
