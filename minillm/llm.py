@@ -30,7 +30,7 @@ class LLM:
         except BaseException:
             driver = live_driver()  # workers started for this Engine, which then failed to build: stop them
             if driver is not None and driver is not running:
-                driver.close()
+                driver.abandon()
             raise
         if self.engine.workers is not None and self.engine.workers.rank != 0:
             # Under torchrun every rank runs the script: ranks > 0 follow rank 0's steps, and the

@@ -151,6 +151,37 @@ def test_a_worker_that_dies_before_joining_is_an_error_not_a_hang(tmp_path):
     assert "rank 1 exited" in result.stderr and "__name__ == '__main__'" in result.stderr, result.stderr[-2000:]
 
 
+RANK0_FAILS_SCRIPT = """
+import minillm.parallel.tp as tp
+from minillm import LLM
+from minillm.parallel import workers
+
+def out_of_memory(*args):
+    raise MemoryError("rank 0 ran out of memory")
+
+if __name__ == "__main__":  # rank 0 only (the spawned worker imports this file as __mp_main__)
+    tp.row_parallel_rtn = out_of_memory  # fails before the all-reduce the worker waits in
+    started = []
+    spawn = workers.mp.get_context("spawn").Process.start
+    workers.mp.get_context("spawn").Process.start = lambda self: (started.append(self), spawn(self))[1]
+    try:
+        LLM("tiny", load_format="dummy", tensor_parallel_size=2, quantization="rtn-int8", **{kwargs!r})
+    except MemoryError as e:
+        print("RAISED", e, "| workers alive:", [p.is_alive() for p in started])
+"""
+
+
+def test_rank0_failing_while_a_worker_waits_in_a_collective_raises_its_error_not_a_hang(tmp_path):
+    """The worker sits in the all-reduce of a quantized layer's range, which rank 0 never reaches; a
+    polite close (a message the worker would have to receive) would wait forever. On GPUs the same
+    happens when rank 0 fails while the worker captures its CUDA graphs."""
+    script = tmp_path / "rank0_fails.py"
+    script.write_text(RANK0_FAILS_SCRIPT.format(kwargs=CONTINUOUS))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "RAISED rank 0 ran out of memory | workers alive: [False]" in result.stdout, result.stderr[-2000:]
+
+
 # -- the shard arithmetic ------------------------------------------------------------------------
 
 

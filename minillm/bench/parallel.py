@@ -23,6 +23,7 @@ which; ``--enforce-eager`` makes every configuration eager.
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 import torch
@@ -62,6 +63,8 @@ def bench_parallel(*, model: str | None, load_format: str, sizes: list[int], mod
                 "dtype": facts.get("dtype"), "sizes": sorted(set(sizes) | {1}), "modes": list(modes), "runs": runs}
 
     for name, parallel in configurations:
+        # Rank 0's GPU as the configuration finds it: the one before it should have given everything back.
+        free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
         try:
             llm = LLM(model, load_format=load_format, seed=seed, batching="continuous", **parallel, **engine_kwargs)
         except ValueError as e:
@@ -69,9 +72,16 @@ def bench_parallel(*, model: str | None, load_format: str, sizes: list[int], mod
                 raise
             runs[name] = {"skipped": str(e)}  # a size this model does not split into: say why, go on
             continue
+        except Exception as e:  # e.g. out of memory: recorded, and the other configurations still run
+            if not parallel:
+                raise
+            runs[name] = {"failed": f"{type(e).__name__}: {e}", "free_bytes_before": free}
+            print(f"{name}: failed to build: {runs[name]['failed']}", file=sys.stderr)
+            continue
         try:
             facts = facts or {"model": llm.engine.model_source, "dtype": str(llm.engine.dtype).removeprefix("torch.")}
             runs[name], tokens = _measure(llm, workload, scale, num_requests, latency_runs, micro_batches, seed)
+            runs[name]["free_bytes_before"] = free
         finally:
             device = llm.engine.device
             llm.close()
@@ -185,8 +195,8 @@ def format_parallel_table(result: dict) -> str:
              f"throughput on {result['workload']}",
              f"{'run':<6}{'decode tok/s (b=1)':>20}{'vs 1':>7}{'output tok/s':>14}{'vs 1':>7}{'greedy = 1':>12}"]
     for name, run in runs.items():
-        if "skipped" in run:
-            lines.append(f"{name:<6}  skipped: {run['skipped']}")
+        if "skipped" in run or "failed" in run:
+            lines.append(f"{name:<6}  " + (f"skipped: {run['skipped']}" if "skipped" in run else f"failed: {run['failed']}"))
             continue
         decode, output = run["latency"]["decode_tok_s"], run["throughput"]["output_throughput"]
         lines.append(f"{name:<6}{decode:>20.1f}{decode / base['latency']['decode_tok_s']:>6.2f}x"

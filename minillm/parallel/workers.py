@@ -178,6 +178,16 @@ class Workers:
     def close(self) -> None:
         self._finalizer()  # runs _shutdown once, however often it is called
 
+    def abandon(self) -> None:
+        """Rank 0, when its own Engine failed to build: stop the workers without telling them. They
+        may be inside a collective of their own build (a quantized layer's all-reduced range, a CUDA
+        graph capture's all-reduce) that rank 0 will never join, so they would never hear ``close``'s
+        message and rank 0 would wait on them forever."""
+        detached = self._finalizer.detach()
+        if detached is not None:
+            _, _, args, _ = detached
+            _shutdown(*args, tell_workers=False)
+
 
 def run_forward(runner, step: tuple) -> None:
     runner.forward(*step)
@@ -189,7 +199,7 @@ def live_driver() -> Workers | None:
     return None if driver is None or driver.closed else driver
 
 
-def _shutdown(rank: int, meta_group, processes: list, before_shutdown: list) -> None:
+def _shutdown(rank: int, meta_group, processes: list, before_shutdown: list, tell_workers: bool = True) -> None:
     if not dist.is_initialized():
         return
     for release in reversed(before_shutdown):
@@ -198,7 +208,7 @@ def _shutdown(rank: int, meta_group, processes: list, before_shutdown: list) -> 
         except Exception as e:  # e.g. a CUDA error after a device fault: the group must still come down
             warnings.warn(f"rank {rank}: {release} failed while shutting down: {e}", RuntimeWarning)
     told = False
-    if rank == 0 and all(p.is_alive() for p in processes):  # a dead peer would make the broadcast fail
+    if rank == 0 and tell_workers and all(p.is_alive() for p in processes):  # a dead peer would fail it
         try:
             dist.broadcast_object_list([None], src=0, group=meta_group)
             told = True
