@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 from minillm.config import EngineConfig
 from minillm.model.config import ModelConfig
 from minillm.parallel.pp import Stage
+from minillm.parallel.step_channel import open_channel
 from minillm.parallel.tp import Shard, check_layout
 
 # Ranks > 0 wait for rank 0's next step as long as the user takes between two generate() calls.
@@ -72,11 +73,14 @@ class Workers:
     def __init__(self, part: Shard | Stage, model_config: ModelConfig, device: torch.device,
                  processes=(), connections=()):
         self.part, self.model_config, self.device = part, model_config, device  # model_config: the whole model
-        self.processes, self.connections = list(processes), list(connections)
-        # Step metadata are pickled Python lists: they travel over gloo even when the layers use NCCL.
+        self.processes, self.connections = processes, connections = list(processes), list(connections)
+        # Step metadata are pickled Python lists, sent through shared memory (step_channel.py); gloo
+        # carries the rest of the bookkeeping even when the layers use NCCL.
         self.meta_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.channel = open_channel(self.meta_group, part.rank, dist.get_world_size(),
+                                    peers_alive=lambda: _check_alive(processes))  # not self: the finalizer's args must not reach it
         self.before_shutdown: list = []  # see on_shutdown
-        self._finalizer = weakref.finalize(self, _shutdown, part.rank, self.meta_group, self.processes,
+        self._finalizer = weakref.finalize(self, _shutdown, part.rank, self.channel, self.processes,
                                            self.before_shutdown)
         atexit.register(self._finalizer)  # registered after multiprocessing's own exit hook, so it runs first
 
@@ -162,16 +166,15 @@ class Workers:
     def _broadcast(self, function, *args) -> None:
         if self.closed:
             raise RuntimeError("this parallel LLM is closed (its workers have exited); create a new one")
-        dist.broadcast_object_list([(function, args)], src=0, group=self.meta_group)
+        self.channel.send((function, args))
 
     def serve(self, runner) -> None:
         """Ranks > 0: make every call rank 0 broadcasts, until the empty message that ``close`` sends."""
         while True:
-            message = [None]
-            dist.broadcast_object_list(message, src=0, group=self.meta_group)
-            if message[0] is None:
+            message = self.channel.recv()
+            if message is None:
                 break
-            function, args = message[0]
+            function, args = message
             function(runner, *args)
         self.close()
 
@@ -199,7 +202,7 @@ def live_driver() -> Workers | None:
     return None if driver is None or driver.closed else driver
 
 
-def _shutdown(rank: int, meta_group, processes: list, before_shutdown: list, tell_workers: bool = True) -> None:
+def _shutdown(rank: int, channel, processes: list, before_shutdown: list, tell_workers: bool = True) -> None:
     if not dist.is_initialized():
         return
     for release in reversed(before_shutdown):
@@ -210,7 +213,7 @@ def _shutdown(rank: int, meta_group, processes: list, before_shutdown: list, tel
     told = False
     if rank == 0 and tell_workers and all(p.is_alive() for p in processes):  # a dead peer would fail it
         try:
-            dist.broadcast_object_list([None], src=0, group=meta_group)
+            channel.send(None)
             told = True
         except RuntimeError:
             pass  # a rank that died meanwhile
@@ -221,7 +224,15 @@ def _shutdown(rank: int, meta_group, processes: list, before_shutdown: list, tel
     # Every told rank destroys the group at the same time, rank 0 included (it joins its workers
     # only afterwards), for the same reason.
     dist.destroy_process_group()
+    channel.close()
     _stop(processes, timeout=30)
+
+
+def _check_alive(processes: list) -> None:
+    """Rank 0, waiting on its workers: an error naming the first that has exited."""
+    for rank, process in enumerate(processes, start=1):
+        if not process.is_alive():
+            raise RuntimeError(f"rank {rank} exited (code {process.exitcode}); this parallel LLM cannot go on")
 
 
 def _stop(processes: list, timeout: float) -> None:
