@@ -16,9 +16,10 @@ The mailbox is one buffer: a header of int64 words, then the message.
     word 2 + i: the last sequence number rank i + 1 has read (its acknowledgement)
 
 Rank 0 writes a message only once every rank has acknowledged the previous one, so a reader never
-sees a buffer being overwritten. Readers poll word 0: a busy loop for the first ~50 µs (a decode
-step follows the one before within microseconds), then sleeps that grow to 1 ms (an idle LLM
-between two ``generate`` calls costs almost no CPU). Rank 0 stores the bytes, then the length, then
+sees a buffer being overwritten. Readers poll word 0: a busy loop (yielding the core to anything
+else runnable) for the first 20 ms, so that the next decode step, a few milliseconds away on a GPU,
+is seen within microseconds; then sleeps that grow to 1 ms, so that an idle LLM between two
+``generate`` calls costs almost no CPU. Rank 0 stores the bytes, then the length, then
 the sequence number; a reader that sees the number must see the bytes, which x86's store order
 (TSO) guarantees and a weakly ordered CPU (ARM) does not without fences Python cannot issue. So
 the mailbox is used on x86 machines only, and only when every rank runs on the same host;
@@ -42,11 +43,12 @@ import time
 import torch.distributed as dist
 
 CAPACITY = 8 << 20  # bytes of message: a prefill step of 8192 tokens pickles to ~0.2 MB
-SPIN_S = 50e-6  # busy-wait this long before sleeping
-MAX_SLEEP_S = 1e-3
+SPIN_S = 0.02  # busy-wait this long before sleeping: longer than a decode step
+FIRST_SLEEP_S, MAX_SLEEP_S = 50e-6, 1e-3
 LIVENESS_S = 1.0  # how often a waiting rank checks that its peers are alive
 TOO_BIG = -1
 ENV = "MINILLM_STEP_CHANNEL"
+_yield_core = getattr(os, "sched_yield", lambda: None)  # not on Windows
 ORDERED_STORES = ("x86_64", "amd64", "i386", "i686", "x86")  # CPUs with total store order
 
 
@@ -144,10 +146,11 @@ class StepChannel:
 
     def _wait(self, ready) -> None:
         start = last_check = time.perf_counter()
-        sleep = 1e-6
+        sleep = FIRST_SLEEP_S
         while not ready():
             now = time.perf_counter()
             if now - start < SPIN_S:
+                _yield_core()
                 continue
             if now - last_check > LIVENESS_S:
                 last_check = now
