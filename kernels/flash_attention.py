@@ -69,12 +69,10 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
     """Fold keys [lo, hi) into the running (acc, m_i, l_i) of one query tile, BLOCK_N at a time.
     MASKED=False is the fast path: every key in range is real and visible to every row. A quantized
     cache (KV_QUANT, paged only) is dequantized as ``kv_dequant.py`` explains."""
-    offs_d = tl.arange(0, HEAD_DIM)
     if KV_QUANT == INT4_GROUPS:
-        # Channel d sits in byte d mod D/2, in the high nibble for the second half (kv/quant.py).
-        high_nibble = offs_d >= HEAD_DIM // 2
-        group_pairs = offs_d // QUANT_GROUP * 2  # each channel's (scale, minimum) pair
-        offs_d = offs_d % (HEAD_DIM // 2)
+        offs_d = tl.arange(0, HEAD_DIM // 2)  # tiles of packed bytes, each loaded once (kv_dequant.py)
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)  # lo is a multiple of BLOCK_N: aligned tiles
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -104,9 +102,10 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
             k_scale = tl.load(KScale + scale_rows, mask=in_range, other=0.0).to(tl.float32)
             v_scale = tl.load(VScale + scale_rows, mask=in_range, other=0.0).to(tl.float32)
             k = per_token_codes(k, q)
-        if KV_QUANT == INT4_GROUPS:
-            k = dequant_int4(k, high_nibble[:, None], KScale + scale_rows[None, :] + group_pairs[:, None],
-                             in_range[None, :]).to(q.dtype)
+        if KV_QUANT == INT4_GROUPS:  # head_dim is a power of two here: tile column c is channel c
+            scale_rows = tl.multiple_of(scale_rows, 2)  # even (kv_quant_mode checks): one 4-byte load a pair
+            k = tl.trans(dequant_int4(tl.trans(k), KScale + scale_rows, in_range, HEAD_DIM // 2, QUANT_GROUP))
+            k = k.to(q.dtype)
         # "ieee": fp32 inputs would otherwise be rounded to TF32 on the GPU; 16-bit ones ignore it.
         s = tl.dot(q, k, input_precision="ieee")
         if KV_QUANT == PER_TOKEN:
@@ -130,8 +129,7 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
             p = p * v_scale[None, :]  # after the denominator: V's scale weighs values, not probabilities
             v = per_token_codes(v, q)
         if KV_QUANT == INT4_GROUPS:
-            v = dequant_int4(v, high_nibble[None, :], VScale + scale_rows[:, None] + group_pairs[None, :],
-                             in_range[:, None]).to(q.dtype)
+            v = dequant_int4(v, VScale + scale_rows, in_range, HEAD_DIM // 2, QUANT_GROUP).to(q.dtype)
         # Accumulating in place lets the tensor cores add into acc rather than into a fresh tile.
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
         m_i = m_new
@@ -198,8 +196,11 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
     K += kv_h * stride_kh
     V += kv_h * stride_vh
     if KV_QUANT != NO_QUANT:
-        KScale += kv_h * stride_sh
-        VScale += kv_h * stride_sh
+        head_scales = kv_h * stride_sh
+        if KV_QUANT == INT4_GROUPS:  # even, as scale_rows below
+            head_scales = tl.multiple_of(head_scales, 2)
+        KScale += head_scales
+        VScale += head_scales
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, 0, unmasked_end, k_len, diag, K, V, KScale,
                                    VScale, k_start, table, stride_kb, stride_kt, stride_kd, stride_vb,
                                    stride_vt, stride_vd, stride_sb, stride_st, qk_scale, HEAD_DIM, BLOCK_N,

@@ -11,7 +11,20 @@ code; with ``NO_QUANT`` none of it is compiled, and the kernel is the one it was
   a [rows, BLOCK_N] multiply instead of a [BLOCK_N, head_dim] one, and int8 and e4m3 values
   convert exactly to fp16 / bf16 for ``tl.dot``.
 - ``INT4_GROUPS`` (int4): a scale and a minimum per 16 channels. They vary along the dot's
-  reduction axis, so they cannot be factored out: the tile itself is dequantized.
+  reduction axis, so they cannot be factored out: the tile itself is dequantized (``dequant_int4``).
+
+How an int4 tile is read. Each packed byte is loaded once, as a [BLOCK_N, head_dim / 2] tile; its
+low nibbles are channels 0..D/2-1 and its high nibbles D/2..D-1 (``kv/quant.py``), so the two halves
+come out side by side and are joined into one [BLOCK_N, D] tile for ``tl.dot`` (a relabelling of
+registers, no data movement). The (scale, minimum) pairs come as a small [BLOCK_N, groups] tile, one
+4-byte load per pair, broadcast over their channels. The first version indexed every channel of a
+[BLOCK_N, D] tile instead: each byte loaded twice, and two scalar 2-byte loads of its pair per
+*value*, outside the software pipeline. Compiled for the H200 (sm_90, D=128, BLOCK_N=64, 4 warps,
+``figures/h200/sweeps/kv_quant_sass.json``), the decode loop went from 2343 instructions (256 of
+them 2-byte LDGs; 255 registers and a stack; 53.5 KB of shared memory) to 1223 (2 16-byte LDGs and
+12 cp.async; 144 registers; 31 KB): 0.76 -> 0.40 warp-instructions per K/V byte. The H200 measured
+3.8 ms for the first version at B=64, 2k tokens (53 GB/s, 1 % of its bandwidth). What remains is
+arithmetic: per value a nibble shift/mask, a float conversion (``int8_to_float``), an FMA, half a pack.
 """
 
 from __future__ import annotations
@@ -57,9 +70,9 @@ def kv_quant_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         check(scale.device == q.device, f"{name} is on {scale.device} but q is on {q.device}")
     check(k_scale.stride() == v_scale.stride(), f"k_scale and v_scale need equal strides, got {k_scale.stride()} "
           f"and {v_scale.stride()}")
-    if kind == "int4":  # the kernels step (scale, minimum) pairs as 2 and 1
-        check(k_scale.stride()[-2:] == (2, 1), f"int4 scales need contiguous (scale, minimum) pairs, got "
-              f"strides {k_scale.stride()}")
+    if kind == "int4":  # the kernels load each (scale, minimum) pair as one 4-byte word
+        check(k_scale.stride()[-2:] == (2, 1) and all(stride % 2 == 0 for stride in k_scale.stride()[:-1]),
+              f"int4 scales need contiguous (scale, minimum) pairs at even offsets, got strides {k_scale.stride()}")
         return INT4_GROUPS
     return PER_TOKEN
 
@@ -80,13 +93,47 @@ def scale_strides(k_scale: torch.Tensor | None) -> tuple[int, int, int]:
 
 
 @triton.jit
-def dequant_int4(raw, high, params, mask):
-    """Packed int4 -> fp32: ``raw`` a uint8 tile, ``high`` where a value sits in its byte's high
-    nibble, ``params`` pointers to each value's group (scale, minimum) pair."""
-    nibble = tl.where(high, raw >> 4, raw & 15)
-    scale = tl.load(params, mask=mask, other=0.0).to(tl.float32)
-    minimum = tl.load(params + 1, mask=mask, other=0.0).to(tl.float32)
-    return nibble.to(tl.float32) * scale + minimum
+def tile_channels(BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr):
+    """The head channel in each of a K/V tile's BLOCK_D columns, and which columns hold one. The
+    columns of ``dequant_int4``'s tiles are its own order; otherwise, and whenever head_dim is a
+    power of two, column c is channel c."""
+    columns = tl.arange(0, BLOCK_D)
+    if KV_QUANT == INT4_GROUPS:
+        HALF_PAD: tl.constexpr = BLOCK_D // 2
+        return columns % HALF_PAD + columns // HALF_PAD * (HEAD_DIM // 2), columns % HALF_PAD < HEAD_DIM // 2
+    return columns, columns < HEAD_DIM
+
+
+@triton.jit
+def _dequant_runs(codes, pairs, groups, mask, RUN: tl.constexpr):
+    """4-bit ``codes`` [N, C] -> code * scale + minimum in fp32 (``quantize_kv``'s inverse, the same
+    operations), where run r (columns r*RUN .. r*RUN+RUN-1) belongs to group ``groups[r]``, whose
+    (scale, minimum) pair sits at ``pairs`` [N] + 2 * groups[r]: loaded as a [N, C / RUN, 2] tile and
+    broadcast over each run, one load per pair rather than per value."""
+    N: tl.constexpr = codes.shape[0]
+    C: tl.constexpr = codes.shape[1]
+    params = (pairs[:, None] + 2 * groups[None, :])[:, :, None] + tl.arange(0, 2)[None, None, :]
+    scale, minimum = tl.split(tl.load(params, mask=mask[:, :, None], other=0.0).to(tl.float32))
+    runs = int8_to_float(tl.reshape(codes, [N, C // RUN, RUN]))
+    return tl.reshape(runs * scale[:, :, None] + minimum[:, :, None], [N, C])
+
+
+@triton.jit
+def dequant_int4(raw, pairs, valid, HALF: tl.constexpr, QUANT_GROUP: tl.constexpr):
+    """Packed int4 -> fp32: ``raw`` [N, HALF_PAD] the tile of packed bytes (channel j and HALF + j
+    in byte j, HALF = head_dim / 2), ``pairs`` [N] pointers to each token's first (scale, minimum)
+    pair, ``valid`` [N] the tokens to read. Returns [N, 2 * HALF_PAD]: the low nibbles' channels in
+    columns 0..HALF_PAD-1, the high nibbles' from HALF_PAD on (``tile_channels`` maps them)."""
+    # A run: channels of one byte half in one group. A whole group, or half of one when head_dim is
+    # an odd multiple of 16 (e.g. 48: the high half starts at channel 24, mid-group).
+    RUN: tl.constexpr = QUANT_GROUP if HALF % QUANT_GROUP == 0 else QUANT_GROUP // 2
+    HALF_PAD: tl.constexpr = raw.shape[1]
+    first = tl.arange(0, HALF_PAD // RUN) * RUN  # each run's first channel within its half
+    mask = valid[:, None] & (first < HALF)[None, :]
+    raw = raw.to(tl.int32)  # one widening per byte, shared by its two nibbles
+    low = _dequant_runs(raw & 15, pairs, first // QUANT_GROUP, mask, RUN)
+    high = _dequant_runs(raw >> 4, pairs, (HALF + first) // QUANT_GROUP, mask, RUN)
+    return tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), [raw.shape[0], 2 * HALF_PAD])
 
 
 @triton.jit

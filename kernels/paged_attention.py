@@ -45,7 +45,7 @@ import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
-                                        kv_quant_mode, per_token_codes, scale_strides)
+                                        kv_quant_mode, per_token_codes, scale_strides, tile_channels)
 from minillm.kv.quant import INT4_GROUP_SIZE
 
 _LN2 = tl.constexpr(math.log(2.0))
@@ -168,8 +168,8 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
 
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows
-    dims = tl.arange(0, BLOCK_D)
-    row_dim_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    dims, dim_ok = tile_channels(BLOCK_D, HEAD_DIM, KV_QUANT)  # the head channel of each tile column
+    row_dim_mask = (rows < GROUP)[:, None] & dim_ok[None, :]
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_dim_mask, other=0.0)
 
     # Online softmax in base 2: qk_scale = scale * log2(e), and exp2 is the GPU's native exp.
@@ -177,13 +177,12 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     table = BlockTables + b * stride_bt
-    if KV_QUANT == INT4_GROUPS:
-        # Channel d sits in byte d mod D/2, in the high nibble for the second half (kv/quant.py).
-        kv_base = kv_head * stride_kh + (dims % (HEAD_DIM // 2))[None, :]
-        high_nibble = (dims >= HEAD_DIM // 2)[None, :]
-        group_pairs = (dims // QUANT_GROUP * 2)[None, :]  # each channel's (scale, minimum) pair
+    if KV_QUANT == INT4_GROUPS:  # [BLOCK_N, D/2] tiles of bytes: each byte is loaded once
+        columns = tl.arange(0, BLOCK_D // 2)
+        column_ok = columns < HEAD_DIM // 2
     else:
-        kv_base = kv_head * stride_kh + dims[None, :]
+        columns, column_ok = dims, dim_ok
+    kv_base = kv_head * stride_kh + columns[None, :]
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
@@ -191,7 +190,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
         # table past the sequence's length are never read (masked).
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # int64: big pools
         offsets = block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt + kv_base
-        kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+        kv_mask = valid[:, None] & column_ok[None, :]
         k = tl.load(K + offsets, mask=kv_mask, other=0.0)
         v = tl.load(V + offsets, mask=kv_mask, other=0.0)
         if KV_QUANT != NO_QUANT:
@@ -200,10 +199,10 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
             k_scale = tl.load(KScale + scale_rows, mask=valid, other=0.0).to(tl.float32)
             v_scale = tl.load(VScale + scale_rows, mask=valid, other=0.0).to(tl.float32)
             k, v = per_token_codes(k, q), per_token_codes(v, q)
-        if KV_QUANT == INT4_GROUPS:
-            params = scale_rows[:, None] + group_pairs
-            k = dequant_int4(k, high_nibble, KScale + params, kv_mask).to(q.dtype)
-            v = dequant_int4(v, high_nibble, VScale + params, kv_mask).to(q.dtype)
+        if KV_QUANT == INT4_GROUPS:  # pairs at even offsets (kv_quant_mode checks): one 4-byte load each
+            pairs = tl.multiple_of(scale_rows, 2)
+            k = dequant_int4(k, KScale + pairs, valid, HEAD_DIM // 2, QUANT_GROUP).to(q.dtype)
+            v = dequant_int4(v, VScale + pairs, valid, HEAD_DIM // 2, QUANT_GROUP).to(q.dtype)
 
         # "ieee": fp32 inputs get fp32 products, not TF32's 10-bit mantissa; 16-bit inputs ignore it.
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale

@@ -119,3 +119,9 @@ def test_wrapper_errors_name_the_bad_value():
     packed = kq.view(torch.uint8)  # int4 packs two channels a byte: 16 bytes are 32 channels, not 16
     with pytest.raises(ValueError, match=r"an int4 cache for head_dim 16 has a last dim of 8"):
         paged_prefill_attention(q, packed, packed, tables, cu_q, ctx, 1, k_scale=ks, v_scale=vs)
+    q, kq, vq, ks, vs, tables, cu_q, ctx = quantized_paged([1, 1], [5, 9], 4, 2, 32, 8, torch.float32, "int4", seed=0)
+    # Pairs at odd offsets (a head stride of 5 halves): the kernels load each pair as one 4-byte word.
+    odd = torch.empty(ks.numel() // 4 * 5, dtype=ks.dtype, device=DEVICE).as_strided(
+        ks.shape, (ks.shape[1] * ks.shape[2] * 5, ks.shape[2] * 5, 5, 2, 1))
+    with pytest.raises(ValueError, match=r"int4 scales need contiguous \(scale, minimum\) pairs at even offsets"):
+        paged_decode_attention(q, kq, vq, tables, ctx, k_scale=odd, v_scale=odd)

@@ -1,0 +1,85 @@
+"""What the paged attention kernels' main loops issue per KV byte on an H200 (sm_90), read from SASS
+compiled on any machine (no GPU): the evidence behind the INT4 KV rewrite (kernels/kv_dequant.py).
+
+For the decode kernel (B=64, 32 query / 8 KV heads, D=128, block 16: one split) and the paged prefill
+kernel (BLOCK_M 128, BLOCK_N 64), for each cache format (bf16, int8, int4): the loop's SASS instruction
+count, warp-instructions per K/V byte it consumes (scales included; an H200 issues about 1e12 warp-
+instructions/s, so at its 4.2 TB/s copy bandwidth a loop must stay under ~0.25 to be memory-bound),
+its global (LDG), async-copy (LDGSTS), shared (LDS/STS) and local-memory (LDL/STL = spills) accesses,
+registers, stack and shared memory. The loop is the span of the longest backward branch.
+Run: PYTHONPATH=$PWD python figures/h200/sweeps/kv_quant_sass.py -> $OUT/kv_quant_sass.json."""
+import collections, json, os, re, subprocess, tempfile
+os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real backend
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minillm.bench.harness import result_header
+from minillm.kernels import flash_attention as fa, paged_attention as pa
+from minillm.kernels.kv_dequant import INT4_GROUPS, NO_QUANT, PER_TOKEN
+
+OUT = os.environ.get("OUT", "/tmp/out"); os.makedirs(OUT, exist_ok=True)
+CUBINS = tempfile.mkdtemp()
+BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+D, BS = 128, 16
+FORMATS = {"bf16": (NO_QUANT, "*bf16", D * 2), "int8": (PER_TOKEN, "*i8", D + 2), "int4": (INT4_GROUPS, "*u8", D // 2 + D // 16 * 4)}
+
+
+def signature(fn, pointers, kv, scales, consts):
+    """Every argument of ``fn``: pointers as given (K/V as the format's), other ints i32, consts constexpr."""
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = ("constexpr" if name in consts else kv if name in ("K", "V") else scales if name in ("KScale", "VScale")
+                     else pointers.get(name, "fp32" if name == "qk_scale" else "i32"))
+    # Pointers and strides of these shapes are 16-aligned, as Triton specialises them at run time (not
+    # the arguments the kernels exclude from specialisation, nor int8's per-token head stride of 1).
+    aligned = [i for i, n in enumerate(sig) if sig[n].startswith("*") or (n.startswith("stride") and n not in (
+        "stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh", "stride_qd", "stride_kd", "stride_vd",
+        "stride_od") and not (n == "stride_sh" and kv == "*i8"))]
+    return sig, {(i,): [["tt.divisibility", 16]] for i in aligned}
+
+
+def count(fn, kv_fmt, consts, pointers, warps, stages, tile_tokens):
+    mode, kv, width = FORMATS[kv_fmt]
+    consts = dict(consts, KV_QUANT=mode, QUANT_GROUP=16)
+    sig, attrs = signature(fn, pointers, kv, "*fp16" if mode != NO_QUANT else kv, consts)
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 128), options={"num_warps": warps, "num_stages": stages})
+    path = f"{CUBINS}/{fn.__name__}_{kv_fmt}_{warps}w{stages}s.cubin"
+    open(path, "wb").write(kernel.asm["cubin"])
+    sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", path], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)
+    addr, ops = [int(a, 16) for a, _, _ in lines], [op for _, op, _ in lines]
+    loops = [(int(m.group(1), 16), a) for a, (_, op, rest) in zip(addr, lines)
+             if op.startswith("BRA") and (m := re.search(r"0x([0-9a-f]+)", rest)) and int(m.group(1), 16) < a]
+    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    body = collections.Counter(op.split(".")[0] for a, op in zip(addr, ops) if lo <= a <= hi)
+    loop = sum(body.values())
+    kv_bytes = 2 * tile_tokens * width  # K and V of one tile, scales included
+    return dict(kernel=fn.__name__, kv=kv_fmt, num_warps=warps, num_stages=stages, tile_tokens=tile_tokens,
+                loop_instructions=loop, warp_instructions_per_kv_byte=round(loop * warps / kv_bytes, 3),
+                registers=int(re.search(r"REG:(\d+)", usage).group(1)), stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                shared_bytes=kernel.metadata.shared, total_instructions=len(ops),
+                **{op: body.get(op, 0) for op in ("LDG", "LDGSTS", "LDS", "STS", "LDL", "STL", "HMMA", "I2F")},
+                top=body.most_common(10))
+
+
+decode = dict(BLOCK_SIZE=BS, HEAD_DIM=D, BLOCK_D=D, GROUP=4, GROUP_PAD=16, BLOCK_N=64, WRITE_LSE=False)
+decode_ptrs = {"Q": "*bf16", "BlockTables": "*i32", "ContextLens": "*i32", "O": "*bf16", "Lse": "*bf16"}
+prefill = dict(HEAD_DIM=D, CAUSAL=True, PAGED=True, PAGE_SIZE=BS, BLOCK_M=128, BLOCK_N=64)
+prefill_ptrs = {"Q": "*bf16", "Out": "*bf16", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "context_lens": "*i32",
+                "block_tables": "*i32"}
+rows = []
+for kv in FORMATS:
+    for warps, stages in ((4, 3), (2, 4)):
+        rows.append(count(pa._split_kernel, kv, decode, decode_ptrs, warps, stages, 64))
+    for warps in (4, 8):
+        rows.append(count(fa._attention_kernel, kv, prefill, prefill_ptrs, warps, 3, 64))
+for r in rows:
+    print(f"{r['kernel']:18} {r['kv']:5} {r['num_warps']}w{r['num_stages']}s loop {r['loop_instructions']:5} "
+          f"{r['warp_instructions_per_kv_byte']:.3f}/B LDG {r['LDG']:3} LDGSTS {r['LDGSTS']:2} LDS {r['LDS']:3} "
+          f"STL/LDL {r['STL']}/{r['LDL']} regs {r['registers']} stack {r['stack']} smem {r['shared_bytes']}")
+result = result_header("kv_quant_sass", "kernel main loops", "-", "python figures/h200/sweeps/kv_quant_sass.py")
+result["device"] = f"sm_90 (H200) code from Triton {triton.__version__}, compiled on a CPU: nothing ran"
+result["runs"] = {f"{r['kernel']} {r['kv']} {r['num_warps']}w{r['num_stages']}s": r for r in rows}
+json.dump(result, open(f"{OUT}/kv_quant_sass.json", "w"), indent=1)
