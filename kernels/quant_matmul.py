@@ -21,6 +21,8 @@ Paths, chosen by M (the number of tokens):
   unpacked nibble by nibble; each nibble plane is multiplied into an fp32 accumulator with plain
   FMAs; the group's scale is applied once per packed row, and the reduction over K once, at the end.
   (The weight stays fp32 where the reference rounds it to x's dtype: 16-bit y may differ in a bit.)
+  With HFMA2=True in a pinned config, the body works in x's 16-bit dtype two weights per instruction
+  (``w4_gemv_pairs.py``): 1.7 to 2.1 instructions per weight in the sm_90 SASS instead of 5.5.
   At M = 1 a tensor-core dot would be 1/16 useful work plus a shared-memory round trip. The M
   programs of a column tile are neighbours in the grid, so rows after the first find its weights
   in L2; but each dequantizes them again, which is why larger M goes to the dot.
@@ -70,6 +72,7 @@ from minillm.kernels.checks import FLOAT_DTYPES, check, check_operand, check_run
 from minillm.kernels.int4_dequantize import check_int4_layout, w4a16_dequantize
 from minillm.kernels.int_float import int8_to_float
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
+from minillm.kernels.w4_gemv_pairs import gemv_pairs
 # The layout's helpers live in a Triton-free file; re-exported so that one import serves.
 from minillm.kernels.quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
                                         unpack_int4, unpack_int4_along_n)
@@ -175,36 +178,45 @@ def _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits, stride_q, stride_s
 def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
                     QW, S, Z, group_size, one_bits, stride_q, stride_s, stride_z,
                     BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, SPLIT_K: tl.constexpr,
-                    PREFETCH: tl.constexpr = False):
+                    PREFETCH: tl.constexpr = False, HFMA2: tl.constexpr = False, RUN: tl.constexpr = 2,
+                    ONE_GROUP: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     """Program (row m and column tile, split): one row of x, BLOCK_N columns, a split of the K // 8 packed rows.
     PREFETCH: the next tile's weight loads are issued in this tile's iteration, masked off past the
     end (Triton's pipeliner leaves this loop's loads alone: plain LDGs in the sm_90 SASS, each
-    tile waiting out its own memory latency). Reached by a pinned config until an H200 sweep decides."""
+    tile waiting out its own memory latency). HFMA2: the body is ``w4_gemv_pairs.gemv_pairs``, two
+    weights per instruction in x's 16-bit dtype, summed in 16 bits over runs of RUN packed rows
+    (ONE_GROUP, EVEN_N: see there). Both are reached by a pinned config until an H200 sweep decides."""
     m = tl.program_id(0) % M  # the M programs of a column tile run side by side and share its weights in L2
     n = tl.program_id(0) // M * BLOCK_N + tl.arange(0, BLOCK_N)
     start, end = split_range(K // 8, BLOCK_KP, SPLIT_K)
-    acc = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
-    if PREFETCH:
-        r_next, packed_next, scale_next, zero_next = _int4_tile(QW, S, Z, start, end, n, N, group_size, one_bits,
-                                                                stride_q, stride_s, stride_z, BLOCK_KP)
-    for r0 in range(start, end, BLOCK_KP):
+    if HFMA2:
+        y = gemv_pairs(X + m * stride_xm, QW, S, Z, start, end, n, N, group_size, stride_q, stride_s, stride_z,
+                       BLOCK_N, BLOCK_KP, RUN, ONE_GROUP, EVEN_N)
+    else:
+        acc = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
         if PREFETCH:
-            r, packed, scale, zero = r_next, packed_next, scale_next, zero_next
-            r_next, packed_next, scale_next, zero_next = _int4_tile(QW, S, Z, r0 + BLOCK_KP, end, n, N, group_size,
-                                                                    one_bits, stride_q, stride_s, stride_z, BLOCK_KP)
-        else:
-            r, packed, scale, zero = _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
-                                                stride_q, stride_s, stride_z, BLOCK_KP)
-        part = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
-        x_sum = tl.zeros((BLOCK_KP,), tl.float32)
-        for j in tl.static_range(8):  # nibble j of row r is input k = 8r + j
-            x = tl.load(X + m * stride_xm + 8 * r + j, mask=r < end, other=0.0).to(tl.float32)
-            x_sum += x
-            part += x[:, None] * _nibble(packed, j, one_bits)  # sum_j x_j (1 + q_j / 16): one FMA per weight
-        # sum_j x_j (q_j - z) = 16 (part - (1 + z / 16) sum_j x_j); the 16 waits for the end.
-        acc += scale * (part - zero * x_sum[:, None])
-    finish(16.0 * tl.sum(acc, axis=0)[None, :], Y, Partials, Counters, m + tl.arange(0, 1), n, (n < N)[None, :],
-            M, N, stride_ym, tl.program_id(0), SPLIT_K)
+            r_next, packed_next, scale_next, zero_next = _int4_tile(QW, S, Z, start, end, n, N, group_size, one_bits,
+                                                                    stride_q, stride_s, stride_z, BLOCK_KP)
+        for r0 in range(start, end, BLOCK_KP):
+            if PREFETCH:
+                r, packed, scale, zero = r_next, packed_next, scale_next, zero_next
+                r_next, packed_next, scale_next, zero_next = _int4_tile(QW, S, Z, r0 + BLOCK_KP, end, n, N,
+                                                                        group_size, one_bits, stride_q, stride_s,
+                                                                        stride_z, BLOCK_KP)
+            else:
+                r, packed, scale, zero = _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
+                                                    stride_q, stride_s, stride_z, BLOCK_KP)
+            part = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
+            x_sum = tl.zeros((BLOCK_KP,), tl.float32)
+            for j in tl.static_range(8):  # nibble j of row r is input k = 8r + j
+                x = tl.load(X + m * stride_xm + 8 * r + j, mask=r < end, other=0.0).to(tl.float32)
+                x_sum += x
+                part += x[:, None] * _nibble(packed, j, one_bits)  # sum_j x_j (1 + q_j / 16): one FMA per weight
+            # sum_j x_j (q_j - z) = 16 (part - (1 + z / 16) sum_j x_j); the 16 waits for the end.
+            acc += scale * (part - zero * x_sum[:, None])
+        y = 16.0 * tl.sum(acc, axis=0)
+    finish(y[None, :], Y, Partials, Counters, m + tl.arange(0, 1), n, (n < N)[None, :],
+           M, N, stride_ym, tl.program_id(0), SPLIT_K)
 
 
 @triton.jit
@@ -309,8 +321,12 @@ def _fit_dot_tiles(configs, named_args, **kwargs):
 # size is a multiple of BLOCK_K (or the whole column): then it loads one scale and zero per column.
 _w4_dot = triton.heuristics({"ONE_GROUP": lambda a: a["group_size"] % a["BLOCK_K"] == 0 or a["group_size"] >= a["K"]})(
     _w4_dot_kernel)
+# HFMA2 only: a tile of BLOCK_KP packed rows inside one group loads one scale and zero; N % BLOCK_N == 0, no mask.
+_w4_gemv = triton.heuristics({
+    "ONE_GROUP": lambda a: a["group_size"] % (8 * a["BLOCK_KP"]) == 0 or a["group_size"] >= a["K"],
+    "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})(_w4_gemv_kernel)
 _KERNELS = {  # name -> (the kernel, the kernel autotuned on CUDA)
-    "w4_gemv": (_w4_gemv_kernel, triton.autotune(_W4_GEMV, key=["N", "K", "M"])(_w4_gemv_kernel)),
+    "w4_gemv": (_w4_gemv, triton.autotune(_W4_GEMV, key=["N", "K", "M"])(_w4_gemv)),
     "w4_dot": (_w4_dot, triton.autotune(_W4_DOT, key=["N", "K", "M_BUCKET"],
                                         prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w4_dot)),
     "w8_gemv": (_w8_gemv_kernel, triton.autotune(_W8_GEMV, key=["N", "K", "M"])(_w8_gemv_kernel)),
@@ -326,6 +342,8 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
     kernel's arguments after the strides of x and y."""
     x = x_in.reshape(-1, k)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if config and config.get("HFMA2") and (x.data_ptr() % 4 or x.stride(0) % 2):
+        x = x.clone(memory_format=torch.contiguous_format)  # HFMA2 reads x two inputs per int32
     rows = x.shape[0]
     path = path or ("gemv" if rows <= GEMV_MAX_M else "dot")
     check(path in ("gemv", "dot"), f"path is {path!r}; expected 'gemv', 'dot' or None (chosen by M)")
@@ -392,7 +410,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     configuration instead of autotuning, e.g. {"BLOCK_N": 64, "BLOCK_KP": 16, "SPLIT_K": 4,
     "num_warps": 4} for the GEMV (BLOCK_KP: packed rows per tile, 8 inputs each), or BLOCK_M,
     BLOCK_N, BLOCK_K (inputs per tile) and SPLIT_K for the dot (all powers of two, at least 16), and
-    optionally SWAP_AB=True (the dot computes y^T = W^T x^T; see the module docstring).
+    optionally SWAP_AB=True (the dot computes y^T = W^T x^T; see the module docstring); for the GEMV,
+    HFMA2=True with RUN = 1, 2 (default) or 4 (16-bit math; ``w4_gemv_pairs.py``) or PREFETCH=True.
     ``out`` [..., N], contiguous, receives y if given.
     """
     check(qweight.dim() == 2, f"qweight must be int32 [K // 8, N], got shape {tuple(qweight.shape)}")
@@ -402,6 +421,13 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         check(config is None, f"config {config} was given, but the dequant path runs fixed tiles and cuBLAS")
         out = _output(x, n, out)
         return torch.matmul(x, w4a16_dequantize(qweight, scales, zeros, group, x.dtype), out=out)
+    if config and config.get("HFMA2"):
+        run, rows = config.get("RUN", 2), x.numel() // k
+        check(path == "gemv" or (path is None and rows <= GEMV_MAX_M),
+              f"config {config} asks for HFMA2, a GEMV variant, but path {path!r} at M = {rows} is not the GEMV")
+        check(x.dtype != torch.float32, "HFMA2 computes in x's 16-bit dtype; x is float32")
+        check(run in (1, 2, 4) and config["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k),
+              f"RUN = {run} must be 1, 2 or 4 (longer 16-bit runs lose accuracy) and divide BLOCK_KP and group_size / 8")
     weights = (qweight, scales, zeros, group, _ONE_BITS, qweight.stride(0), scales.stride(0), zeros.stride(0))
     return _launch("w4", x, k, n, weights, path, config, out)
 

@@ -1,6 +1,7 @@
 """W4A16 / W8A16 matmul kernels against their torch references, the references against a
 dequantization written here from the layout's definition, and the INT4 packing helpers.
-Under TRITON_INTERPRET=1 on CPU (tests/conftest.py): small shapes, fp32 and fp16 (bf16 on a GPU)."""
+Under TRITON_INTERPRET=1 on CPU (tests/conftest.py): small shapes, fp32 and fp16 (bf16 on a GPU; the
+HFMA2 GEMV, whose helpers round to bf16 themselves, in bf16 on the CPU too)."""
 
 from __future__ import annotations
 
@@ -200,6 +201,67 @@ def test_w4a16_gemv_prefetch_matches_reference(dtype, group_size, config):
                          out=poisoned((1, 40), dtype))
         assert_matches(y, ref, dtype)
     assert counters_are_clean()
+
+
+# The HFMA2 variant needs 16-bit x; bf16 runs under the interpreter too (its helpers round to bf16 themselves).
+HFMA2_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", HFMA2_DTYPES)
+@pytest.mark.parametrize("k, n, group_size, config", [
+    # N = 40 over tiles of 32 columns (a masked tile); 72 packed rows = 4.5 tiles of 16: a masked last tile
+    (576, 40, 128, dict(BLOCK_N=32, BLOCK_KP=16, SPLIT_K=1, RUN=2)),
+    # groups of 32 inputs in tiles of 64: a scale and zero per run of 4 rows; split-K over 3
+    (576, 40, 32, dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=3, RUN=4)),
+    # N a multiple of BLOCK_N (no column mask), runs of one row
+    (576, 64, 64, dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=2, RUN=1)),
+    # one group (-1) over K = 200: 25 packed rows, uneven splits, short tiles at both split ends
+    (200, 40, -1, dict(BLOCK_N=16, BLOCK_KP=4, SPLIT_K=2, RUN=2)),
+])
+def test_hfma2_gemv_matches_reference(dtype, k, n, group_size, config):
+    """Two weights per HFMA2 in x's dtype (kernels/w4_gemv_pairs.py), 16-bit sums over runs of RUN packed rows."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group_size, dtype, seed=k + n)
+    y = w4a16_matmul(x, qweight, scales, zeros, group_size, path="gemv", config={**config, "HFMA2": True},
+                     out=poisoned((1, n), dtype))
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, group_size), dtype)
+    assert counters_are_clean()
+
+
+@pytest.mark.parametrize("dtype, magnitude", [(torch.float16, 3000.0), (torch.bfloat16, 1e6), (torch.bfloat16, 1e-6)])
+def test_hfma2_gemv_keeps_large_and_small_activations(dtype, magnitude):
+    """fp16 sums of x (q - z) overflow past 65504 unless scaled down (|x| 3000 makes 45000 a product);
+    bf16 scales x up by 2**101, which must neither overflow at 1e6 nor lose 1e-6 to subnormals."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 256, 32, 64, dtype, seed=3)
+    x = (x.float() * magnitude).to(dtype)
+    y = w4a16_matmul(x, qweight, scales, zeros, 64, config=dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=1, HFMA2=True))
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, 64), dtype)
+
+
+def test_hfma2_gemv_reads_a_misaligned_x():
+    """x two inputs per int32: a row starting at an odd 16-bit element is copied first, not misread."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 128, 16, 128, torch.float16, seed=5)
+    wide = torch.randn(1, 130, generator=torch.Generator().manual_seed(6)).to(dtype=torch.float16, device=DEVICE)
+    wide[:, 1:129] = x
+    y = w4a16_matmul(wide[:, 1:129], qweight, scales, zeros, 128,
+                     config=dict(BLOCK_N=16, BLOCK_KP=4, SPLIT_K=1, HFMA2=True))
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.float16)
+
+
+def test_hfma2_gemv_refuses_what_it_cannot_do():
+    x, qweight, scales, zeros, _, _ = int4_problem(2, 128, 16, 32, torch.float16)
+    gemv = dict(BLOCK_N=16, BLOCK_KP=4, SPLIT_K=1, HFMA2=True)
+    for call, message in [
+        (lambda: w4a16_matmul(x.float(), qweight, scales.float(), zeros, 32, path="gemv", config=gemv), "float32"),
+        (lambda: w4a16_matmul(x, qweight, scales, zeros, 32, config=gemv), "not the GEMV"),  # M = 2 takes the dot
+        (lambda: w4a16_matmul(x[:1], qweight, scales, zeros, 32, config={**gemv, "RUN": 3}), "RUN = 3"),
+        (lambda: w4a16_matmul(x[:1], qweight, scales, zeros, 32, config={**gemv, "BLOCK_KP": 8, "RUN": 8}), "RUN = 8"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call()
+    # runs of 4 rows are 32 inputs: they fit groups of 32 but not of 16
+    x16, qweight16, scales16, zeros16, _, _ = int4_problem(1, 128, 16, 16, torch.float16)
+    with pytest.raises(ValueError, match="RUN = 4"):
+        w4a16_matmul(x16, qweight16, scales16, zeros16, 16, config={**gemv, "RUN": 4})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,186 @@
+"""The W4A16 GEMV's body in packed 16-bit math, two weights per instruction: ``quant_matmul``'s HFMA2 variant.
+
+Why it exists: the fp32 GEMV spends about 5.5 instructions per weight in the sm_90 SASS (a shift, a
+LOP3 and an FFMA each, plus x loads and zero points), while an H200 issues only ~3.5 per weight at
+full HBM bandwidth (132 SMs x 128 lanes x 1.98 GHz against ~9.6 G int4 weights per us), and its
+shifts and LOP3s issue at half the FMA rate (64 against 128 a clock per SM: CUDA C Programming
+Guide, arithmetic instruction throughput, cc 9.0). A packed int32 holds nibble j in its low 16 bits and
+nibble j + 4 in its high 16, so one LOP3 makes a *pair* of 16-bit floats and one HFMA2
+(``fma.rn.bf16x2``/``f16x2``) multiplies both into a pair of partial sums (the idea of
+FasterTransformer's and Marlin's converters: Kim et al., https://arxiv.org/abs/2211.10017;
+Frantar et al., https://arxiv.org/abs/2408.11743). Here without their 0x4300/0x6400 exponent:
+
+- a 16-bit float whose bits b sit below its first normal binade's end (b < 256 for bf16, < 2048 for
+  fp16) is exactly b * 2**-133 (bf16) or b * 2**-24 (fp16), subnormal or not. So ``packed &
+  0x000F000F`` *is* the pair (q_j, q_j+4) scaled, ``packed & 0x00F000F0`` the next pair 16 times
+  larger: four LOP3s and one shift by 8 unpack eight weights, and no offset needs subtracting.
+- bf16: x is scaled by 2**101 (2**97 for the 16-times pairs) so that x q 2**-32 stays normal, and
+  the zero point comes off once per run or tile as z * sum(x): 9 instructions per 8 weights in the core,
+  1.7 per weight in all (BLOCK_N 256, BLOCK_KP 16, one warp). |x| must stay below 2**27.
+- fp16 lacks the range for that: one more HFMA2 per pair makes (q - z) 2**-10 exactly (2.1 per
+  weight in all); the 2**-10 keeps the 16-bit sums of any fp16 x finite.
+
+Accuracy: products and sums are rounded to 16 bits within a run of RUN packed rows (4 RUN products
+per half), then summed in fp32. bf16's 8-bit mantissa roughly doubles the fp32 GEMV's distance from
+the reference at RUN = 2 (about 1e-2 of max |y| at K = 576 to 11008); fp16 stays within 1e-3. Under
+the interpreter ``_fma2`` computes in fp32 and rounds to 16 bits, the same up to rare double rounding.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from minillm.kernels.checks import interpreter_on
+from minillm.kernels.int_float import int8_to_float
+
+ASM = tl.constexpr(not interpreter_on())
+
+
+@triton.jit
+def _halves(v, BF16: tl.constexpr):
+    """The two 16-bit floats in each int32 of v, as fp32: (low half, high half)."""
+    if BF16:
+        return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fma2(a, b, c, BF16: tl.constexpr):
+    """a * b + c on the pairs of 16-bit floats (bf16 or fp16) held in int32s: one HFMA2 on a GPU."""
+    if ASM:
+        if BF16:
+            return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+    else:  # the interpreter runs no PTX: the same in fp32 (exact for these products), rounded to 16 bits
+        a0, a1 = _halves(tl.cast(a, tl.int32), BF16)  # (the casts: some operands are Python ints)
+        b0, b1 = _halves(tl.cast(b, tl.int32), BF16)
+        c0, c1 = _halves(tl.cast(c, tl.int32), BF16)
+        return _to_16_bits(a0 * b0 + c0, BF16) | (_to_16_bits(a1 * b1 + c1, BF16) << 16)
+
+
+@triton.jit
+def _to_16_bits(v, BF16: tl.constexpr):
+    """fp32 v rounded to nearest even in bf16 or fp16: the bits in the low 16 of an int32 (the interpreter's own
+    fp32 -> bf16 conversion truncates)."""
+    if BF16:
+        bits = v.to(tl.int32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 65535
+    else:
+        return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
+
+
+@triton.jit
+def _join_halves(a, b, HIGH: tl.constexpr):
+    """(a's low half, b's low half) in one int32, or with HIGH their high halves: one PRMT on a GPU."""
+    if ASM:
+        if HIGH:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [a, b],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [a, b],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+    elif HIGH:
+        return ((a >> 16) & 65535) | (b & -65536)
+    else:
+        return (a & 65535) | (b << 16)
+
+
+@triton.jit
+def _scale_zero(S, Z, r, end, n, N, group_size, stride_s, stride_z):
+    """The scale (fp32) and zero point (int32) of packed row r's group, per column n."""
+    g = (8 * r) // group_size
+    ok = n < tl.where(r < end, N, 0)  # (n < N) & (r < end), which the interpreter refuses as a mask
+    scale = tl.load(S + g * stride_s + n, mask=ok, other=0.0).to(tl.float32)
+    return scale, (tl.load(Z + g * stride_z + n // 8, mask=ok, other=0) >> ((n % 8) * 4)) & 15
+
+
+@triton.jit
+def _run(x_ptr, q_ptrs, r0, end, n, N, z, stride_q, BF16: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+         MASKED: tl.constexpr, EVEN_N: tl.constexpr):
+    """Packed rows r0 .. r0 + RUN in 16-bit pairs: (the sums per column, the sum of x (bf16 only)). x_ptr and
+    q_ptrs point at row r0 (a base per tile, so the rows' offsets are constants or multiples of stride_q)."""
+    acc2 = tl.zeros((BLOCK_N,), tl.int32)  # the bits of +0.0 in both halves
+    x_sum2 = tl.zeros((1,), tl.int32)
+    if not BF16:  # -z 2**-10 in both halves: z's bits are the fp16 z 2**-24 (see the module docstring), times 2**14
+        neg_zero = _fma2(z * 0x10001 - 2147450880, 0x74007400, 0, BF16)  # (the sign bits: + 0x80008000)
+    for i in tl.static_range(RUN):
+        r = r0 + i
+        if MASKED:
+            packed = tl.load(q_ptrs + i * stride_q, mask=n < tl.where(r < end, N, 0), other=0)
+            x_words = tl.load(x_ptr + 4 * i + tl.arange(0, 4), mask=4 * r + tl.arange(0, 4) < 4 * end, other=0)
+        elif EVEN_N:  # no mask: no zeroing of the registers before each load
+            packed = tl.load(q_ptrs + i * stride_q)
+            x_words = tl.load(x_ptr + 4 * i + tl.arange(0, 4))
+        else:
+            packed = tl.load(q_ptrs + i * stride_q, mask=n < N)
+            x_words = tl.load(x_ptr + 4 * i + tl.arange(0, 4))
+        # x_words holds inputs 8r .. 8r + 7 two by two; nibble pair j = (j, j + 4) needs (x_j, x_j+4).
+        x01, x23 = tl.split(tl.reshape(x_words, (2, 2)))
+        x0, x2 = tl.split(x01)
+        x1, x3 = tl.split(x23)
+        shifted = packed >> 8  # nibbles 2, 3, 6, 7 down to where 0, 1, 4, 5 were
+        for j in tl.static_range(4):
+            src = packed if j < 2 else shifted
+            xj = _join_halves(x0 if j < 2 else x1, x2 if j < 2 else x3, j % 2 == 1)
+            v = src & (0x000F000F if j % 2 == 0 else 0x00F000F0)  # (q, q') 2**-133 or 2**-24 (or 16 times that)
+            if BF16:
+                x_sum2 = _fma2(xj, 0x3F803F80, x_sum2, BF16)  # + x_j * 1.0
+                x_big = _fma2(xj, 0x72007200 if j % 2 == 0 else 0x70007000, 0, BF16)  # x * 2**101 or 2**97
+                acc2 = _fma2(x_big, v, acc2, BF16)  # + x q 2**-32
+            else:  # (q - z) 2**-10 = q 2**-24 * 2**14 - z 2**-10, or 16 q 2**-24 * 2**10 - z 2**-10: exact
+                acc2 = _fma2(xj, _fma2(v, 0x74007400 if j % 2 == 0 else 0x64006400, neg_zero, BF16), acc2, BF16)
+    return acc2, x_sum2
+
+
+@triton.jit
+def _tile(XW, QW, S, Z, r0, end, n, N, group_size, stride_q, stride_s, stride_z, BF16: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, RUN: tl.constexpr, ONE_GROUP: tl.constexpr,
+          MASKED: tl.constexpr, EVEN_N: tl.constexpr):
+    """sum_k x_k w[k, n] over packed rows r0 .. r0 + BLOCK_KP, in fp32; runs of RUN rows in 16-bit pairs."""
+    out = tl.zeros((BLOCK_N,), tl.float32)
+    part = tl.zeros((BLOCK_N,), tl.float32)
+    x_sum = tl.zeros((1,), tl.float32)
+    if ONE_GROUP:  # the whole tile in one group: its scale and zero once
+        scale, z = _scale_zero(S, Z, r0, end, n, N, group_size, stride_s, stride_z)
+    for r1 in tl.static_range(0, BLOCK_KP, RUN):
+        if not ONE_GROUP:  # a run lies in one group (checked by the launcher)
+            scale, z = _scale_zero(S, Z, r0 + r1, end, n, N, group_size, stride_s, stride_z)
+        acc2, x_sum2 = _run(XW + 4 * (r0 + r1), QW + (r0 + r1) * stride_q + n, r0 + r1, end, n, N, z, stride_q, BF16,
+                            BLOCK_N, RUN, MASKED, EVEN_N)
+        lo, hi = _halves(acc2, BF16)
+        part += lo + hi
+        if BF16:
+            x_lo, x_hi = _halves(x_sum2, BF16)
+            x_sum += x_lo + x_hi
+        if not ONE_GROUP or r1 + RUN == BLOCK_KP:  # sum x (q - z) = 2**32 sum x q 2**-32 - z sum x
+            if BF16:
+                out += scale * (part * 4294967296.0 - int8_to_float(z) * x_sum)
+            else:
+                out += scale * (part * 1024.0)
+            part = tl.zeros((BLOCK_N,), tl.float32)
+            x_sum = tl.zeros((1,), tl.float32)
+    return out
+
+
+@triton.jit
+def gemv_pairs(X, QW, S, Z, start, end, n, N, group_size, stride_q, stride_s, stride_z, BLOCK_N: tl.constexpr,
+               BLOCK_KP: tl.constexpr, RUN: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN_N: tl.constexpr):
+    """sum_k x[k] w[k, n] over packed rows start .. end for x's row X (16-bit, 4-byte aligned): [BLOCK_N] fp32.
+    ONE_GROUP: every tile of BLOCK_KP rows lies in one group; EVEN_N: N % BLOCK_N == 0 (no column mask)."""
+    BF16: tl.constexpr = X.dtype.element_ty == tl.bfloat16
+    XW = X.to(tl.pointer_type(tl.int32), bitcast=True)  # x two inputs per word
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    full_end = start + (end - start) // BLOCK_KP * BLOCK_KP  # whole tiles run without row masks
+    for r0 in range(start, full_end, BLOCK_KP):
+        acc += _tile(XW, QW, S, Z, r0, end, n, N, group_size, stride_q, stride_s, stride_z, BF16, BLOCK_N,
+                     BLOCK_KP, RUN, ONE_GROUP, False, EVEN_N)
+    if full_end < end:
+        acc += _tile(XW, QW, S, Z, full_end, end, n, N, group_size, stride_q, stride_s, stride_z, BF16,
+                     BLOCK_N, BLOCK_KP, RUN, ONE_GROUP, True, EVEN_N)
+    return acc
