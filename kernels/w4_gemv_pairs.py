@@ -15,14 +15,15 @@ Frantar et al., https://arxiv.org/abs/2408.11743). Here without their 0x4300/0x6
   0x000F000F`` *is* the pair (q_j, q_j+4) scaled, ``packed & 0x00F000F0`` the next pair 16 times
   larger: four LOP3s and one shift by 8 unpack eight weights, and no offset needs subtracting.
 - bf16: x is scaled by 2**101 (2**97 for the 16-times pairs) so that x q 2**-32 stays normal, and
-  the zero point comes off once per run or tile as z * sum(x): 9 instructions per 8 weights in the core,
-  1.7 per weight in all (BLOCK_N 256, BLOCK_KP 16, one warp). |x| must stay below 2**27.
-- fp16 lacks the range for that: one more HFMA2 per pair makes (q - z) 2**-10 exactly (2.1 per
-  weight in all); the 2**-10 keeps the 16-bit sums of any fp16 x finite.
+  the zero point comes off once per run or tile as z * sum(x): 9 instructions per 8 weights in the
+  core, 1.7 to 2.2 per weight in all (figures/cpu/w4a16_gemv_sass.json). |x| must stay below 2**27.
+- fp16 lacks the range for that: one more HFMA2 per pair makes (q - z) 2**-10 exactly (2.3 per
+  weight in all at RUN = 2); the 2**-10 keeps the 16-bit sums of any fp16 x finite.
 
 Accuracy: products and sums are rounded to 16 bits within a run of RUN packed rows (4 RUN products
-per half), then summed in fp32. bf16's 8-bit mantissa roughly doubles the fp32 GEMV's distance from
-the reference at RUN = 2 (about 1e-2 of max |y| at K = 576 to 11008); fp16 stays within 1e-3. Under
+per half), then summed in fp32. bf16's 8-bit mantissa up to doubles the fp32 GEMV's distance from
+the reference at RUN <= 2 (1.0e-2 of max |y| against 5.2e-3 at K = 11008; RUN = 4 adds the error of
+16-term bf16 sums of x); fp16 stays within 1e-3 (figures/cpu/w4a16_gemv_error.json). Under
 the interpreter ``_fma2`` computes in fp32 and rounds to 16 bits, the same up to rare double rounding.
 """
 

@@ -27,8 +27,8 @@ def count(dtype, block_n, block_kp, split_k, warps, extra):
     sig = {"X": f"*{dtype}", "Y": f"*{dtype}", "Partials": "*fp32", "Counters": "*i32", "M": "i32", "N": "i32",
            "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "QW": "*i32", "S": f"*{dtype}", "Z": "*i32",
            "group_size": "i32", "one_bits": "i32", "stride_q": "i32", "stride_s": "i32", "stride_z": "i32"}
-    consts = dict(BLOCK_N=block_n, BLOCK_KP=block_kp, SPLIT_K=split_k, PREFETCH=False, HFMA2=False, RUN=2,
-                  ONE_GROUP=True, EVEN_N=True, **extra)  # ONE_GROUP, EVEN_N: group 128, N % BLOCK_N == 0
+    consts = {**dict(BLOCK_N=block_n, BLOCK_KP=block_kp, SPLIT_K=split_k, PREFETCH=False, HFMA2=False, RUN=2,
+                     ONE_GROUP=True, EVEN_N=True), **extra}  # ONE_GROUP, EVEN_N: group 128, N % BLOCK_N == 0
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ALIGNED}
     kernel = triton.compile(ASTSource(fn=quant_matmul._w4_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs),
