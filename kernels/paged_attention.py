@@ -387,7 +387,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = max(16, triton.next_power_of_2(dim))
     # Launch defaults from H200 sweeps at B=64, 2k context (figures/h200/sweeps/decode_launch.json): a 1-byte
     # cache's tiles are converted in registers before the dot, and 2 warps with a 4-deep pipeline
-    # read it at 50 % of copy bandwidth where bf16's 4 warps / 3 stages got 31 %.
+    # read it at 50 % of copy bandwidth where the 4 warps / 3 stages kept for bf16 got 31 %.
     warps, stages = (2, 4) if quant == PER_TOKEN else (4, 3)
     launch = dict(num_warps=num_warps or warps, num_stages=num_stages or stages) if on_gpu else {}
     # Without scales the cache stands in for them: never read (KV_QUANT=NO_QUANT compiles no load).

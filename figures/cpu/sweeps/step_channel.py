@@ -22,12 +22,12 @@ def run(rank, address, n):
         out.setdefault(choice, []).append((time.perf_counter() - t0) / n * 1e6)
         ch.close()
     if rank == 0:
-        import datetime, subprocess, platform
+        import platform
+        from minillm.bench.harness import result_header
         runs = {k: {"us_per_step": min(v), "rounds_us": v} for k, v in out.items()}
-        doc = dict(benchmark="step_channel", workload="batch-1 decode step message, 2000 steps", model="-",
-                   device=f"CPU ({platform.machine()}, {os.cpu_count()} cores)", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   command="python figures/cpu/sweeps/step_channel.py PORT figures/cpu/step_channel.json",
-                   commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(), runs=runs)
+        doc = result_header("step_channel", "batch-1 decode step message, 2000 steps", "-",
+                            "python figures/cpu/sweeps/step_channel.py PORT figures/cpu/step_channel.json")
+        doc |= dict(device=f"CPU ({platform.machine()}, {os.cpu_count()} cores)", runs=runs)
         json.dump(doc, open(sys.argv[2], "w"), indent=1)
         print(json.dumps({k: round(r["us_per_step"], 1) for k, r in runs.items()}))
     dist.destroy_process_group()

@@ -3,8 +3,9 @@
 against w4a16_matmul_ref (the weight rounded to x's dtype, fp32 sums), and against the exact float64 product.
 Worst of two seeds, N = 128. The interpreter rounds the bf16 output toward zero (both bodies alike).
 Usage: TRITON_INTERPRET=1 python figures/cpu/sweeps/w4a16_gemv_error.py OUT.json"""
-import datetime, json, os, platform, subprocess, sys
+import json, os, platform, sys
 import torch
+from minillm.bench.harness import result_header
 from minillm.kernels.quant_matmul import dequantize_int4, pack_int4, pack_int4_along_n, w4a16_matmul, w4a16_matmul_ref
 
 N, G = 128, 128
@@ -29,10 +30,7 @@ for dtype in (torch.bfloat16, torch.float16):
                     errors[name][key] = max(errors[name][key], err)
         rows.append(dict(dtype=str(dtype).removeprefix("torch."), k=k, n=N, errors=errors))
         print(rows[-1]["dtype"], f"K={k}:", ", ".join(f"{name} {e['vs_ref']:.1e}" for name, e in errors.items()), flush=True)
-doc = dict(benchmark="w4a16_gemv_error", workload=f"M=1, N={N}, group {G}, worst of 2 seeds", model="-",
-           device=f"CPU ({platform.machine()}), Triton interpreter",
-           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           command="TRITON_INTERPRET=1 python figures/cpu/sweeps/w4a16_gemv_error.py figures/cpu/w4a16_gemv_error.json",
-           commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           runs=rows)
+doc = result_header("w4a16_gemv_error", f"M=1, N={N}, group {G}, worst of 2 seeds", "-",
+                    "TRITON_INTERPRET=1 python figures/cpu/sweeps/w4a16_gemv_error.py figures/cpu/w4a16_gemv_error.json")
+doc |= dict(device=f"CPU ({platform.machine()}), Triton interpreter", runs=rows)
 json.dump(doc, open(sys.argv[1], "w"), indent=1)

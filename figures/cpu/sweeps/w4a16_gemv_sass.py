@@ -3,11 +3,12 @@ HFMA2 variant, from the sm_90 SASS that Triton compiles on this CPU (no GPU need
 Triton). The main loop is the longest backward branch; weights per thread and iteration are
 8 BLOCK_KP BLOCK_N / (32 num_warps). "alu" counts the integer-pipe opcodes (LOP3, SHF, PRMT, IADD3, LEA, ISETP, ...),
 which issue at half the FMA rate on sm_90. Usage: python figures/cpu/sweeps/w4a16_gemv_sass.py OUT.json"""
-import collections, datetime, json, os, platform, re, subprocess, sys, tempfile
+import collections, json, os, platform, re, subprocess, sys, tempfile
 os.environ.pop("TRITON_INTERPRET", None)  # compile for a GPU, do not interpret
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from minillm.bench.harness import result_header
 from minillm.kernels import quant_matmul
 
 TOOLS = os.path.join(os.path.dirname(__import__("triton.backends.nvidia", fromlist=["x"]).__file__), "bin")
@@ -57,10 +58,7 @@ for config in CONFIGS:
     r = rows[-1]
     print(f"{r['dtype']} {config[1:5]} {config[5]}: {r['per_weight']} instr/weight ({r['alu_per_weight']} ALU), "
           f"{r['registers']} regs", flush=True)
-doc = dict(benchmark="w4a16_gemv_sass", workload="main loop of _w4_gemv_kernel, sm_90 SASS, group 128", model="-",
-           device=f"CPU ({platform.machine()}), Triton {triton.__version__} compiling for sm_90",
-           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           command="python figures/cpu/sweeps/w4a16_gemv_sass.py figures/cpu/w4a16_gemv_sass.json",
-           commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           runs=rows)
+doc = result_header("w4a16_gemv_sass", "main loop of _w4_gemv_kernel, sm_90 SASS, group 128", "-",
+                    "python figures/cpu/sweeps/w4a16_gemv_sass.py figures/cpu/w4a16_gemv_sass.json")
+doc |= dict(device=f"CPU ({platform.machine()}), Triton {triton.__version__} compiling for sm_90", runs=rows)
 json.dump(doc, open(sys.argv[1], "w"), indent=1)

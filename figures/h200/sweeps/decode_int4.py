@@ -9,6 +9,7 @@ import itertools, json, os, random, time
 import torch
 from minillm.bench.harness import result_header
 from minillm.bench.kernels import time_ms, paged_copy
+from launch_sweep import time_launches  # beside this script
 from minillm.bench.roofline import measure_bandwidth
 from minillm.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref, PagedAttentionWorkspace
 from minillm.kv.quant import quantize_kv, kv_layout
@@ -46,19 +47,9 @@ for kv, launches, splits, share in cases:
     default = time_ms(lambda: paged_decode_attention(q, k_pool, vp, tables, lens, out=out, workspace=ws, **scales), dev)
     out.fill_(float("nan")); paged_decode_attention(q, k_pool, vp, tables, lens, out=out, workspace=ws, **scales)
     default_err = (out.float() - ref).abs().max().item()
-    res = []
-    for (bn, w, st), ns in itertools.product(random.sample(launches, len(launches)), splits):
-        if time.time() > deadline: break
-        call = lambda: paged_decode_attention(q, k_pool, vp, tables, lens, out=out, workspace=ws, num_splits=ns,
-                                              block_n=bn, num_warps=w, num_stages=st, **scales)
-        try:
-            ms = time_ms(call, dev, iters=10, repeats=3)
-            out.fill_(float("nan")); call(); err = (out.float() - ref).abs().max().item()
-            res.append(dict(ms=ms, gbs=kv_bytes / ms / 1e6, fraction_of_bandwidth=kv_bytes / ms / 1e6 / bandwidth,
-                            splits=ns, block_n=bn, num_warps=w, num_stages=st, err=err))
-        except Exception as e:  # a config that does not compile (shared memory) is recorded, not fatal
-            res.append(dict(ms=float("inf"), splits=ns, block_n=bn, num_warps=w, num_stages=st, error=str(e)[:150]))
-    res.sort(key=lambda r: r["ms"])
+    res = time_launches(lambda **launch: paged_decode_attention(q, k_pool, vp, tables, lens, out=out, workspace=ws,
+                                                                **launch, **scales),
+                        ref, out, kv_bytes, launches, splits, deadline, bandwidth)
     runs[f"{kv} B={B} ctx={S}"] = dict(kv=kv, batch=B, context=S, kv_bytes=kv_bytes, default_ms=default,
                                        default_gbs=kv_bytes / default / 1e6, default_err=default_err,
                                        default_fraction=kv_bytes / default / 1e6 / bandwidth, tried=len(res), top=res[:10])

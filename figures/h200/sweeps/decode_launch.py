@@ -6,6 +6,7 @@ interpreter mis-reads bf16 tiles)."""
 import itertools, json, os, random, time
 import torch
 from minillm.bench.kernels import time_ms, paged_copy
+from launch_sweep import time_launches  # beside this script
 from minillm.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref, PagedAttentionWorkspace
 from minillm.kv.quant import quantize_kv, kv_layout
 
@@ -38,21 +39,13 @@ for kv, B, S, splits in cases:
     ws = PagedAttentionWorkspace.allocate(B, H, D, 64, dev)
     out = torch.full_like(q, float("nan"))
     default = time_ms(lambda: paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out, workspace=ws, **scales), dev)
-    res = []
-    for (bn, w, st), ns in itertools.product(random.sample(launch, len(launch)), splits):
-        if time.time() > deadline: break
-        call = lambda: paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out, workspace=ws, num_splits=ns,
-                                              block_n=bn, num_warps=w, num_stages=st, **scales)
-        try:
-            ms = time_ms(call, dev, iters=10, repeats=3)
-            out.fill_(float("nan")); call(); err = (out.float() - ref).abs().max().item()
-            res.append(dict(ms=ms, gbs=kv_bytes / ms / 1e6, splits=ns, block_n=bn, num_warps=w, num_stages=st, err=err))
-        except Exception as e:
-            res.append(dict(ms=float("inf"), splits=ns, block_n=bn, num_warps=w, num_stages=st, error=str(e)[:150]))
-    res.sort(key=lambda r: r["ms"])
+    res = time_launches(lambda **launch: paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out, workspace=ws,
+                                                                **launch, **scales),
+                        ref, out, kv_bytes, launch, splits, deadline)
     rows.append(dict(kv=kv, batch=B, context=S, kv_bytes=kv_bytes, default_ms=default, default_gbs=kv_bytes / default / 1e6,
                      tried=len(res), top=res[:10]))
     b = res[0] if res else {}
     print(f"{kv} B={B} S={S}: default {default*1e3:.1f}us {kv_bytes/default/1e6:.0f} GB/s ({kv_bytes/default/1e6/BW:.0%}); "
           f"best {b.get('ms',0)*1e3:.1f}us {b.get('gbs',0):.0f} GB/s ({b.get('gbs',0)/BW:.0%}) {({x: b.get(x) for x in ('splits','block_n','num_warps','num_stages','err')})} of {len(res)}", flush=True)
+    os.makedirs(OUT, exist_ok=True)
     json.dump(rows, open(f"{OUT}/decode_sweep.json", "w"), indent=1)
