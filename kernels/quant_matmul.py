@@ -33,8 +33,9 @@ Paths, chosen by M (the number of tokens):
   nibble plane, with x read at stride 8: 4 to 15 times slower than bf16 on an H200.) With SWAP_AB
   the kernel computes y^T = W^T x^T: on Hopper a warpgroup MMA takes its second operand from shared
   memory only, but its first may come from registers, and it wants 64 rows there; swapped, those
-  are BLOCK_N weight columns instead of BLOCK_M tokens. Only a pinned config reaches it until
-  measured on an H200.
+  are BLOCK_N weight columns instead of BLOCK_M tokens. With PAIRS=True (16-bit x) the tile is
+  dequantized in x's dtype two weights per instruction (``w4_dot_pairs.py``). Only a pinned config
+  reaches SWAP_AB or PAIRS until measured on an H200.
 - **dequant** (W4A16 only, M >= DEQUANT_MIN_M, prefill): one kernel (``int4_dequantize.py``) writes
   the weight in x's dtype to a temporary, then ``torch.matmul`` (cuBLAS). Once M is large the GEMM
   is compute-bound, and cuBLAS's tensor-core pipeline beats a Triton dot whose B operand is
@@ -72,6 +73,7 @@ from minillm.kernels.checks import FLOAT_DTYPES, check, check_operand, check_run
 from minillm.kernels.int4_dequantize import check_int4_layout, w4a16_dequantize
 from minillm.kernels.int_float import int8_to_float
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
+from minillm.kernels.w4_dot_pairs import dequant_tile_pairs
 from minillm.kernels.w4_gemv_pairs import gemv_pairs
 # The layout's helpers live in a Triton-free file; re-exported so that one import serves.
 from minillm.kernels.quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
@@ -223,38 +225,29 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
 def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
                    QW, S, Z, group_size, one_bits, stride_q, stride_s, stride_z, M_BUCKET,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   ONE_GROUP: tl.constexpr, SWAP_AB: tl.constexpr = False):
+                   ONE_GROUP: tl.constexpr, SWAP_AB: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """Program (column tile, split, row tile): y[m, n] over a split of K, BLOCK_K inputs per dot.
     M_BUCKET is only the autotuner's key; ONE_GROUP: every tile lies inside one group; SWAP_AB:
-    compute y^T = W^T x^T (see the module docstring)."""
+    compute y^T = W^T x^T (see the module docstring); PAIRS: dequantize in x's 16-bit dtype, two
+    weights per instruction (``w4_dot_pairs.py``)."""
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     x_rows = X + m.to(tl.int64)[:, None] * stride_xm
     start, end = split_range(K, BLOCK_K, SPLIT_K)  # whole tiles of BLOCK_K inputs, so tiles start group-aligned
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), tl.float32)
-    # Row k = 8r + j of the tile is nibble j of packed row r: shifting each packed word by 4j for
-    # j = 0..7 gives a [BLOCK_K // 8, 8, BLOCK_N] block whose row-major order is k's order.
-    shifts = 4 * tl.arange(0, 8)
     for k0 in range(start, end, BLOCK_K):
         r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         mask = (r < end // 8)[:, None] & (n < N)[None, :]
         packed = tl.load(QW + r[:, None] * stride_q + n[None, :], mask=mask, other=0)
-        nibbles = _one_plus_sixteenth((packed[:, None, :] >> shifts[None, :, None]) << 19, one_bits)
-        if ONE_GROUP:  # one scale and zero per column for the whole tile
-            g = k0 // group_size
-            scale = 16.0 * tl.load(S + g * stride_s + n, mask=n < N, other=0.0).to(tl.float32)
-            packed_zero = tl.load(Z + g * stride_z + n // 8, mask=n < N, other=0)
-            zero = _zero_point(packed_zero, n, one_bits)
-            w = (nibbles - zero[None, None, :]) * scale[None, None, :]
+        if PAIRS:
+            g = (k0 // group_size + tl.zeros((1,), tl.int32)) if ONE_GROUP else (8 * r) // group_size
+            g_mask = (n < N)[None, :] if ONE_GROUP else mask
+            scale = tl.load(S + g[:, None] * stride_s + n[None, :], mask=g_mask, other=0.0)
+            zero = (tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=g_mask, other=0) >> ((n % 8) * 4)) & 15
+            w = dequant_tile_pairs(packed, scale, zero, X.dtype.element_ty, BLOCK_K, BLOCK_N)
         else:
-            g = (8 * r) // group_size  # the eight weights of a packed row share a group (group_size % 8 == 0)
-            scale = 16.0 * tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
-            packed_zero = tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0)
-            zero = _zero_point(packed_zero, n[None, :], one_bits)
-            w = (nibbles - zero[:, None, :]) * scale[:, None, :]
-        # (1 + q/16 - (1 + z/16)) * 16 s = (q - z) s exactly in fp32, rounded once to x's dtype: the
-        # reference's weight. Rounded before the reshape, so a reshape that moves data moves half the bytes.
-        w = tl.reshape(w.to(X.dtype.element_ty), (BLOCK_K, BLOCK_N))
+            w = _dequant_tile(packed, r, mask, n, N, S, Z, k0, group_size, one_bits, stride_s, stride_z, ONE_GROUP,
+                              X.dtype.element_ty, BLOCK_K, BLOCK_N)
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=(m < M)[:, None] & (k < end)[None, :], other=0.0)
         if SWAP_AB:
@@ -265,6 +258,30 @@ def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
         acc = tl.trans(acc)
     finish(acc, Y, Partials, Counters, m.to(tl.int64), n, (m < M)[:, None] & (n < N)[None, :], M, N, stride_ym,
             tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), SPLIT_K)
+
+
+@triton.jit
+def _dequant_tile(packed, r, mask, n, N, S, Z, k0, group_size, one_bits, stride_s, stride_z,
+                  ONE_GROUP: tl.constexpr, DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dot's weight tile [BLOCK_K, BLOCK_N] in DTYPE from BLOCK_K // 8 packed rows, in fp32 math."""
+    # Row k = 8r + j of the tile is nibble j of packed row r: shifting each packed word by 4j for
+    # j = 0..7 gives a [BLOCK_K // 8, 8, BLOCK_N] block whose row-major order is k's order.
+    shifts = 4 * tl.arange(0, 8)
+    nibbles = _one_plus_sixteenth((packed[:, None, :] >> shifts[None, :, None]) << 19, one_bits)
+    if ONE_GROUP:  # one scale and zero per column for the whole tile
+        g = k0 // group_size
+        scale = 16.0 * tl.load(S + g * stride_s + n, mask=n < N, other=0.0).to(tl.float32)
+        zero = _zero_point(tl.load(Z + g * stride_z + n // 8, mask=n < N, other=0), n, one_bits)
+        w = (nibbles - zero[None, None, :]) * scale[None, None, :]
+    else:
+        g = (8 * r) // group_size  # the eight weights of a packed row share a group (group_size % 8 == 0)
+        scale = 16.0 * tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
+        packed_zero = tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0)
+        zero = _zero_point(packed_zero, n[None, :], one_bits)
+        w = (nibbles - zero[:, None, :]) * scale[:, None, :]
+    # (1 + q/16 - (1 + z/16)) * 16 s = (q - z) s exactly in fp32, rounded once to x's dtype: the
+    # reference's weight. Rounded before the reshape, so a reshape that moves data moves half the bytes.
+    return tl.reshape(w.to(DTYPE), (BLOCK_K, BLOCK_N))
 
 
 # ----------------------------------------------------------------------------- W8A16 kernels
@@ -410,7 +427,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     configuration instead of autotuning, e.g. {"BLOCK_N": 64, "BLOCK_KP": 16, "SPLIT_K": 4,
     "num_warps": 4} for the GEMV (BLOCK_KP: packed rows per tile, 8 inputs each), or BLOCK_M,
     BLOCK_N, BLOCK_K (inputs per tile) and SPLIT_K for the dot (all powers of two, at least 16), and
-    optionally SWAP_AB=True (the dot computes y^T = W^T x^T; see the module docstring); for the GEMV,
+    optionally SWAP_AB=True (the dot computes y^T = W^T x^T; see the module docstring) and PAIRS=True
+    (16-bit x: the tile dequantized two weights per instruction, ``w4_dot_pairs.py``); for the GEMV,
     HFMA2=True with RUN = 1, 2 (default) or 4 (16-bit math; ``w4_gemv_pairs.py``) or PREFETCH=True.
     ``out`` [..., N], contiguous, receives y if given.
     """
@@ -428,6 +446,11 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         check(x.dtype != torch.float32, "HFMA2 computes in x's 16-bit dtype; x is float32")
         check(run in (1, 2, 4) and config["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k),
               f"RUN = {run} must be 1, 2 or 4 (longer 16-bit runs lose accuracy) and divide BLOCK_KP and group_size / 8")
+    if config and config.get("PAIRS"):
+        rows = x.numel() // k
+        check(path == "dot" or (path is None and GEMV_MAX_M < rows),
+              f"config {config} asks for PAIRS, a dot variant, but path {path!r} at M = {rows} is not the dot")
+        check(x.dtype != torch.float32, "PAIRS dequantizes in x's 16-bit dtype; x is float32")
     weights = (qweight, scales, zeros, group, _ONE_BITS, qweight.stride(0), scales.stride(0), zeros.stride(0))
     return _launch("w4", x, k, n, weights, path, config, out)
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from minillm.kernels import quant_matmul, split_k
+from minillm.kernels.w4_dot_pairs import dequant_tile_pairs
 from minillm.kernels.quant_matmul import (pack_int4, pack_int4_along_n, unpack_int4, unpack_int4_along_n,
                                           w4a16_matmul, w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref)
 
@@ -276,6 +279,54 @@ def test_w4a16_swapped_dot_matches_reference(dtype, m, group_size, config):
                      out=poisoned((m, 40), dtype))
     assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, group_size), dtype)
     assert counters_are_clean()
+
+
+@triton.jit
+def _pairs_tile_kernel(QW, S, Z, W, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stores dequant_tile_pairs of the first BLOCK_K // 8 packed rows (one group: scale and zero row 0)."""
+    r, n = tl.arange(0, BLOCK_K // 8), tl.arange(0, BLOCK_N)
+    packed = tl.load(QW + r[:, None] * N + n[None, :])
+    scale = tl.load(S + n)[None, :]
+    zero = (tl.load(Z + n // 8) >> ((n % 8) * 4))[None, :] & 15
+    w = dequant_tile_pairs(packed, scale, zero, W.dtype.element_ty, BLOCK_K, BLOCK_N)
+    tl.store(W + tl.arange(0, BLOCK_K)[:, None] * N + n[None, :], w)
+
+
+@pytest.mark.parametrize("dtype", HFMA2_DTYPES)
+def test_pairs_tile_is_the_reference_weight_bit_for_bit(dtype):
+    """(q - z) s from 16-bit pairs (128 + q or 1024 + q, minus 128 + z, times s) is the reference's rounded weight,
+    row k in k's order."""
+    _, qweight, scales, zeros, _, _ = int4_problem(1, 64, 32, 64, dtype, seed=11)
+    scales = scales * torch.logspace(-3, 3, 32, device=DEVICE).to(dtype)  # small and large scales round differently
+    w = poisoned((64, 32), dtype)
+    _pairs_tile_kernel[(1,)](qweight, scales, zeros, w, 32, BLOCK_K=64, BLOCK_N=32)
+    want = quant_matmul.dequantize_int4(qweight, scales, zeros, 64, dtype)
+    assert torch.equal(w.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])  # (the interpreter's bf16 dot misreads)
+@pytest.mark.parametrize("m, group_size, config", [
+    (37, 128, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1)),   # row tiles, one group per tile
+    (5, 32, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),     # two groups per tile, split-K
+    (3, -1, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, SWAP_AB=True)),  # one group, swapped
+])
+def test_w4a16_pairs_dot_matches_reference(dtype, m, group_size, config):
+    """The dot with its tile dequantized two weights per HFMA2 (kernels/w4_dot_pairs.py): N = 40 over tiles of
+    16 or 32 columns (a masked tile), K = 576 (9 tiles of 64, a ragged last group of 128)."""
+    x, qweight, scales, zeros, _, _ = int4_problem(m, 576, 40, group_size, dtype, seed=m + 1)
+    y = w4a16_matmul(x, qweight, scales, zeros, group_size, path="dot", config={**config, "PAIRS": True},
+                     out=poisoned((m, 40), dtype))
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, group_size), dtype)
+    assert counters_are_clean()
+
+
+def test_pairs_refuses_what_it_cannot_do():
+    x, qweight, scales, zeros, _, _ = int4_problem(3, 128, 16, 32, torch.float16)
+    dot = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, PAIRS=True)
+    with pytest.raises(ValueError, match="float32"):
+        w4a16_matmul(x.float(), qweight, scales.float(), zeros, 32, config=dot)
+    with pytest.raises(ValueError, match="not the dot"):
+        w4a16_matmul(x[:1], qweight, scales, zeros, 32, config=dot)  # M = 1 takes the GEMV
 
 
 @pytest.mark.parametrize("path, config", [("gemv", dict(BLOCK_N=32, BLOCK_K=16, SPLIT_K=3)),

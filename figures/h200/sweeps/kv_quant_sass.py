@@ -8,18 +8,15 @@ instructions/s, so at its 4.2 TB/s copy bandwidth a loop must stay under ~0.25 t
 its global (LDG), async-copy (LDGSTS), shared (LDS/STS) and local-memory (LDL/STL = spills) accesses,
 registers, stack and shared memory. The loop is the span of the longest backward branch.
 Run: PYTHONPATH=$PWD python figures/h200/sweeps/kv_quant_sass.py -> $OUT/kv_quant_sass.json."""
-import collections, json, os, re, subprocess, tempfile
+import json, os
 os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real backend
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from minillm.bench.harness import result_header
+from minillm.bench.sass import compile_sm90, main_loop
 from minillm.kernels import flash_attention as fa, paged_attention as pa
 from minillm.kernels.kv_dequant import INT4_GROUPS, NO_QUANT, PER_TOKEN
 
 OUT = os.environ.get("OUT", "/tmp/out"); os.makedirs(OUT, exist_ok=True)
-CUBINS = tempfile.mkdtemp()
-BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
 D, BS = 128, 16
 FORMATS = {"bf16": (NO_QUANT, "*bf16", D * 2), "int8": (PER_TOKEN, "*i8", D + 2), "int4": (INT4_GROUPS, "*u8", D // 2 + D // 16 * 4)}
 
@@ -32,34 +29,23 @@ def signature(fn, pointers, kv, scales, consts):
                      else pointers.get(name, "fp32" if name == "qk_scale" else "i32"))
     # Pointers and strides of these shapes are 16-aligned, as Triton specialises them at run time (not
     # the arguments the kernels exclude from specialisation, nor int8's per-token head stride of 1).
-    aligned = [i for i, n in enumerate(sig) if sig[n].startswith("*") or (n.startswith("stride") and n not in (
+    aligned = {n for n in sig if sig[n].startswith("*") or (n.startswith("stride") and n not in (
         "stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh", "stride_qd", "stride_kd", "stride_vd",
-        "stride_od") and not (n == "stride_sh" and kv == "*i8"))]
-    return sig, {(i,): [["tt.divisibility", 16]] for i in aligned}
+        "stride_od") and not (n == "stride_sh" and kv == "*i8"))}
+    return sig, aligned
 
 
 def count(fn, kv_fmt, consts, pointers, warps, stages, tile_tokens):
     mode, kv, width = FORMATS[kv_fmt]
     consts = dict(consts, KV_QUANT=mode, QUANT_GROUP=16)
-    sig, attrs = signature(fn, pointers, kv, "*fp16" if mode != NO_QUANT else kv, consts)
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 128), options={"num_warps": warps, "num_stages": stages})
-    path = f"{CUBINS}/{fn.__name__}_{kv_fmt}_{warps}w{stages}s.cubin"
-    open(path, "wb").write(kernel.asm["cubin"])
-    sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", path], capture_output=True, text=True, check=True).stdout
-    usage = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)
-    addr, ops = [int(a, 16) for a, _, _ in lines], [op for _, op, _ in lines]
-    loops = [(int(m.group(1), 16), a) for a, (_, op, rest) in zip(addr, lines)
-             if op.startswith("BRA") and (m := re.search(r"0x([0-9a-f]+)", rest)) and int(m.group(1), 16) < a]
-    lo, hi = max(loops, key=lambda span: span[1] - span[0])
-    body = collections.Counter(op.split(".")[0] for a, op in zip(addr, ops) if lo <= a <= hi)
-    loop = sum(body.values())
+    sig, aligned = signature(fn, pointers, kv, "*fp16" if mode != NO_QUANT else kv, consts)
+    loop = main_loop(compile_sm90(fn, sig, consts, aligned, warps, stages))
+    body = loop["opcodes"]
     kv_bytes = 2 * tile_tokens * width  # K and V of one tile, scales included
     return dict(kernel=fn.__name__, kv=kv_fmt, num_warps=warps, num_stages=stages, tile_tokens=tile_tokens,
-                loop_instructions=loop, warp_instructions_per_kv_byte=round(loop * warps / kv_bytes, 3),
-                registers=int(re.search(r"REG:(\d+)", usage).group(1)), stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
-                shared_bytes=kernel.metadata.shared, total_instructions=len(ops),
+                loop_instructions=loop["loop_instructions"],
+                warp_instructions_per_kv_byte=round(loop["loop_instructions"] * warps / kv_bytes, 3),
+                **{key: loop[key] for key in ("registers", "stack", "shared_bytes", "total_instructions")},
                 **{op: body.get(op, 0) for op in ("LDG", "LDGSTS", "LDS", "STS", "LDL", "STL", "HMMA", "I2F")},
                 top=body.most_common(10))
 

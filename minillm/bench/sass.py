@@ -1,0 +1,70 @@
+"""What a Triton kernel's main loop issues on an H200, read from sm_90 SASS compiled on any machine.
+
+Why it exists: device time is scarce, and whether a kernel can keep up with HBM is often decided by
+its instruction count before any timing. Triton compiles for a GPU target without one being present
+(``triton.compile`` with a ``GPUTarget``), and its wheel ships ptxas and cuobjdump, so the machine
+code of a kernel's hot loop can be counted on a CPU. An H200 issues about 132 SMs x 4 schedulers x
+1.98 GHz ~ 1.0e12 warp-instructions a second; a loop that consumes B bytes of HBM data per W warp-
+instructions is memory-bound at 4.2 TB/s only while W / B stays below ~0.25. The integer pipe (shifts,
+LOP3, PRMT, ...) issues at half the FMA rate (CUDA C Programming Guide, arithmetic instruction
+throughput, cc 9.0), so ``ALU`` opcodes count twice against that budget.
+
+The loop is the span of the longest backward branch, which for the kernels here is the K (or KV)
+loop. The scripts ``figures/*/sweeps/*_sass.py`` use this module; their JSON is the evidence.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+ALU = {"LOP3", "SHF", "PRMT", "IADD3", "LEA", "ISETP", "SEL", "IABS", "VIADD", "MOV", "PLOP3"}
+
+
+def _tools() -> str:
+    import triton.backends.nvidia
+    return os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+
+
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict, aligned: set[str], num_warps: int,
+                 num_stages: int):
+    """``fn`` (a @triton.jit function) compiled for sm_90: the compiled kernel (``.asm["cubin"]``,
+    ``.metadata.shared``). ``signature`` maps every argument to a Triton type ("*bf16", "i32", ...; the
+    constexprs' entries are filled in); ``aligned`` names the arguments Triton would see as multiples of
+    16 at run time (pointers and strides of the shapes in question)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1 is set: unset it before importing triton to compile SASS")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 128),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def main_loop(kernel) -> dict:
+    """The compiled kernel's main loop: {"loop_instructions", "alu_instructions", "opcodes" (Counter of the
+    loop's opcodes without modifiers), "registers", "stack", "shared_bytes", "total_instructions"}."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        dump = lambda *flags: subprocess.run([f"{_tools()}/cuobjdump", *flags, cubin.name], capture_output=True,  # noqa: E731
+                                             text=True, check=True).stdout
+        sass, usage = dump("-sass"), dump("-res-usage")
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)
+    addresses = [int(a, 16) for a, _, _ in lines]
+    back_branches = [(int(m.group(1), 16), a) for a, (_, op, rest) in zip(addresses, lines)
+                     if op.startswith("BRA") and (m := re.search(r"0x([0-9a-f]+)", rest)) and int(m.group(1), 16) < a]
+    if not back_branches:
+        raise ValueError("the kernel's SASS has no backward branch: no loop to count")
+    lo, hi = max(back_branches, key=lambda span: span[1] - span[0])
+    body = collections.Counter(op.split(".")[0] for a, (_, op, _) in zip(addresses, lines) if lo <= a <= hi)
+    return dict(loop_instructions=sum(body.values()), alu_instructions=sum(n for op, n in body.items() if op in ALU),
+                opcodes=body, registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                stack=int(re.search(r"STACK:(\d+)", usage).group(1)), shared_bytes=kernel.metadata.shared,
+                total_instructions=len(lines))

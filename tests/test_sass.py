@@ -1,0 +1,63 @@
+"""minillm.bench.sass: a kernel compiled for sm_90 on this CPU, and its main loop read back from the SASS.
+Compiling needs Triton's real backend, so this runs in a subprocess without TRITON_INTERPRET (tests/conftest.py
+sets it for the kernel tests)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    import triton, triton.language as tl
+    from minillm.bench.sass import compile_sm90, main_loop
+
+    @triton.jit
+    def axpy_loop(X, Y, n, a, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for i in range(0, n, BLOCK):  # the loop: one load and one FMA per element and step
+            acc = a * tl.load(X + i + offs) + acc
+        tl.store(Y + offs, acc)
+
+    @triton.jit
+    def no_loop(X, Y, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(Y + offs, tl.load(X + offs) * 2.0)
+
+    sig = {"X": "*fp32", "Y": "*fp32", "n": "i32", "a": "fp32"}
+    loop = main_loop(compile_sm90(axpy_loop, sig, dict(STEPS=1, BLOCK=1024), {"X", "Y", "n"}, 4, 1))
+    try:
+        main_loop(compile_sm90(no_loop, {"X": "*fp32", "Y": "*fp32"}, dict(BLOCK=128), {"X", "Y"}, 4, 1))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    print(json.dumps(dict(loop, opcodes=dict(loop["opcodes"]), refused=refused)))
+''')
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    script = tmp_path_factory.mktemp("sass") / "compile_kernels.py"  # @triton.jit needs its source in a file
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_main_loop_holds_the_loops_fmas_and_loads(result):
+    # 1024 elements over 128 threads: 8 FFMAs per thread and step, times however often ptxas unrolls the loop.
+    ops = result["opcodes"]
+    assert ops.get("FFMA", 0) > 0 and ops["FFMA"] % 8 == 0, ops
+    assert any(op.startswith("LDG") for op in ops), ops
+    assert "STG" not in ops, "the store after the loop was counted as part of it"
+    assert result["loop_instructions"] == sum(ops.values()) < result["total_instructions"]
+    assert result["registers"] > 0 and result["stack"] == 0
+
+
+def test_a_kernel_without_a_loop_is_refused(result):
+    assert result["refused"] and "no backward branch" in result["refused"]
