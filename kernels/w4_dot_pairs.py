@@ -17,7 +17,11 @@ converters (Kim et al., https://arxiv.org/abs/2211.10017; Frantar et al., https:
 Eight weights cost three shifts, four LOP3s and eight HFMA2s; the pairs are then split into 16-bit
 values and joined so that rows come out in k's order (k = 8r + j is the low half of pair j, 8r + j + 4
 its high half). What that join and the tensor-core operand layout cost is in the SASS:
-figures/cpu/w4a16_dot_sass.json.
+figures/cpu/w4a16_dot_sass.json. Dequantization drops from 7-9.5 to 5.4-6.8 instructions per weight, but
+one of those is now a 16-bit shared-memory store (STS.U16): each thread holds eight consecutive k of one
+column, while Triton lays the tile out in shared memory with n fastest. Building the tile transposed
+([N, K], so a K-major layout would take 16-byte stores) did not change Triton 3.9's choice with SWAP_AB,
+and without it failed to compile ("Illegal shared layout"); an explicit layout (Gluon) is the next step.
 """
 
 from __future__ import annotations
