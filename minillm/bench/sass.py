@@ -34,14 +34,17 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, aligned: set[s
     """``fn`` (a @triton.jit function) compiled for sm_90: the compiled kernel (``.asm["cubin"]``,
     ``.metadata.shared``). ``signature`` maps every argument to a Triton type ("*bf16", "i32", ...; the
     constexprs' entries are filled in); ``aligned`` names the arguments Triton would see as multiples of
-    16 at run time (pointers and strides of the shapes in question)."""
+    16 at run time (pointers and strides of the shapes in question). An integer argument that is 1 at run
+    time belongs in ``constexprs``: Triton specialises it to a constant (a channel stride of 1 is what makes
+    loads contiguous and vectorised)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 is set: unset it before importing triton to compile SASS")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     import triton
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in aligned}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+             if name in aligned and name not in constexprs}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 128),
                           options={"num_warps": num_warps, "num_stages": num_stages})

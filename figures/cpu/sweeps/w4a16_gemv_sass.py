@@ -26,7 +26,8 @@ def count(dtype, block_n, block_kp, split_k, warps, extra):
            "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "QW": "*i32", "S": f"*{dtype}", "Z": "*i32",
            "group_size": "i32", "one_bits": "i32", "stride_q": "i32", "stride_s": "i32", "stride_z": "i32"}
     consts = {**dict(BLOCK_N=block_n, BLOCK_KP=block_kp, SPLIT_K=split_k, PREFETCH=False, HFMA2=False, RUN=2,
-                     ONE_GROUP=True, EVEN_N=True), **extra}  # ONE_GROUP, EVEN_N: group 128, N % BLOCK_N == 0
+                     ONE_GROUP=True, EVEN_N=True), **extra, "M": 1}  # ONE_GROUP, EVEN_N: group 128, N % BLOCK_N == 0;
+    # M = 1: Triton specialises an integer argument of 1 to a constant
     loop = main_loop(compile_sm90(quant_matmul._w4_gemv_kernel, sig, consts, ALIGNED, warps, 3))
     weights = 8 * block_kp * block_n // (32 * warps)
     return dict(dtype=dtype, BLOCK_N=block_n, BLOCK_KP=block_kp, SPLIT_K=split_k, num_warps=warps, **extra,

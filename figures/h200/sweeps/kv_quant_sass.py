@@ -28,16 +28,17 @@ def signature(fn, pointers, kv, scales, consts):
         sig[name] = ("constexpr" if name in consts else kv if name in ("K", "V") else scales if name in ("KScale", "VScale")
                      else pointers.get(name, "fp32" if name == "qk_scale" else "i32"))
     # Pointers and strides of these shapes are 16-aligned, as Triton specialises them at run time (not
-    # the arguments the kernels exclude from specialisation, nor int8's per-token head stride of 1).
+    # the arguments the kernels exclude from specialisation; strides of 1 are constexprs, see below).
     aligned = {n for n in sig if sig[n].startswith("*") or (n.startswith("stride") and n not in (
-        "stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh", "stride_qd", "stride_kd", "stride_vd",
-        "stride_od") and not (n == "stride_sh" and kv == "*i8"))}
+        "stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh"))}
     return sig, aligned
 
 
 def count(fn, kv_fmt, consts, pointers, warps, stages, tile_tokens):
     mode, kv, width = FORMATS[kv_fmt]
     consts = dict(consts, KV_QUANT=mode, QUANT_GROUP=16)
+    if kv_fmt == "int8" and "stride_sh" in fn.arg_names:
+        consts["stride_sh"] = 1  # per-token scales [blocks, tokens, heads]: Triton specialises a 1 to a constant
     sig, aligned = signature(fn, pointers, kv, "*fp16" if mode != NO_QUANT else kv, consts)
     loop = main_loop(compile_sm90(fn, sig, consts, aligned, warps, stages))
     body = loop["opcodes"]
@@ -52,7 +53,9 @@ def count(fn, kv_fmt, consts, pointers, warps, stages, tile_tokens):
 
 decode = dict(BLOCK_SIZE=BS, HEAD_DIM=D, BLOCK_D=D, GROUP=4, GROUP_PAD=16, BLOCK_N=64, WRITE_LSE=False)
 decode_ptrs = {"Q": "*bf16", "BlockTables": "*i32", "ContextLens": "*i32", "O": "*bf16", "Lse": "*bf16"}
-prefill = dict(HEAD_DIM=D, CAUSAL=True, PAGED=True, PAGE_SIZE=BS, BLOCK_M=128, BLOCK_N=64)
+# The channel strides are 1 at run time, which Triton turns into constants (contiguous, vectorised loads).
+prefill = dict(HEAD_DIM=D, CAUSAL=True, PAGED=True, PAGE_SIZE=BS, BLOCK_M=128, BLOCK_N=64, stride_qd=1, stride_kd=1,
+               stride_vd=1, stride_od=1)
 prefill_ptrs = {"Q": "*bf16", "Out": "*bf16", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "context_lens": "*i32",
                 "block_tables": "*i32"}
 rows = []
