@@ -49,6 +49,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [B, V] fp32, one row per request -> one token id per request."""
+        return self.sample(logits, requests).tolist()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """As ``__call__``, but the [B] int64 tokens stay on the device: no host sync (multi-step
+        decoding feeds them to the next forward pass)."""
         tokens = logits.argmax(dim=-1)
         # Finished rows of a static batch take the argmax: drawing for them would advance the
         # shared generator and make unseeded requests depend on when their batch mates finished.
@@ -57,7 +62,7 @@ class Sampler:
             rows = torch.tensor(sampled, device=logits.device)
             picked = self._sample(logits[rows], [requests[i] for i in sampled])
             tokens[rows] = picked
-        return tokens.tolist()
+        return tokens
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
