@@ -48,6 +48,7 @@ class StepStats:
     num_tokens: int  # tokens computed (prefill chunks + decodes)
     kv_usage: float  # fraction of the KV cache in use (paged: blocks held; static: rows reserved)
     num_preemptions: int  # preemptions so far
+    num_passes: int = 1  # forward passes: up to num_scheduler_steps for a multi-step decode batch
 
 
 def resolve_device(device: str) -> torch.device:
@@ -253,7 +254,7 @@ class Engine:
             outputs = self._postprocess(batch, self.runner.run(batch))
         self.stats.append(StepStats(time.perf_counter(), len(batch.requests),
                                     sum(batch.num_new_tokens) * batch.num_steps,
-                                    self._kv_usage(), getattr(self.scheduler, "num_preemptions", 0)))
+                                    self._kv_usage(), getattr(self.scheduler, "num_preemptions", 0), batch.num_steps))
         return outputs
 
     def _kv_usage(self) -> float:
