@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minillm import LLM, SamplingParams
@@ -21,6 +21,7 @@ from minillm.scheduler import ContinuousScheduler
 from minillm.tokenizer import encode_chat
 from test_continuous import DEVICE, check_outputs_equal_solo_runs, requests_strategy, schedules, sharpen, tiny_engine
 from test_cuda_graphs import needs_cuda
+from test_prefix_cache import shared_requests
 
 STEPS = [1, 2, 4, 8]
 
@@ -90,8 +91,9 @@ class PlanChecks:
         self.num_steps.append(k)
         assert 1 <= k <= scheduler.num_scheduler_steps
         tables = scheduler.block_tables
-        held = sum(map(len, tables.tables.values()))
-        assert tables.allocator.num_free + held == tables.allocator.num_blocks  # no prefix cache: no sharing
+        if scheduler.prefix_cache is None:  # no block is shared: the tables hold exactly the allocated ones
+            held = sum(map(len, tables.tables.values()))
+            assert tables.allocator.num_free + held == tables.allocator.num_blocks
         if k == 1:
             return
         for request, n in zip(batch.requests, batch.num_new_tokens):
@@ -122,9 +124,28 @@ def test_tiny_batch_with_admission_chunks_and_preemption_equals_solo_runs(k):
 @given(requests=requests_strategy, block_size=st.sampled_from([1, 2, 4, 16]), k=st.integers(2, 8), **schedules)
 def test_tiny_outputs_equal_solo_runs_under_any_schedule(requests, block_size, token_budget, spare_blocks, policy,
                                                          arrivals, max_num_seqs, k):
-    with PlanChecks().patch:
+    checks = PlanChecks()
+    with checks.patch:
         check_outputs_equal_solo_runs(requests, block_size, token_budget, spare_blocks, policy, arrivals,
                                       max_num_seqs, num_scheduler_steps=k)
+    event("multi-step batches" if max(checks.num_steps) > 1 else "single passes only")
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stems=st.lists(st.lists(st.integers(2, 299), min_size=0, max_size=30), min_size=3, max_size=3),
+       picks=shared_requests, block_size=st.sampled_from([1, 2, 4]), k=st.integers(2, 8),
+       preemption_mode=st.sampled_from(["recompute", "swap"]), **schedules)
+def test_prefix_cache_and_swap_outputs_equal_solo_runs(stems, picks, block_size, k, preemption_mode, token_budget,
+                                                       spare_blocks, policy, arrivals, max_num_seqs):
+    """The passes' K/V past a stop are never cached: only computed whole blocks enter the tree."""
+    requests = [(tuple(stems[stem] + suffix), max_tokens, priority) for stem, suffix, max_tokens, priority in picks]
+    checks = PlanChecks()
+    with checks.patch:
+        engine = check_outputs_equal_solo_runs(requests, block_size, token_budget, spare_blocks, policy, arrivals,
+                                               max_num_seqs, num_scheduler_steps=k, enable_prefix_caching=True,
+                                               preemption_mode=preemption_mode, swap_space=4 * block_size * 512)
+    event("multi-step batches" if max(checks.num_steps) > 1 else "single passes only")
+    event("prefix hits" if engine.prefix_cache.hits else "no hits")
 
 
 def test_tokens_after_a_stop_token_are_dropped():
