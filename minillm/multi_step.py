@@ -31,7 +31,9 @@ The trade-offs, known from vLLM's:
   too. Unseeded sampled requests share the engine's generator: a batch mate that stopped at pass j
   keeps drawing from it in passes j+1..k-1, where k = 1 would already have dropped it, so their
   tokens depend on k (reproducible for a fixed seed and k). Matching k = 1 would mean detecting
-  stops on the device, which stop strings rule out.
+  stops on the device, which stop strings rule out. On CUDA a batch with sampled rows still waits
+  for the GPU once per pass: ``torch.multinomial`` checks its probabilities with a host read.
+  Greedy batches (the latency benchmarks) never do.
 
 With CUDA graphs, pass i+1's static ``input_ids`` buffer is filled by a device-to-device copy of
 pass i's sampled tokens (``DecodeGraphs.run``): sampling stays outside the graph, so seeded

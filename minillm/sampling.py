@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from minillm.kv.paged import to_device
 from minillm.request import Request
 
 
@@ -59,19 +60,21 @@ class Sampler:
         # shared generator and make unseeded requests depend on when their batch mates finished.
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy and not r.finished]
         if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
+            rows = to_device(sampled, torch.long, logits.device)
             picked = self._sample(logits[rows], [requests[i] for i in sampled])
             tokens[rows] = picked
         return tokens
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        # Through to_device (pinned, non-blocking): a plain torch.tensor(..., device="cuda") would wait
+        # for the GPU, a host sync in every pass of a multi-step batch.
+        temperature = to_device([p.temperature for p in params], torch.float32, logits.device)
         logits = logits / temperature[:, None]
         if any(p.top_k > 0 for p in params):
-            logits = top_k_filter(logits, torch.tensor([max(p.top_k, 0) for p in params], device=logits.device))
+            logits = top_k_filter(logits, to_device([max(p.top_k, 0) for p in params], torch.long, logits.device))
         if any(p.top_p < 1.0 for p in params):
-            logits = self.top_p_filter(logits, torch.tensor([p.top_p for p in params], device=logits.device))
+            logits = self.top_p_filter(logits, to_device([p.top_p for p in params], torch.float32, logits.device))
         probs = logits.softmax(dim=-1)
         picked = []
         for row, request in zip(probs, requests):
