@@ -6,6 +6,7 @@ comes back; seeded sampling draws the same tokens; tensor parallelism follows ra
 
 from __future__ import annotations
 
+import json
 from unittest import mock
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minillm import LLM, SamplingParams
-from minillm.cli import build_parser
+from minillm.cli import build_parser, main
 from minillm.cli_args import engine_kwargs
 from minillm.config import EngineConfig
 from minillm.scheduler import ContinuousScheduler
@@ -246,9 +247,14 @@ def test_multi_step_is_refused_where_it_is_not_built(kwargs, needs):
         EngineConfig(num_scheduler_steps=4, **kwargs)
 
 
-def test_llm_and_the_bench_cli_pass_num_scheduler_steps_to_the_scheduler():
+def test_llm_and_the_bench_cli_pass_num_scheduler_steps_to_the_scheduler(tmp_path):
     args = build_parser().parse_args(["bench", "latency", "--batching", "continuous", "--num-scheduler-steps", "8"])
     assert engine_kwargs(args)["num_scheduler_steps"] == 8
+    out = tmp_path / "latency.json"
+    main(["bench", "latency", "--model", "tiny", "--load-format", "dummy", "--scale", "cpu", "--num-requests", "1",
+          "--batching", "continuous", "--num-scheduler-steps", "8", "--output", str(out)])
+    result = json.loads(out.read_text())
+    assert result["engine"]["num_scheduler_steps"] == 8 and result["runs"]["minillm"]["mean_decode_tok_s"] > 0
     llm = LLM("tiny", load_format="dummy", dtype="float32", device=DEVICE, batching="continuous",
               num_scheduler_steps=8)
     assert llm.engine.scheduler.num_scheduler_steps == 8
