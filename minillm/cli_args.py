@@ -42,6 +42,9 @@ def add_model_args(p: argparse.ArgumentParser, several_quantizations: bool = Fal
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="paged attention (continuous): auto = triton kernels on CUDA, torch reference elsewhere")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (continuous)")
+    g.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="continuous: decode passes per scheduler step, each fed the previous one's tokens on "
+                        "the device, with one host sync at the end (default 1)")
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV of shared prompt prefixes through a radix tree (continuous)")
     g.add_argument("--seed", type=int, default=0)
@@ -82,6 +85,7 @@ def engine_kwargs(args) -> dict:
                 scheduling_policy=args.scheduling_policy, kv_cache_dtype=args.kv_cache_dtype,
                 memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
+                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                 quantization=args.quantization, calibration_samples=args.calibration_samples,
                 cpu_offload_gb=args.cpu_offload_gb)

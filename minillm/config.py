@@ -45,6 +45,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # paged attention: "torch" (reference) | "triton" (kernels); auto = triton on CUDA
     enable_prefix_caching: bool = False  # continuous: reuse cached KV of shared prompt prefixes (radix tree)
     enforce_eager: bool = False  # True: no CUDA graphs (continuous decode steps replay graphs on CUDA otherwise)
+    num_scheduler_steps: int = 1  # continuous: a pure-decode batch runs up to this many forward passes per
+    #                               scheduler step, each fed the last one's tokens on the device (multi_step.py)
     seed: int = 0  # seeds dummy weights and unseeded sampling
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; > 1 needs batching="continuous".
     #                                On GPUs every rank captures the same decode graphs, NCCL collectives inside
@@ -156,6 +158,18 @@ class EngineConfig:
             if self.cpu_offload_gb:  # the offloader hooks one process's whole model, not a shard or a stage
                 raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb} with {parallel[0]} > 1 is not supported; "
                                  f"offload in one process (cpu_offload_gb) or split the model, not both")
+        if isinstance(self.num_scheduler_steps, bool) or not isinstance(self.num_scheduler_steps, int) \
+                or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be a positive integer (1 = one forward pass per scheduler "
+                             f"step), got {self.num_scheduler_steps!r}")
+        if self.num_scheduler_steps > 1 and self.batching != "continuous":
+            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps} needs batching='continuous' (a static "
+                             f"batch has no scheduler step to repeat), got batching={self.batching!r}")
+        if self.num_scheduler_steps > 1 and self.pipeline_parallel_size > 1:
+            # A stage would need the last stage's sampled tokens before its next micro-batch: not built.
+            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps} with pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size} is not supported; use num_scheduler_steps=1 "
+                             f"or tensor_parallel_size")
         if self.pipeline_parallel_size > 1:
             # Micro-batches hand activations between processes mid-step: no graph spans that.
             self.enforce_eager = True

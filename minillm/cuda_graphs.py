@@ -109,15 +109,19 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+    def run(self, ids: list[int] | torch.Tensor, positions: list[int], slots: list[int], tables: list[list[int]],
             context_lens: list[int]) -> torch.Tensor:
-        """Copy one decode step's inputs into the static buffers, replay, return [batch, vocab] logits."""
+        """Copy one decode step's inputs into the static buffers, replay, return [batch, vocab] logits.
+        ``ids`` on the device (a multi-step pass's, sampled by the pass before) are copied device to
+        device, after the host rows: the host never sees them."""
         batch = len(ids)
         size = next(s for s in self.sizes if s >= batch)
         largest, width = self.block_tables.shape
         self._copied.synchronize()  # normally long done: the last step's tokens were read since
         longs, lens, table = self._long, self._int[:largest], self._int[largest:].reshape(largest, width)
-        longs[0, :batch], longs[1, :batch], longs[2, :batch] = ids, positions, slots
+        on_device = isinstance(ids, torch.Tensor)
+        longs[0, :batch] = 0 if on_device else ids
+        longs[1, :batch], longs[2, :batch] = positions, slots
         lens[:batch] = context_lens
         for row, blocks in enumerate(tables):
             table[row, :len(blocks)] = blocks  # columns past a row's length: stale ids, never read
@@ -125,6 +129,8 @@ class DecodeGraphs:
         longs[:2, batch:size], longs[2, batch:size], lens[batch:size] = 0, self.scratch_slot, 1
         table[batch:size, 0] = self.cache.scratch_block
         self._dev_long.copy_(self._host_long, non_blocking=True)  # whole rows: one dense copy of a few KB
+        if on_device:
+            self.input_ids[0, :batch].copy_(ids)  # after the host rows' copy, in stream order
         self.context_lens[:size].copy_(self._host_int[:size], non_blocking=True)
         self._dev_int[largest:largest + size * width].copy_(self._host_int[largest:largest + size * width],
                                                             non_blocking=True)

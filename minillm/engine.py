@@ -2,7 +2,9 @@
 
 A step is three moves, as in nano-vllm: the scheduler picks the batch (and how many tokens each
 request computes), the runner runs the model and samples a token wherever a sequence's context is
-complete, and ``_postprocess`` appends the tokens, detokenizes, and checks stop conditions. With
+complete, and ``_postprocess`` appends the tokens, detokenizes, and checks stop conditions. A pure
+decode batch may run several passes in one step (``num_scheduler_steps``, ``minillm/multi_step.py``):
+their tokens are postprocessed pass by pass, as if each had been a step. With
 preemption_mode="swap", the KV copies the scheduler decided (``batch.swaps``) run first, through
 ``KVSwapper``. Everything else (which requests, which tensors) lives in the scheduler and the runner.
 """
@@ -46,6 +48,7 @@ class StepStats:
     num_tokens: int  # tokens computed (prefill chunks + decodes)
     kv_usage: float  # fraction of the KV cache in use (paged: blocks held; static: rows reserved)
     num_preemptions: int  # preemptions so far
+    num_passes: int = 1  # forward passes: up to num_scheduler_steps for a multi-step decode batch
 
 
 def resolve_device(device: str) -> torch.device:
@@ -159,7 +162,9 @@ class Engine:
         # vLLM's default watermark: keep 1 % of blocks free at admission so decodes can grow.
         self.scheduler = ContinuousScheduler(self.block_tables, c.max_num_seqs, c.max_num_batched_tokens,
                                              c.scheduling_policy, watermark_blocks=num_blocks // 100,
-                                             cpu_block_tables=cpu_block_tables)
+                                             cpu_block_tables=cpu_block_tables,
+                                             num_scheduler_steps=c.num_scheduler_steps,
+                                             max_model_len=self.max_model_len)
         if c.enable_prefix_caching:
             self.prefix_cache = RadixCache(self.block_tables.allocator, c.block_size)
             self.scheduler.prefix_cache = self.prefix_cache
@@ -234,7 +239,8 @@ class Engine:
         return request_id
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return the requests that got a token (cumulative outputs)."""
+        """Run one scheduler step: one forward pass, or up to ``num_scheduler_steps`` decode passes;
+        return the requests that got a token (cumulative outputs, one per request)."""
         batch = self.scheduler.schedule(time.perf_counter())
         if batch is None:
             return []
@@ -242,10 +248,13 @@ class Engine:
             self.swapper.run(batch.swaps)
         if not batch.requests:
             return []
-        token_ids = self.runner.run(batch)
-        outputs = self._postprocess(batch, token_ids)
-        self.stats.append(StepStats(time.perf_counter(), len(batch.requests), sum(batch.num_new_tokens),
-                                    self._kv_usage(), getattr(self.scheduler, "num_preemptions", 0)))
+        if batch.num_steps > 1:
+            outputs = self._postprocess_passes(batch, self.runner.run_steps(batch))
+        else:
+            outputs = self._postprocess(batch, self.runner.run(batch))
+        self.stats.append(StepStats(time.perf_counter(), len(batch.requests),
+                                    sum(batch.num_new_tokens) * batch.num_steps,
+                                    self._kv_usage(), getattr(self.scheduler, "num_preemptions", 0), batch.num_steps))
         return outputs
 
     def _kv_usage(self) -> float:
@@ -301,6 +310,14 @@ class Engine:
                 self.scheduler.finish(request)
             outputs.append(request.to_output())
         return outputs
+
+    def _postprocess_passes(self, batch: ScheduledBatch, passes: list[list[int]]) -> list[RequestOutput]:
+        """A multi-step batch's tokens, pass by pass. ``_postprocess`` skips finished requests, so a
+        request's tokens after its stop are dropped; each request reports its latest output."""
+        latest = {}
+        for token_ids in passes:
+            latest.update((o.request_id, o) for o in self._postprocess(batch, token_ids))
+        return list(latest.values())
 
     def _check_stop(self, request: Request, token: int, old_text_len: int, now: float) -> None:
         params = request.params

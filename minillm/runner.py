@@ -16,6 +16,7 @@ from minillm.kv.contiguous import ContiguousKVCache, LeftPaddedBatch
 from minillm.cuda_graphs import DecodeGraphs
 from minillm.kv.paged import BlockTables, PagedBatch, PagedKVCache, PagedStep, to_device
 from minillm.model.llama import LlamaForCausalLM
+from minillm.multi_step import DecodePlan, decode_steps
 from minillm.sampling import Sampler
 from minillm.scheduler import ScheduledBatch
 
@@ -78,7 +79,8 @@ class PagedRunner:
 
     ``forward`` is the model's part of a step, from plain lists; ``on_forward`` (set by tensor
     parallelism on rank 0) receives those lists first and sends them to the other ranks, which
-    replay the same ``forward`` on their shards.
+    replay the same ``forward`` on their shards. ``run_steps`` runs a multi-step batch
+    (``minillm/multi_step.py``), whose plan ``on_decode_steps`` sends the same way.
     """
 
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_tables: BlockTables,
@@ -86,7 +88,7 @@ class PagedRunner:
         self.model, self.cache, self.block_tables, self.device = model, cache, block_tables, device
         self.make_attention, self.graphs = make_attention, graphs
         self.sampler = Sampler(device, seed)
-        self.on_forward = None
+        self.on_forward = self.on_decode_steps = None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
@@ -114,18 +116,34 @@ class PagedRunner:
             tokens[i] = token
         return tokens
 
-    @torch.inference_mode()
+    def run_steps(self, batch: ScheduledBatch) -> list[list[int]]:
+        """A pure decode batch's ``batch.num_steps`` passes, each fed the last one's tokens on the
+        device: [pass][request] tokens, fetched from the device once."""
+        plan = DecodePlan.of(batch, self.block_tables)
+        if self.on_decode_steps is not None:
+            self.on_decode_steps(plan)
+        return decode_steps(self, plan, batch.requests, share=self.on_decode_steps is not None).tolist()
+
     def forward(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
                 query_lens: list[int], context_lens: list[int], last_index: list[int]) -> torch.Tensor | None:
         """Write the step's K/V and return the logits of the ``last_index`` tokens (None: no row samples)."""
         if self.on_forward is not None:
             self.on_forward((ids, positions, slots, tables, query_lens, context_lens, last_index))
+        return self.forward_here(ids, positions, slots, tables, query_lens, context_lens, last_index)
+
+    @torch.inference_mode()
+    def forward_here(self, ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
+                     tables: list[list[int]], query_lens: list[int], context_lens: list[int],
+                     last_index: list[int]) -> torch.Tensor | None:
+        """``forward`` on this rank only (the other ranks were told already). ``ids`` may be a [tokens]
+        int64 tensor on the device: a multi-step pass's input, sampled by the pass before."""
         if self.graphs is not None and len(ids) == len(query_lens) and self.graphs.fits(len(ids)):
             logits = self.graphs.run(ids, positions, slots, tables, context_lens)
             # Every decode row samples, in order, so last_index is 0..B-1: no gather needed.
             return logits if len(last_index) == len(ids) else logits[last_index]
         step = PagedStep.from_host(slots, tables, query_lens, context_lens, self.device)
-        hidden = self.model(to_device([ids], torch.long, self.device), to_device([positions], torch.long, self.device),
+        input_ids = ids[None] if isinstance(ids, torch.Tensor) else to_device([ids], torch.long, self.device)
+        hidden = self.model(input_ids, to_device([positions], torch.long, self.device),
                             self.make_attention(self.cache, step))
         if not last_index:
             return None  # skipped on every rank alike: the tensor-parallel LM head is a collective

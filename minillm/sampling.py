@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from minillm.kv.paged import to_device
 from minillm.request import Request
 
 
@@ -49,24 +50,31 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [B, V] fp32, one row per request -> one token id per request."""
+        return self.sample(logits, requests).tolist()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """As ``__call__``, but the [B] int64 tokens stay on the device: no host sync (multi-step
+        decoding feeds them to the next forward pass)."""
         tokens = logits.argmax(dim=-1)
         # Finished rows of a static batch take the argmax: drawing for them would advance the
         # shared generator and make unseeded requests depend on when their batch mates finished.
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy and not r.finished]
         if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
+            rows = to_device(sampled, torch.long, logits.device)
             picked = self._sample(logits[rows], [requests[i] for i in sampled])
             tokens[rows] = picked
-        return tokens.tolist()
+        return tokens
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        # Through to_device (pinned, non-blocking): a plain torch.tensor(..., device="cuda") would wait
+        # for the GPU, a host sync in every pass of a multi-step batch.
+        temperature = to_device([p.temperature for p in params], torch.float32, logits.device)
         logits = logits / temperature[:, None]
         if any(p.top_k > 0 for p in params):
-            logits = top_k_filter(logits, torch.tensor([max(p.top_k, 0) for p in params], device=logits.device))
+            logits = top_k_filter(logits, to_device([max(p.top_k, 0) for p in params], torch.long, logits.device))
         if any(p.top_p < 1.0 for p in params):
-            logits = self.top_p_filter(logits, torch.tensor([p.top_p for p in params], device=logits.device))
+            logits = self.top_p_filter(logits, to_device([p.top_p for p in params], torch.float32, logits.device))
         probs = logits.softmax(dim=-1)
         picked = []
         for row, request in zip(probs, requests):

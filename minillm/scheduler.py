@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minillm.kv.radix import RadixCache, RadixNode
+from minillm.multi_step import lookahead_steps
 from minillm.request import Request, RequestStatus
 
 
@@ -31,6 +32,7 @@ class ScheduledBatch:
     # KV copies to do before the forward pass, in order: ("out", GPU blocks, CPU blocks) for a
     # swapped-out request, ("in", CPU blocks, GPU blocks) for a swapped-in one (preemption_mode="swap").
     swaps: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    num_steps: int = 1  # decode passes to run back to back (num_scheduler_steps; minillm/multi_step.py)
 
 
 def output_budget(request: Request, max_model_len: int) -> int:
@@ -177,6 +179,9 @@ class ContinuousScheduler:
     the CPU pool is full it falls back to recomputation. The scheduler only allocates block ids and
     lists the copies on the batch (``ScheduledBatch.swaps``); the engine's ``KVSwapper`` copies.
 
+    With ``num_scheduler_steps`` > 1 a pure decode batch runs up to that many passes, with blocks for
+    all of them (``multi_step.lookahead_steps``, which needs ``max_model_len``); arrivals wait for the next.
+
     ``fill_token_budget`` decides the step's work, through ``reserve``, ``next_waiting``, ``fits``
     and ``admit``. It is a plain attribute: ``scheduler.fill_token_budget = f`` makes the engine
     call ``f(scheduler, now)`` instead (exercise ex03).
@@ -186,8 +191,10 @@ class ContinuousScheduler:
     LPM_MAX_WAITING = 128  # SGLang's threshold for the same fallback (schedule_policy.py)
 
     def __init__(self, block_tables, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
-                 watermark_blocks: int = 0, cpu_block_tables=None):
+                 watermark_blocks: int = 0, cpu_block_tables=None, num_scheduler_steps: int = 1,
+                 max_model_len: int | None = None):
         self.block_tables, self.cpu_block_tables = block_tables, cpu_block_tables
+        self.num_scheduler_steps, self.max_model_len = num_scheduler_steps, max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.policy, self.watermark_blocks = policy, watermark_blocks
         self.waiting: list[Request] = []
@@ -266,10 +273,14 @@ class ContinuousScheduler:
     def fits(self, request: Request, num_tokens: int, reserve: int) -> bool:
         """Would growing the request's table to ``num_tokens`` still leave ``reserve`` blocks free?"""
         needed = self.block_tables.extra_blocks_needed(request.request_id, num_tokens)
+        return needed + reserve <= self.available_blocks()
+
+    def available_blocks(self) -> int:
+        """Blocks that growing a table may take: the free ones, and cached unused ones (evicted on demand)."""
         available = self.block_tables.allocator.num_free
         if self.prefix_cache is not None:
-            available += self.prefix_cache.num_evictable_blocks  # cached, unused: evicted on demand
-        return needed + reserve <= available
+            available += self.prefix_cache.num_evictable_blocks
+        return available
 
     def next_waiting(self, now: float) -> Request | None:
         """The most urgent waiting request that has arrived by ``now``; None if there is none."""
@@ -398,9 +409,10 @@ class ContinuousScheduler:
                 self._cache_prefix(request)
         scheduled = self.fill_token_budget(self, now)
         self._unmatch_still_waiting()
+        num_steps = lookahead_steps(self, scheduled)  # after the unmatched blocks went back
         self._cached_lens.clear()  # the tree changes between steps
         swaps, self._swaps = self._swaps, []
         if not scheduled and not swaps:
             return None
         # A batch with swaps and no requests still goes to the engine: the copies must happen.
-        return ScheduledBatch([r for r, _ in scheduled], [n for _, n in scheduled], swaps=swaps)
+        return ScheduledBatch([r for r, _ in scheduled], [n for _, n in scheduled], swaps=swaps, num_steps=num_steps)

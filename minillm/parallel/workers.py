@@ -8,7 +8,8 @@ an ``Engine`` over its part of the model (``model_part``: a tensor-parallel ``Sh
 broadcasts the step's metadata — token ids, positions, slot mapping, block tables, lengths, the rows
 to sample, all plain lists — and every rank runs that same forward, so the collectives inside the
 layers (``tp.py``) or the sends between stages (``pp.py``) pair up. Rank 0 gets full logits and
-samples. Any other call that every rank must make together (gathering pipeline timings, timing a
+samples. A multi-step batch (``multi_step.py``) travels as one plan for all its passes; rank 0 then
+broadcasts each pass's sampled tokens on the device, which every rank feeds to its next pass. Any other call that every rank must make together (gathering pipeline timings, timing a
 collective) travels the same way: ``run_everywhere`` broadcasts a module-level function and its
 arguments, and each rank calls it on its runner. ``close()`` (or the end of the program) sends
 ranks > 0 an empty message, and they exit.
@@ -32,6 +33,7 @@ import torch.multiprocessing as mp
 
 from minillm.config import EngineConfig
 from minillm.model.config import ModelConfig
+from minillm.multi_step import follow_decode_steps
 from minillm.parallel.pp import Stage
 from minillm.parallel.step_channel import open_channel
 from minillm.parallel.tp import Shard, check_layout
@@ -156,6 +158,7 @@ class Workers:
         for rank, (process, connection) in enumerate(zip(self.processes, self.connections), start=1):
             _expect(process, connection, rank, "ready")
         runner.on_forward = lambda step: self._broadcast(run_forward, step)
+        runner.on_decode_steps = lambda plan: self._broadcast(follow_decode_steps, plan)
 
     def run_everywhere(self, runner, function, *args):
         """Rank 0: every rank calls ``function(runner, *args)`` (a module-level function: it travels

@@ -1,0 +1,135 @@
+"""Multi-step decoding: up to ``num_scheduler_steps`` decode passes per scheduler step, with one host
+sync at the end instead of one per token.
+
+Why: a decode step's next input is the token it samples, and with one pass per step that token
+reaches the host (``.tolist()``) before the host can schedule, build and launch the next pass. The
+host's share of a step (sampling's sync, detokenizing and stop checks, ``scheduler.schedule``, the
+runner's lists, filling the CUDA graph's buffers) then runs in series with the GPU: 0.38 ms of the
+4.62 ms of a batch-1 llama2-7b token on an H200, 1.3 ms with tensor parallelism
+(``figures/h200/tp_decode_profile.json``). Here the token sampled by pass i stays on the device and
+is pass i+1's input id, so the host enqueues pass i+1 while the GPU still runs pass i; all k x B
+tokens are fetched once, then postprocessed in order as if each pass had been a step of its own.
+This is vLLM's multi-step scheduling (``--num-scheduler-steps``, vLLM v0.6.0, "vLLM v0.6.0: 2.7x
+Throughput Improvement and 5x Latency Reduction", vLLM blog, September 2024).
+
+Only a *pure decode* batch runs several passes: every sequence brings one token that completes its
+context. The scheduler (``lookahead_steps``) picks k_eff = min(k, every request's remaining output
+budget), so no request is computed past ``max_tokens`` or ``max_model_len``, and allocates the KV
+blocks of all k_eff tokens up front (counted like any others: the cache's usage and preemption see
+them); it lowers k_eff until they fit in the free blocks rather than preempting anyone for them.
+
+The trade-offs, known from vLLM's:
+- a request that arrives during the passes is admitted at the next scheduler step, up to k - 1
+  passes later than with k = 1 (its time to first token grows);
+- a request that stops at pass j (EOS, a stop token or string) still computes passes j+1..k-1;
+  their tokens are discarded, never reported, and the K/V they wrote lie past the request's
+  computed tokens, in blocks freed with it;
+- the k tokens of one scheduler step reach the host together: streaming and inter-token latency
+  come in bursts of k;
+- sampling: greedy rows are the argmax, so they equal k = 1's tokens. Each pass samples the same
+  rows in the same order as k = 1 would, so a request with its own ``seed`` draws the same tokens
+  too. Unseeded sampled requests share the engine's generator: a batch mate that stopped at pass j
+  keeps drawing from it in passes j+1..k-1, where k = 1 would already have dropped it, so their
+  tokens depend on k (reproducible for a fixed seed and k). Matching k = 1 would mean detecting
+  stops on the device, which stop strings rule out. On CUDA a batch with sampled rows still waits
+  for the GPU once per pass: ``torch.multinomial`` checks its probabilities with a host read.
+  Greedy batches (the latency benchmarks) never do.
+
+With CUDA graphs, pass i+1's static ``input_ids`` buffer is filled by a device-to-device copy of
+pass i's sampled tokens (``DecodeGraphs.run``): sampling stays outside the graph, so seeded
+requests keep their own generators and the graphs stay the ones k = 1 replays. With tensor
+parallelism rank 0 sends the ``DecodePlan`` once; every rank runs the same passes, and rank 0
+broadcasts each pass's sampled tokens on the device (``dist.broadcast``, asynchronous on NCCL), so
+the ranks feed identical ids even when sampling is random. Pipeline parallelism is refused
+(``EngineConfig``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from minillm.kv.paged import BlockTables, to_device
+from minillm.request import Request
+
+if TYPE_CHECKING:
+    from minillm.runner import PagedRunner
+    from minillm.scheduler import ContinuousScheduler, ScheduledBatch
+
+
+def lookahead_steps(scheduler: ContinuousScheduler, scheduled: list[tuple[Request, int]]) -> int:
+    """Scheduler side: how many decode passes this step's batch runs (1: an ordinary step); grows
+    the requests' block tables to hold every pass's K/V."""
+    steps = scheduler.num_scheduler_steps
+    if steps == 1 or not scheduled:
+        return 1
+    for request, num_new in scheduled:
+        if num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
+            return 1  # a prefill chunk: its next input is a prompt token, known on the host
+        remaining = min(request.params.max_tokens - len(request.output_token_ids),
+                        scheduler.max_model_len - request.num_tokens)
+        steps = min(steps, remaining)
+    tables = scheduler.block_tables
+    # Pass i of a request with n tokens writes position n - 1 + i: the table must cover n + steps - 1.
+    while steps > 1 and scheduler.available_blocks() < sum(
+            tables.extra_blocks_needed(r.request_id, r.num_tokens + steps - 1) for r, _ in scheduled):
+        steps -= 1
+    if steps <= 1:
+        return 1
+    for request, _ in scheduled:
+        tables.grow(request.request_id, request.num_tokens + steps - 1)
+    return steps
+
+
+@dataclass
+class DecodePlan:
+    """All the host knows of a multi-step batch before it runs: everything but the input ids after
+    the first pass. Plain lists, so that tensor parallelism sends it to the other ranks pickled."""
+
+    ids: list[int]  # each sequence's last token: pass 0's input
+    positions: list[int]  # pass 0's positions; pass i's are these + i
+    slots: list[list[int]]  # [pass][sequence]: the pool slot each pass's K/V go to
+    tables: list[list[int]]  # block tables, already covering every pass
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, block_tables: BlockTables) -> DecodePlan:
+        starts = [r.num_computed_tokens for r in batch.requests]
+        per_sequence = [block_tables.slots(r.request_id, start, start + batch.num_steps)
+                        for r, start in zip(batch.requests, starts)]
+        return cls([r.last_token_id for r in batch.requests], starts, [list(s) for s in zip(*per_sequence)],
+                   [block_tables.tables[r.request_id] for r in batch.requests])
+
+
+@torch.inference_mode()
+def decode_steps(runner: PagedRunner, plan: DecodePlan, requests: list[Request] | None,
+                 share: bool = False) -> torch.Tensor:
+    """Run the plan's passes on this rank; return the [passes, sequences] tokens, on the device.
+
+    ``requests`` given (rank 0): sample each pass's tokens, and with ``share`` broadcast them to the
+    other ranks. None (ranks > 0): receive them. Nothing here waits for the device.
+    """
+    batch = len(plan.ids)
+    ids = to_device(plan.ids, torch.long, runner.device)
+    every_row = list(range(batch))
+    tokens = []
+    for step, slots in enumerate(plan.slots):
+        positions = [p + step for p in plan.positions]
+        context_lens = [p + 1 for p in positions]
+        logits = runner.forward_here(ids, positions, slots, plan.tables, [1] * batch, context_lens, every_row)
+        if requests is None:
+            ids = torch.empty(batch, dtype=torch.long, device=runner.device)
+            dist.broadcast(ids, src=0)
+        else:
+            ids = runner.sampler.sample(logits, requests)
+            if share:
+                dist.broadcast(ids, src=0)
+        tokens.append(ids)
+    return torch.stack(tokens)
+
+
+def follow_decode_steps(runner: PagedRunner, plan: DecodePlan) -> None:
+    """Ranks > 0 of a tensor-parallel engine: rank 0's multi-step batch, with rank 0's tokens."""
+    decode_steps(runner, plan, None)
