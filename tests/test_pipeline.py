@@ -21,7 +21,8 @@ from minillm.config import EngineConfig
 from minillm.kv.budget import workspace_bytes
 from minillm.model.config import PRESETS
 from minillm.model.llama import LlamaForCausalLM
-from minillm.parallel.pp import Stage, bubble_fraction, layer_ranges, split_micro_batches, stage_footprints
+from minillm.parallel.pp import (ResidualSum, Stage, bubble_fraction, layer_ranges, split_micro_batches,
+                                 stage_footprints)
 
 CONTINUOUS = dict(dtype="float32", device="cpu", batching="continuous", attention_backend="torch", max_model_len=128)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -58,12 +59,12 @@ def test_pp_matches_one_process_on_a_tied_llama_with_an_uneven_split(tmp_path, m
     expected = one_process(model, max_num_batched_tokens=8)
     with LLM(model, **CONTINUOUS, max_num_batched_tokens=8, pipeline_parallel_size=2) as llm:
         engine = llm.engine
-        # Rank 0 is stage 0: layers 0-1 (the extra layer goes first), the embedding, no norm or head,
-        # and a KV cache of its two layers only.
+        # Rank 0 is stage 0: layers 0-1 (the extra layer goes first), the embedding, no norm (the
+        # residual add in its place) or head, and a KV cache of its two layers only.
         assert (engine.stage.start, engine.stage.end) == (0, 2)
         assert len(engine.model.model.layers) == 2 and engine.runner.cache.k.shape[0] == 2
         assert isinstance(engine.model.model.embed_tokens, nn.Embedding)
-        assert engine.model.lm_head is None and isinstance(engine.model.model.norm, nn.Identity)
+        assert engine.model.lm_head is None and isinstance(engine.model.model.norm, ResidualSum)
         engine.runner.bubble_report()  # drop the timings of earlier steps
         outputs = outputs_per_micro_batch_count(llm, (1, 2, 3, 6))
         report = engine.runner.bubble_report()

@@ -142,10 +142,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, attn):
-        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        normed, x = self.post_attention_layernorm(attn_out, residual=x)  # x = x + attn_out, normed
-        return x + self.mlp(normed)
+    def forward(self, x, cos, sin, attn, residual: torch.Tensor | None = None):
+        """-> (mlp_out, residual). The layer's output hidden state is their sum, but the add is left to
+        the next norm (the next layer's input_layernorm, or the final norm), which fuses it as vLLM's
+        ``fused_add_rms_norm`` does: one kernel fewer per layer, and the sum is rounded to the dtype
+        before it is normalised exactly as transformers' ``x + mlp_out`` is. The first layer gets the
+        embedding as x and no residual; every later one the previous layer's (mlp_out, residual).
+        Under tensor parallelism mlp_out is down_proj's all-reduced output, so a fused all-reduce +
+        add + norm could take it as it is."""
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm(x, residual=residual)  # residual = x + residual
+        attn_out = self.self_attn(normed, cos, sin, attn)
+        normed, residual = self.post_attention_layernorm(attn_out, residual=residual)  # residual += attn_out
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -220,11 +231,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [B, T] -> final hidden states [B, T, hidden]."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = self.rope(positions, x.dtype)  # once per step, shared by every layer
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
-        return self.model.norm(x)
+            x, residual = layer(x, cos, sin, attn, residual)
+        return self.model.norm(x, residual=residual)[0]  # the last layer's add, fused into the final norm
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, 1, head_dim] for positions [B, T]: computed in fp32, then rounded like HF."""

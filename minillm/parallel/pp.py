@@ -64,6 +64,18 @@ def check_stages(num_layers: int, size: int) -> None:
                          f"{num_layers}; valid sizes for it: 1 to {num_layers}")
 
 
+class ResidualSum(nn.Module):
+    """A stage's stand-in for the final norm when a later stage holds it. A decoder layer leaves its
+    residual add to the next norm (``DecoderLayer.forward``); here the next norm is on the next
+    stage, so the add happens at the boundary and one tensor, the residual stream, crosses it. The
+    next stage's first layer starts from it as layer 0 starts from the embedding: the same rounded
+    sum its fused norm would have computed, so the outputs are those of one process."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = x + residual
+        return hidden, hidden  # what RMSNorm(x, residual) returns, (normed, sum), without the norm
+
+
 @dataclass(frozen=True)
 class Stage:
     """Which part of the model this process holds: layers [start, end) as stage ``rank`` of ``size``."""
@@ -95,11 +107,11 @@ class Stage:
     def prepare(self, model: nn.Module) -> None:
         """Drop what other stages hold, before storage exists. A later stage's input is already a
         hidden state, so its embedding becomes a pass-through; an earlier stage has no final norm
-        and no LM head."""
+        (``ResidualSum`` stands in for it) and no LM head."""
         if not self.is_first:
             model.model.embed_tokens = nn.Identity()
         if not self.is_last:
-            model.model.norm = nn.Identity()
+            model.model.norm = ResidualSum()
             model.lm_head = None
 
     def locate(self, name: str, config: ModelConfig) -> tuple[str, tuple[slice, ...]] | None:

@@ -25,6 +25,14 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 LayerQuantizer = Callable[[int, nn.Module, dict[str, torch.Tensor]], None]
 
 
+def layer_output(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The hidden state after decoder ``layer`` for hidden state ``x`` (a causal batch): its MLP output
+    plus its residual, the add the model leaves to the next layer's norm (``DecoderLayer.forward``).
+    The next layer, started from this sum, computes what it computes inside the model."""
+    out, residual = layer(x, cos, sin, CausalAttention())
+    return out + residual
+
+
 def capture_inputs(layer: nn.Module, hidden: list[torch.Tensor], rope: list[tuple[torch.Tensor, torch.Tensor]]
                    ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
     """Run ``layer`` over each batch of ``hidden``; return its linears' inputs (name -> [tokens, in],
@@ -38,7 +46,7 @@ def capture_inputs(layer: nn.Module, hidden: list[torch.Tensor], rope: list[tupl
 
     hooks = [layer.get_submodule(name).register_forward_hook(record(name)) for name in LINEARS]
     try:
-        outputs = [layer(x, cos, sin, CausalAttention()) for x, (cos, sin) in zip(hidden, rope)]
+        outputs = [layer_output(layer, x, cos, sin) for x, (cos, sin) in zip(hidden, rope)]
     finally:
         for handle in hooks:
             handle.remove()
@@ -61,4 +69,4 @@ def sequential_calibration(model: nn.Module, samples: torch.Tensor, quantize_lay
         inputs, _ = capture_inputs(layer, hidden, rope)
         quantize_layer(i, layer, inputs)
         del inputs
-        hidden = [layer(x, cos, sin, CausalAttention()) for x, (cos, sin) in zip(hidden, rope)]
+        hidden = [layer_output(layer, x, cos, sin) for x, (cos, sin) in zip(hidden, rope)]

@@ -1,0 +1,47 @@
+"""The residual adds live inside the RMSNorm kernels: a fused-kernel forward runs no torch add on the hidden state.
+
+A decoder layer returns (mlp_out, residual) and leaves the add to the next norm (``DecoderLayer.forward``), so
+with ``enable_fused_kernels`` both of a layer's residual adds run inside ``fused_layer_ops.rms_norm`` and a decode
+step launches one kernel fewer per layer than with the add at the end of the layer. Counted with a
+``TorchDispatchMode`` (it sees every torch op, not the Triton kernels) on the tiny preset under the interpreter;
+the torch path, which does every add in torch, shows that the counter sees them: two per layer per forward.
+That the outputs are unchanged is checked against transformers elsewhere (tests/test_models.py, test_oracle.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from minillm import LLM, SamplingParams
+
+MAX_TOKENS = 3  # a prefill and two decode steps: three forward passes
+
+
+class HiddenStateAdds(TorchDispatchMode):
+    """Counts torch adds (out of place or in place) whose result is a hidden state: last dim ``hidden_size``."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.hidden_size, self.count = hidden_size, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and out.shape[-1] == self.hidden_size:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("backend, adds_per_layer", [("torch", 2), ("triton", 0)])
+def test_residual_adds_are_fused_into_the_norms(backend, adds_per_layer):
+    """``attention_backend="triton"`` turns the fused kernels on; "torch" keeps every op in torch."""
+    llm = LLM("tiny", load_format="dummy", dtype="float32", device="cpu", batching="continuous",
+              attention_backend=backend, seed=0)
+    config = llm.engine.model_config
+    assert config.hidden_size != config.vocab_size  # the logits must not pass for hidden states
+    with HiddenStateAdds(config.hidden_size) as adds:
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == MAX_TOKENS  # every forward pass ran inside the mode
+    assert adds.count == adds_per_layer * config.num_layers * MAX_TOKENS
