@@ -54,6 +54,7 @@ STEPS = (
     Step("4_prefix_cache", "+ prefix caching, longest prefix first",
          {"enable_prefix_caching": True, "scheduling_policy": "lpm"}, 320),
     Step("5_token_budget", "+ token budget 8192 per step (beyond the seeds)", {"max_num_batched_tokens": 8192}),
+    Step("6_multi_step", "+ 8 decode passes per scheduler step (beyond the seeds)", {"num_scheduler_steps": 8}),
 )
 STEP_NAMES = tuple(step.name for step in STEPS)
 PEERS = ("hf_static", "hf_cb")
