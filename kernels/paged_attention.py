@@ -282,12 +282,12 @@ def _merge_kernel(O_part, Lse, Out, num_splits,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Stage 2 (merge="kernel"): program (b, h) merges the num_splits partials of one query head."""
     b = tl.program_id(0)
-    head = tl.program_id(1) + tl.arange(0, 1)  # one row, for _merge_splits's [rows, BLOCK_D] tiles
+    row = tl.arange(0, 1)  # one row, for _merge_splits's [rows, BLOCK_D] tiles; its mask folds to true
+    head = tl.program_id(1) + row
     dims = tl.arange(0, BLOCK_D)
-    mask = (head < tl.num_programs(1))[:, None] & (dims < HEAD_DIM)[None, :]  # rows: always true
+    mask = (row < 1)[:, None] & (dims < HEAD_DIM)[None, :]
     merged = _merge_splits(O_part + b * stride_pb + head[:, None] * stride_ph + dims[None, :],
-                           Lse + b * stride_lb + head * stride_lh, num_splits, stride_ps, head < tl.num_programs(1),
-                           mask)
+                           Lse + b * stride_lb + head * stride_lh, num_splits, stride_ps, row < 1, mask)
     tl.store(Out + b * stride_ob + head[:, None] * stride_oh + dims[None, :], merged.to(Out.dtype.element_ty),
              mask=mask)
 
