@@ -387,9 +387,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     configuration, for benchmarks. ``merge`` says who merges the splits' partials: "kernel" (a second
     kernel, one program per query head) or "last_split" (the last split program of each sequence and
     KV head to finish, inside the first kernel: one launch fewer); default ``DEFAULT_MERGE``. Both
-    leave the partials in the workspace and give bit-identical outputs. ``context_lens`` values must lie in [1, max_blocks * block_size]
-    and the table's entries below them must be valid block ids; checking that would need a device
-    sync, so it is the caller's promise.
+    leave the partials in the workspace and give bit-identical outputs. ``context_lens`` values must
+    lie in [1, max_blocks * block_size] and the table's entries below them must be valid block ids;
+    checking that would need a device sync, so it is the caller's promise.
 
     A quantized cache (int8, float8_e4m3fn, or uint8 = packed int4; ``minillm/kv/quant.py``) comes
     with its ``k_scale`` / ``v_scale`` pools and is dequantized inside the kernel.

@@ -81,7 +81,8 @@ result = result_header("decode_merge", "paged decode: split merge by a second ke
                        "llama2-7b / GQA 32:8 heads, D=128", "python figures/h200/sweeps/decode_merge.py")
 result["runs"] = rows
 result["engine_replay_ms"] = engine
-result["summary"] = dict(worst_ratio=max(ratios), best_ratio=min(ratios), all_bit_identical=all(r["bit_identical"] for r in rows),
+result["summary"] = dict(worst_ratio=max(ratios), best_ratio=min(ratios),
+                         all_bit_identical=all(r["bit_identical"] for r in rows),
                          note="ratio = last_split us / kernel us per call; < 1: the in-kernel merge is faster")
 print(result["summary"])
 os.makedirs(OUT, exist_ok=True)
