@@ -17,6 +17,9 @@ Two ideas make that possible:
   and runs one program per (sequence, KV head, split), each an online softmax (Milakov & Gimelshein
   2018, https://arxiv.org/abs/1805.02867) over its range; stage 2 merges the partial results exactly
   (``merge_attention_partials`` says how). With num_splits == 1 stage 1 writes the output itself.
+  Stage 2 is either a second kernel (``merge="kernel"``) or done inside stage 1 by the last split
+  program of each (sequence, KV head) to finish (``merge="last_split"``: an arrival counter per pair,
+  as ``split_k.py`` does for the quantized matmuls), which saves a launch per layer and token.
 
 **CUDA graphs.** The grid, (batch, KV heads, num_splits), depends on tensor *shapes* only, never on
 the values in ``context_lens``: each program reads its sequence's length on the GPU and derives its
@@ -25,6 +28,8 @@ can therefore be replayed after new lengths and block tables are copied into the
 partials live in a ``PagedAttentionWorkspace``; pass one allocated for the largest batch and split
 count and every captured graph reuses that one buffer (views of its leading rows), instead of each
 capture keeping its own allocation. Without one the wrapper allocates per call, which is fine eagerly.
+The last-split merge's arrival counters (``split_k.tile_counters``) are left at zero by every
+launch, empty splits included (they arrive too), so replays find them clean.
 
 Layout (one layer): ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D]; token p of sequence b
 is at ``k_cache[block_tables[b, p // block_size], p % block_size]``; ``context_lens[b]`` counts the
@@ -46,6 +51,7 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
                                         kv_quant_mode, per_token_codes, scale_strides, tile_channels)
+from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kv.quant import INT4_GROUP_SIZE
 
 _LN2 = tl.constexpr(math.log(2.0))
@@ -143,21 +149,53 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # ----------------------------------------------------------------------------- Triton kernels
 
 
+# Who merges the splits (the MERGE constexpr of _split_kernel): nobody (one split writes the output),
+# a second kernel (_merge_kernel), or the last split program of each (sequence, KV head) to finish.
+NO_MERGE, MERGE_KERNEL, MERGE_LAST_SPLIT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+MERGES = {"kernel": MERGE_KERNEL, "last_split": MERGE_LAST_SPLIT}
+# The wrapper's default. "kernel" until an H200 sweep (figures/h200/sweeps/decode_merge.py) shows the
+# in-kernel merge is never slower; the lead flips it from that JSON.
+DEFAULT_MERGE = "kernel"
+
+
+@triton.jit
+def _merge_splits(part_ptrs, lse_ptrs, num_splits, stride_ps, row_ok, mask):
+    """Merge ``num_splits`` partials of R query heads (``merge_attention_partials``'s arithmetic, in split
+    order): ``part_ptrs`` [R, BLOCK_D] point at split 0's outputs, split s at + s * stride_ps;
+    ``lse_ptrs`` [R] at split 0's log-sum-exps, split s at + s. Returns the merged outputs, fp32.
+    Both merge paths call this, so they agree bit for bit. Loads bypass L1 (".cg"): the last split
+    program reads partials that programs on other SMs wrote during the same launch."""
+    # Split 0 always holds token 0 (context_lens >= 1), so its lse is finite: a safe first maximum.
+    top = tl.load(lse_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
+    for s in range(1, num_splits):
+        top = tl.maximum(top, tl.load(lse_ptrs + s, mask=row_ok, other=0.0, cache_modifier=".cg"))
+    total = tl.exp(tl.load(lse_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg") - top)
+    acc = total[:, None] * tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, num_splits):
+        weight = tl.exp(tl.load(lse_ptrs + s, mask=row_ok, other=0.0, cache_modifier=".cg") - top)  # empty: 0
+        total += weight
+        acc += weight[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc / total[:, None]
+
+
 # Arguments that change with the batch (table width, split count, workspace strides) are not
 # specialised: Triton would otherwise compile new variants ("== 1", "% 16 == 0") mid-run.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_ob", "stride_oh", "stride_os", "stride_lb",
-                               "stride_lh"])
+                               "stride_lh", "stride_outb", "stride_outh"])
 def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   qk_scale, num_splits,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                   KScale, VScale, stride_sb, stride_st, stride_sh,
+                  Out, stride_outb, stride_outh, Counters,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  WRITE_LSE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr):
+                  MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
-    KV_QUANT: how K/V are stored (``kv_dequant.py``). The scale arguments come last, so that without
-    quantization the kernel compiles to the instructions it had before they existed."""
+    KV_QUANT: how K/V are stored (``kv_dequant.py``). The scale arguments come late and the merge's
+    (Out, Counters) last, so that without them the kernel compiles to the instructions it had before.
+    MERGE: NO_MERGE writes the output to O; otherwise O and Lse get the split's partial, and with
+    MERGE_LAST_SPLIT the last program of (b, kv_head) to finish merges all splits into Out."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ContextLens + b)
     # Splits are whole tiles long (only a sequence's last tile is partial); from the length on the
@@ -223,10 +261,18 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     o_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_dim_mask)
-    if WRITE_LSE:
+    if MERGE != NO_MERGE:
         # Natural log, as the reference returns it; log2(1) for empty splits avoids log2(0) warnings.
+        lse_ptrs = Lse + b * stride_lb + heads * stride_lh
         lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * _LN2, float("-inf"))
-        tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=rows < GROUP)
+        tl.store(lse_ptrs + split, lse, mask=rows < GROUP)
+    if MERGE == MERGE_LAST_SPLIT:
+        # Every split arrives, an empty one too: its partial (weight 0) was stored all the same.
+        if last_arrival(Counters, b * tl.num_programs(1) + kv_head, num_splits):
+            part_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+            merged = _merge_splits(part_ptrs, lse_ptrs, num_splits, stride_os, rows < GROUP, row_dim_mask)
+            out_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + dims[None, :]
+            tl.store(out_ptrs, merged.to(Out.dtype.element_ty), mask=row_dim_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh",
@@ -234,23 +280,16 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
 def _merge_kernel(O_part, Lse, Out, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Stage 2: program (b, h) merges the num_splits partials of one query head (lse form)."""
-    b, h = tl.program_id(0), tl.program_id(1)
+    """Stage 2 (merge="kernel"): program (b, h) merges the num_splits partials of one query head."""
+    b = tl.program_id(0)
+    row = tl.arange(0, 1)  # one row, for _merge_splits's [rows, BLOCK_D] tiles; its mask folds to true
+    head = tl.program_id(1) + row
     dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
-    lse_row = Lse + b * stride_lb + h * stride_lh
-    part_row = O_part + b * stride_pb + h * stride_ph + dims
-    # Split 0 always holds token 0 (context_lens >= 1), so its lse is finite: a safe first maximum.
-    top = tl.load(lse_row)
-    for s in range(1, num_splits):
-        top = tl.maximum(top, tl.load(lse_row + s))
-    total = tl.exp(tl.load(lse_row) - top)
-    acc = total * tl.load(part_row, mask=dim_mask, other=0.0)
-    for s in range(1, num_splits):
-        weight = tl.exp(tl.load(lse_row + s) - top)  # 0 for an empty split (lse -inf)
-        total += weight
-        acc += weight * tl.load(part_row + s * stride_ps, mask=dim_mask, other=0.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + dims, (acc / total).to(Out.dtype.element_ty), mask=dim_mask)
+    mask = (row < 1)[:, None] & (dims < HEAD_DIM)[None, :]
+    merged = _merge_splits(O_part + b * stride_pb + head[:, None] * stride_ph + dims[None, :],
+                           Lse + b * stride_lb + head * stride_lh, num_splits, stride_ps, row < 1, mask)
+    tl.store(Out + b * stride_ob + head[:, None] * stride_oh + dims[None, :], merged.to(Out.dtype.element_ty),
+             mask=mask)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -337,7 +376,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
-                           workspace: PagedAttentionWorkspace | None = None,
+                           workspace: PagedAttentionWorkspace | None = None, merge: str | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None) -> torch.Tensor:
     """softmax(q K^T * scale) V for one new token per sequence over the paged cache -> out [B, H, D].
@@ -345,9 +384,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``scale`` defaults to head_dim ** -0.5; ``num_splits`` to ``choose_num_splits`` on this GPU.
     ``out`` and ``workspace`` let a CUDA graph keep its memory (module docstring). ``block_n``
     (tokens per tile, a power of two >= 16), ``num_warps`` and ``num_stages`` override the launch
-    configuration, for benchmarks. ``context_lens`` values must lie in [1, max_blocks * block_size]
-    and the table's entries below them must be valid block ids; checking that would need a device
-    sync, so it is the caller's promise.
+    configuration, for benchmarks. ``merge`` says who merges the splits' partials: "kernel" (a second
+    kernel, one program per query head) or "last_split" (the last split program of each sequence and
+    KV head to finish, inside the first kernel: one launch fewer); default ``DEFAULT_MERGE``. Both
+    leave the partials in the workspace and give bit-identical outputs. ``context_lens`` values must
+    lie in [1, max_blocks * block_size] and the table's entries below them must be valid block ids;
+    checking that would need a device sync, so it is the caller's promise.
 
     A quantized cache (int8, float8_e4m3fn, or uint8 = packed int4; ``minillm/kv/quant.py``) comes
     with its ``k_scale`` / ``v_scale`` pools and is dequantized inside the kernel.
@@ -365,6 +407,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    merge = DEFAULT_MERGE if merge is None else merge
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {sorted(MERGES)}, got {merge!r}")
+    if merge == "last_split" and num_splits > 1 and batch * kv_heads > MAX_TILES:
+        raise ValueError(f"merge='last_split' needs an arrival counter per (sequence, KV head): batch {batch} x "
+                         f"{kv_heads} KV heads > {MAX_TILES} (split_k.MAX_TILES); use merge='kernel'")
     scale = dim ** -0.5 if scale is None else scale
     out = torch.empty_like(q) if out is None else out
 
@@ -392,15 +440,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     launch = dict(num_warps=num_warps or warps, num_stages=num_stages or stages) if on_gpu else {}
     # Without scales the cache stands in for them: never read (KV_QUANT=NO_QUANT compiles no load).
     k_scales, v_scales = (k_cache, v_cache) if k_scale is None else (k_scale, v_scale)
+    mode = NO_MERGE if num_splits == 1 else MERGES[merge]
+    # The counters only exist where they are used: a graph captured with "kernel" never allocates them.
+    counters = tile_counters(q.device) if mode == MERGE_LAST_SPLIT else lse
     _split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, lse,
         scale * math.log2(math.e), num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *partial_strides, *lse_strides, k_scales, v_scales, *scale_strides(k_scale),
+        out, out.stride(0), out.stride(1), counters,
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, WRITE_LSE=num_splits > 1,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, **launch)
-    if num_splits > 1:
+    if mode == MERGE_KERNEL:
         _merge_kernel[(batch, heads)](
             partial, lse, out, num_splits, *partial_strides, *lse_strides, out.stride(0), out.stride(1),
             HEAD_DIM=dim, BLOCK_D=block_d, **({"num_warps": 1} if on_gpu else {}))

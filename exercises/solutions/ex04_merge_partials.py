@@ -32,7 +32,8 @@ Two things make it robust, and the tests check both:
 
 Where it lives in minillm: ``kernels/paged_attention.py``. The Triton kernel
 ``paged_decode_attention`` runs stage 1 (one program per sequence, KV head and part) and stage 2,
-``_merge_kernel``, which merges with this arithmetic. Its plain-torch reference,
+``_merge_kernel`` (or, with ``merge="last_split"``, the last stage-1 program of each sequence and KV
+head to finish), both merging with this arithmetic (``_merge_splits``). Its plain-torch reference,
 ``paged_decode_attention_ref(..., num_splits=S)``, computes the parts with ``split_partials_ref``
 and merges them with the module's ``merge_attention_partials``, looked up at every call, so you
 can swap yours in::

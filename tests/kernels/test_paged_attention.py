@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import minillm.kernels.paged_attention as pa
+from minillm.kernels import split_k
 from minillm.kernels.paged_attention import (PagedAttentionWorkspace, choose_num_splits, merge_attention_partials,
                                              paged_decode_attention, paged_decode_attention_ref, split_partials_ref)
 
@@ -138,6 +139,69 @@ def test_reused_buffers_see_new_lengths_and_tables():
     assert not torch.allclose(first, second)
 
 
+# (context_lens, heads, kv_heads, head_dim, block_size, num_splits, dtype) for the two merges: splits 1,
+# 2, 3, 8; GQA 1/2/4/8; odd lengths; 8 splits of 16-token tiles over 1..70 tokens (most splits empty);
+# lengths 1 and 200 in one batch.
+MERGE_CASES = [
+    ([13, 70, 1], 4, 2, 16, 8, 1, torch.float32),
+    ([33, 8, 1], 4, 4, 32, 8, 2, torch.float32),
+    ([45, 17], 8, 1, 16, 16, 3, torch.float16),
+    ([1, 35, 70, 5], 8, 2, 16, 8, 8, torch.float32),
+    ([200, 1], 4, 1, 24, 16, 3, torch.float32),
+    ([57, 3, 129], 6, 3, 32, 32, 8, torch.float16),
+]
+
+
+def _counters_clean(device) -> bool:
+    return all(int(c.count_nonzero()) == 0 for c in split_k.COUNTERS.values() if c.device == torch.device(device))
+
+
+@pytest.mark.parametrize("lens,heads,kv_heads,dim,block_size,splits,dtype", MERGE_CASES)
+def test_last_split_merge_matches_ref_and_the_merge_kernel_bit_for_bit(lens, heads, kv_heads, dim, block_size,
+                                                                       splits, dtype):
+    q, k, v, tables, ctx = make_inputs(lens, heads, kv_heads, dim, block_size, dtype, seed=sum(lens) + splits)
+    results = {}
+    for merge in ("kernel", "last_split"):
+        out, ws = poisoned(q, (len(lens), splits))
+        results[merge] = paged_decode_attention(q, k, v, tables, ctx, num_splits=splits, out=out, workspace=ws,
+                                                merge=merge)
+        assert results[merge] is out
+        if splits > 1:  # the partials stay in the workspace, as ex04 and notebook 04 read them
+            want_out, want_lse = split_partials_ref(q, k, v, tables, ctx, splits, tile=16)
+            torch.testing.assert_close(ws.lse, want_lse, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ws.out, want_out, **TOL[dtype])
+    torch.testing.assert_close(results["last_split"], paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[dtype])
+    assert torch.equal(results["last_split"], results["kernel"])  # same arithmetic in the same order
+    assert _counters_clean(q.device)
+
+
+def test_last_split_merge_leaves_counters_clean_for_the_next_launch():
+    """Two launches on the same buffers (a graph replay's view): the second must find every counter at
+    zero, or its last arrival would come early and merge partials not yet written."""
+    q, k, v, tables, ctx = make_inputs([30, 7, 50], 8, 2, 16, 8, seed=11)
+    out, ws = poisoned(q, (3, 5))
+    first = paged_decode_attention(q, k, v, tables, ctx, num_splits=5, out=out, workspace=ws,
+                                   merge="last_split").clone()
+    torch.testing.assert_close(first, paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.float32])
+    assert _counters_clean(q.device)
+    ctx.copy_(torch.tensor([5, 64, 1], dtype=torch.int32))
+    tables.copy_(tables.flip(1).roll(1, dims=0))
+    out.fill_(float("nan")), ws.out.fill_(float("nan")), ws.lse.fill_(float("nan"))
+    second = paged_decode_attention(q, k, v, tables, ctx, num_splits=5, out=out, workspace=ws, merge="last_split")
+    torch.testing.assert_close(second, paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.float32])
+    assert _counters_clean(q.device) and not torch.allclose(first, second)
+
+
+def test_last_split_merge_needs_a_counter_per_sequence_and_kv_head(monkeypatch):
+    q, k, v, tables, ctx = make_inputs([5, 9], 4, 2, 16, 8)
+    monkeypatch.setattr(pa, "MAX_TILES", 3)  # 2 sequences x 2 KV heads = 4 counters
+    with pytest.raises(ValueError, match=r"batch 2 x 2 KV heads > 3 \(split_k.MAX_TILES\); use merge='kernel'"):
+        paged_decode_attention(q, k, v, tables, ctx, num_splits=2, merge="last_split")
+    paged_decode_attention(q, k, v, tables, ctx, num_splits=1, merge="last_split")  # one split: no counters
+    with pytest.raises(ValueError, match=r"merge must be one of \['kernel', 'last_split'\], got 'fused'"):
+        paged_decode_attention(q, k, v, tables, ctx, merge="fused")
+
+
 def test_choose_num_splits():
     assert choose_num_splits(1, 8, 32768, 132) == math.ceil(2 * 132 / 8)  # batch 1: two waves
     assert choose_num_splits(1, 8, 2048, 132) == 16  # capped: no split under 128 tokens
@@ -195,13 +259,20 @@ def test_bf16_and_cuda_graph_replay_on_gpu():
     for splits in (1, 4, 37):
         torch.testing.assert_close(paged_decode_attention(q, k, v, tables, ctx, num_splits=splits),
                                    paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.bfloat16])
-    out, ws = poisoned(q, (len(lens), 8))
-    paged_decode_attention(q, k, v, tables, ctx, num_splits=8, out=out, workspace=ws)  # compile outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_attention(q, k, v, tables, ctx, num_splits=8, out=out, workspace=ws)
-    for new_lens in ([2048, 1, 17, 640], [5, 1999, 64, 1]):
-        ctx.copy_(torch.tensor(new_lens, dtype=torch.int32))
-        tables.copy_(tables.roll(1, dims=0))
-        graph.replay()
-        torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.bfloat16])
+        assert torch.equal(paged_decode_attention(q, k, v, tables, ctx, num_splits=splits, merge="last_split"),
+                           paged_decode_attention(q, k, v, tables, ctx, num_splits=splits, merge="kernel"))
+    for merge in ("kernel", "last_split"):
+        out, ws = poisoned(q, (len(lens), 8))
+        args = dict(num_splits=8, out=out, workspace=ws, merge=merge)
+        paged_decode_attention(q, k, v, tables, ctx, **args)  # compile (and allocate the counters) outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            paged_decode_attention(q, k, v, tables, ctx, **args)
+        for new_lens in ([2048, 1, 17, 640], [5, 1999, 64, 1], [1, 1, 1, 1]):
+            ctx.copy_(torch.tensor(new_lens, dtype=torch.int32))
+            tables.copy_(tables.roll(1, dims=0))
+            for _ in range(3):  # replays back to back: each must find the counters clean
+                out.fill_(float("nan"))
+                graph.replay()
+            torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.bfloat16])
+            assert _counters_clean(q.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import minillm.kernels.paged_attention as pa
 from minillm.kernels.flash_attention import paged_prefill_attention, paged_prefill_attention_ref
 from minillm.kernels.paged_attention import PagedAttentionWorkspace, paged_decode_attention, paged_decode_attention_ref
 from minillm.kv.quant import dequantize_kv, quantize_kv
@@ -48,6 +49,7 @@ DECODE_CASES = [
 if DEVICE == "cuda":  # bf16 (the interpreter's bf16 tl.dot is wrong) and the engine's shapes
     DECODE_CASES += [([1, 100, 333, 2048], 32, 8, 128, 16, splits, torch.bfloat16, kv)
                      for splits, kv in ((1, "int8"), (4, "fp8"), (37, "int4"))]
+OTHER_MERGE = {"kernel": "last_split", "last_split": "kernel"}
 
 
 @pytest.mark.parametrize("lens,heads,kv_heads,dim,block_size,splits,dtype,kv", DECODE_CASES)
@@ -64,6 +66,11 @@ def test_decode_kernel_matches_ref_on_quantized_cache(lens, heads, kv_heads, dim
     want = paged_decode_attention_ref(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs)
     assert got is out and torch.isfinite(want).all()
     torch.testing.assert_close(got, want, **TOL[dtype])
+    if splits > 1:  # the other merge (second kernel or last split program) gives the same bits
+        ws.out.fill_(float("nan")), ws.lse.fill_(float("nan"))
+        other = paged_decode_attention(q, kq, vq, tables, ctx, num_splits=splits, out=torch.full_like(q, float("nan")),
+                                       workspace=ws, k_scale=ks, v_scale=vs, merge=OTHER_MERGE[pa.DEFAULT_MERGE])
+        assert torch.equal(other, got)
 
 
 PREFILL_CASES = [

@@ -1,7 +1,8 @@
 """What the paged attention kernels' main loops issue per KV byte on an H200 (sm_90), read from SASS
 compiled on any machine (no GPU): the evidence behind the INT4 KV rewrite (kernels/kv_dequant.py).
 
-For the decode kernel (B=64, 32 query / 8 KV heads, D=128, block 16: one split) and the paged prefill
+For the decode kernel (B=64, 32 query / 8 KV heads, D=128, block 16: one split; and with splits, for
+each way of merging them, whose main loop must be the one-split loop plus the fp32 partial's stores) and the paged prefill
 kernel (BLOCK_M 128, BLOCK_N 64), for each cache format (bf16, int8, int4): the loop's SASS instruction
 count, warp-instructions per K/V byte it consumes (scales included; an H200 issues about 1e12 warp-
 instructions/s, so at its 4.2 TB/s copy bandwidth a loop must stay under ~0.25 to be memory-bound),
@@ -30,7 +31,7 @@ def signature(fn, pointers, kv, scales, consts):
     # Pointers and strides of these shapes are 16-aligned, as Triton specialises them at run time (not
     # the arguments the kernels exclude from specialisation; strides of 1 are constexprs, see below).
     aligned = {n for n in sig if sig[n].startswith("*") or (n.startswith("stride") and n not in (
-        "stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh"))}
+        "stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh", "stride_outb", "stride_outh"))}
     return sig, aligned
 
 
@@ -51,8 +52,12 @@ def count(fn, kv_fmt, consts, pointers, warps, stages, tile_tokens):
                 top=body.most_common(10))
 
 
-decode = dict(BLOCK_SIZE=BS, HEAD_DIM=D, BLOCK_D=D, GROUP=4, GROUP_PAD=16, BLOCK_N=64, WRITE_LSE=False)
-decode_ptrs = {"Q": "*bf16", "BlockTables": "*i32", "ContextLens": "*i32", "O": "*bf16", "Lse": "*bf16"}
+decode = dict(BLOCK_SIZE=BS, HEAD_DIM=D, BLOCK_D=D, GROUP=4, GROUP_PAD=16, BLOCK_N=64, MERGE=pa.NO_MERGE)
+decode_ptrs = {"Q": "*bf16", "BlockTables": "*i32", "ContextLens": "*i32", "O": "*bf16", "Lse": "*bf16", "Out": "*bf16",
+               "Counters": "*i32"}
+# With splits the partials are fp32, and either a second kernel or the last split program merges them:
+# the main loop must not change with who merges.
+split_ptrs = dict(decode_ptrs, O="*fp32", Lse="*fp32")
 # The channel strides are 1 at run time, which Triton turns into constants (contiguous, vectorised loads).
 prefill = dict(HEAD_DIM=D, CAUSAL=True, PAGED=True, PAGE_SIZE=BS, BLOCK_M=128, BLOCK_N=64, stride_qd=1, stride_kd=1,
                stride_vd=1, stride_od=1)
@@ -62,13 +67,17 @@ rows = []
 for kv in FORMATS:
     for warps, stages in ((4, 3), (2, 4)):
         rows.append(count(pa._split_kernel, kv, decode, decode_ptrs, warps, stages, 64))
+        for merge in pa.MERGES:
+            rows.append(dict(count(pa._split_kernel, kv, dict(decode, MERGE=pa.MERGES[merge]), split_ptrs, warps, stages,
+                                   64), merge=merge))
     for warps in (4, 8):
         rows.append(count(fa._attention_kernel, kv, prefill, prefill_ptrs, warps, 3, 64))
 for r in rows:
-    print(f"{r['kernel']:18} {r['kv']:5} {r['num_warps']}w{r['num_stages']}s loop {r['loop_instructions']:5} "
+    print(f"{r['kernel']:18} {r.get('merge', '-'):10} {r['kv']:5} {r['num_warps']}w{r['num_stages']}s loop {r['loop_instructions']:5} "
           f"{r['warp_instructions_per_kv_byte']:.3f}/B LDG {r['LDG']:3} LDGSTS {r['LDGSTS']:2} LDS {r['LDS']:3} "
           f"STL/LDL {r['STL']}/{r['LDL']} regs {r['registers']} stack {r['stack']} smem {r['shared_bytes']}")
 result = result_header("kv_quant_sass", "kernel main loops", "-", "python figures/h200/sweeps/kv_quant_sass.py")
 result["device"] = f"sm_90 (H200) code from Triton {triton.__version__}, compiled on a CPU: nothing ran"
-result["runs"] = {f"{r['kernel']} {r['kv']} {r['num_warps']}w{r['num_stages']}s": r for r in rows}
+result["runs"] = {" ".join(str(r[k]) for k in ("kernel", "merge", "kv") if k in r) + f" {r['num_warps']}w{r['num_stages']}s": r
+                  for r in rows}  # keys "kernel [merge] kv warps/stages": merge only for the split rows
 json.dump(result, open(f"{OUT}/kv_quant_sass.json", "w"), indent=1)
