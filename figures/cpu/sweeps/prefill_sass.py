@@ -20,7 +20,8 @@ OUT = os.environ.get("OUT", "/tmp/out"); os.makedirs(OUT, exist_ok=True)
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "KScale": "*bf16", "VScale": "*bf16",
             "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "context_lens": "*i32", "block_tables": "*i32"}
 # Channel strides are 1 at run time: Triton makes them constants (contiguous loads; TMA needs it too).
-BASE = dict(HEAD_DIM=128, CAUSAL=True, PAGED=False, PAGE_SIZE=1, KV_QUANT=0, QUANT_GROUP=32,
+BASE = dict(HEAD_DIM=128, CAUSAL=True, PAGED=False, PAGE_SIZE=1, KV_QUANT=0, QUANT_GROUP=32, TMA=False,
+            WARP_SPECIALIZE=False,
             stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)
 VARIANTS = {"pointer": {}, "tma": {"TMA": True}, "tma_ws": {"TMA": True, "WARP_SPECIALIZE": True}}
 OPS = ("LDGSTS", "UTMALDG", "LDG", "SYNCS", "HGMMA", "MUFU", "IMAD", "LEA", "LDL", "STL")
