@@ -11,7 +11,8 @@ throughput, cc 9.0), so ``ALU`` opcodes count twice against that budget.
 
 ``main_loop`` is the span of the longest backward branch, which for the pointer-load kernels here is
 the K (or KV) loop; ``inner_loops`` lists every innermost loop, as kernels that wait on mbarriers (TMA)
-need and as a kernel with two KV loops (masked and unmasked) wants. The scripts ``figures/*/sweeps/*_sass.py`` use this module; their JSON is the evidence.
+need and as a kernel with two KV loops (masked and unmasked) wants. The scripts
+``figures/*/sweeps/*_sass.py`` use this module; their JSON is the evidence.
 """
 
 from __future__ import annotations
