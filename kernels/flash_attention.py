@@ -40,6 +40,7 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable, interpreter_on
+from minillm.kernels.flash_attention_tma import check_describable, sequence_descriptor, use_scratch_allocator
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
                                         kv_quant_mode, per_token_codes, scale_strides)
 from minillm.kv.quant import INT4_GROUP_SIZE
@@ -65,37 +66,42 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
                    stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, stride_sb, stride_st, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                   KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr):
+                   KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr,
+                   WARP_SPECIALIZE: tl.constexpr):
     """Fold keys [lo, hi) into the running (acc, m_i, l_i) of one query tile, BLOCK_N at a time.
     MASKED=False is the fast path: every key in range is real and visible to every row. A quantized
-    cache (KV_QUANT, paged only) is dequantized as ``kv_dequant.py`` explains."""
+    cache (KV_QUANT, paged only) is dequantized as ``kv_dequant.py`` explains. With TMA, K and V are
+    tensor descriptors over this sequence's rows of one KV head (``flash_attention_tma.py``)."""
     if KV_QUANT == INT4_GROUPS:
         offs_d = tl.arange(0, HEAD_DIM // 2)  # tiles of packed bytes, each loaded once (kv_dequant.py)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start = tl.multiple_of(start, BLOCK_N)  # lo is a multiple of BLOCK_N: aligned tiles
         offs_n = start + tl.arange(0, BLOCK_N)
         in_range = offs_n < k_len
-        if PAGED:
-            # Key position p lives in page table[p // PAGE_SIZE], slot p % PAGE_SIZE; one tile may
-            # span several pages or part of one. Table entries past the context are never loaded.
-            if MASKED:
-                page = tl.load(table + offs_n // PAGE_SIZE, mask=in_range, other=0)
+        if TMA:  # one copy per tile from the descriptor; rows past k_len arrive as zeros
+            k = tl.trans(K.load([start, 0]))  # K^T tile: [HEAD_DIM, BLOCK_N]
+        else:
+            if PAGED:
+                # Key position p lives in page table[p // PAGE_SIZE], slot p % PAGE_SIZE; one tile may
+                # span several pages or part of one. Table entries past the context are never loaded.
+                if MASKED:
+                    page = tl.load(table + offs_n // PAGE_SIZE, mask=in_range, other=0)
+                else:
+                    page = tl.load(table + offs_n // PAGE_SIZE)
+                page = page.to(tl.int64)  # page * stride overflows int32 on large pools
+                k_rows = page * stride_kb + (offs_n % PAGE_SIZE) * stride_kt
+                v_rows = page * stride_vb + (offs_n % PAGE_SIZE) * stride_vt
             else:
-                page = tl.load(table + offs_n // PAGE_SIZE)
-            page = page.to(tl.int64)  # page * stride overflows int32 on large pools
-            k_rows = page * stride_kb + (offs_n % PAGE_SIZE) * stride_kt
-            v_rows = page * stride_vb + (offs_n % PAGE_SIZE) * stride_vt
-        else:
-            k_rows = (k_start + offs_n).to(tl.int64) * stride_kt
-            v_rows = (k_start + offs_n).to(tl.int64) * stride_vt
-        k_ptrs = K + k_rows[None, :] + offs_d[:, None] * stride_kd  # K^T tile: [HEAD_DIM, BLOCK_N]
-        v_ptrs = V + v_rows[:, None] + offs_d[None, :] * stride_vd  # [BLOCK_N, HEAD_DIM]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
+                k_rows = (k_start + offs_n).to(tl.int64) * stride_kt
+                v_rows = (k_start + offs_n).to(tl.int64) * stride_vt
+            k_ptrs = K + k_rows[None, :] + offs_d[:, None] * stride_kd  # K^T tile: [HEAD_DIM, BLOCK_N]
+            v_ptrs = V + v_rows[:, None] + offs_d[None, :] * stride_vd  # [BLOCK_N, HEAD_DIM]
+            if MASKED:
+                k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
         if KV_QUANT != NO_QUANT:
             scale_rows = page * stride_sb + (offs_n % PAGE_SIZE) * stride_st
         if KV_QUANT == PER_TOKEN:  # scales go on the scores and weights (kv_dequant.py)
@@ -121,7 +127,9 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
+        if TMA:
+            v = V.load([start, 0])
+        elif MASKED:
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)  # 0, not garbage: 0 * NaN = NaN
         else:
             v = tl.load(v_ptrs)
@@ -154,7 +162,8 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
                       KScale, VScale, stride_sb, stride_st, stride_sh,
                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr):
+                      KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr = False,
+                      WARP_SPECIALIZE: tl.constexpr = False):
     # Tiles in reverse order: under causal masking the last tiles of a sequence do the most work,
     # and starting them first leaves short ones to fill the tail of the grid.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -201,16 +210,19 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
             head_scales = tl.multiple_of(head_scales, 2)
         KScale += head_scales
         VScale += head_scales
+    if TMA:  # non-paged, unquantized only (the wrapper checks): flash_attention_tma.py
+        K = sequence_descriptor(K, k_start, k_len, stride_kt, BLOCK_N, HEAD_DIM)
+        V = sequence_descriptor(V, k_start, k_len, stride_vt, BLOCK_N, HEAD_DIM)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, 0, unmasked_end, k_len, diag, K, V, KScale,
                                    VScale, k_start, table, stride_kb, stride_kt, stride_kd, stride_vb,
                                    stride_vt, stride_vd, stride_sb, stride_st, qk_scale, HEAD_DIM, BLOCK_N,
                                    PAGED, PAGE_SIZE, CAUSAL, MASKED=False, KV_QUANT=KV_QUANT,
-                                   QUANT_GROUP=QUANT_GROUP)
+                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA, WARP_SPECIALIZE=WARP_SPECIALIZE)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, unmasked_end, masked_end, k_len, diag,
                                    K, V, KScale, VScale, k_start, table, stride_kb, stride_kt, stride_kd,
                                    stride_vb, stride_vt, stride_vd, stride_sb, stride_st, qk_scale, HEAD_DIM,
                                    BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, MASKED=True, KV_QUANT=KV_QUANT,
-                                   QUANT_GROUP=QUANT_GROUP)
+                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA, WARP_SPECIALIZE=WARP_SPECIALIZE)
     out = acc / l_i[:, None]
     tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=offs_m[:, None] < q_len)
@@ -321,6 +333,11 @@ def _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables
             *scales, *scale_strides(k_scale))
     consts = dict(HEAD_DIM=q.shape[2], CAUSAL=causal, PAGED=paged, PAGE_SIZE=page_size, KV_QUANT=quant,
                   QUANT_GROUP=INT4_GROUP_SIZE)
+    if config is not None and config.get("TMA"):
+        _check(not paged, f"config {config} asks for TMA, which only the non-paged flash_attention has")
+        check_describable("k", k)
+        check_describable("v", v)
+        use_scratch_allocator()
     if config is None and INTERPRET:
         config = INTERPRETER_CONFIG
     elif config is None and q.dtype == torch.float32:
@@ -344,7 +361,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and its keys cu_seqlens_k[b]:cu_seqlens_k[b+1].
     max_seqlen_q must be at least the longest q_len (it sizes the grid; rows beyond it stay unwritten).
     causal is bottom-right aligned. scale defaults to 1/sqrt(D). Returns out [Tq_total, H, D] in q's
-    dtype. config pins e.g. {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}.
+    dtype. config pins e.g. {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}; adding
+    "TMA": True loads K/V tiles through TMA descriptors (sm_90+, ``flash_attention_tma.py``) and
+    "WARP_SPECIALIZE": True asks Triton to split the KV loop into producer and consumer warps.
     """
     out, scale = _check_common(q, k, v, "", out, scale)
     _check(k.dim() == 3, f"k must be [tokens, kv_heads, head_dim], got shape {tuple(k.shape)}")

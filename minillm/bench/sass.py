@@ -9,8 +9,10 @@ instructions is memory-bound at 4.2 TB/s only while W / B stays below ~0.25. The
 LOP3, PRMT, ...) issues at half the FMA rate (CUDA C Programming Guide, arithmetic instruction
 throughput, cc 9.0), so ``ALU`` opcodes count twice against that budget.
 
-The loop is the span of the longest backward branch, which for the kernels here is the K (or KV)
-loop. The scripts ``figures/*/sweeps/*_sass.py`` use this module; their JSON is the evidence.
+``main_loop`` is the span of the longest backward branch, which for the pointer-load kernels here is
+the K (or KV) loop; ``inner_loops`` lists every innermost loop, as kernels that wait on mbarriers (TMA)
+need and as a kernel with two KV loops (masked and unmasked) wants. The scripts
+``figures/*/sweeps/*_sass.py`` use this module; their JSON is the evidence.
 """
 
 from __future__ import annotations
@@ -50,9 +52,8 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, aligned: set[s
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def main_loop(kernel) -> dict:
-    """The compiled kernel's main loop: {"loop_instructions", "alu_instructions", "opcodes" (Counter of the
-    loop's opcodes without modifiers), "registers", "stack", "shared_bytes", "total_instructions"}."""
+def _disassemble(kernel):
+    """(address, opcode, operands) of every SASS instruction of ``kernel``, and its resource usage line."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
@@ -60,14 +61,42 @@ def main_loop(kernel) -> dict:
                                              text=True, check=True).stdout
         sass, usage = dump("-sass"), dump("-res-usage")
     lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)
-    addresses = [int(a, 16) for a, _, _ in lines]
-    back_branches = [(int(m.group(1), 16), a) for a, (_, op, rest) in zip(addresses, lines)
-                     if op.startswith("BRA") and (m := re.search(r"0x([0-9a-f]+)", rest)) and int(m.group(1), 16) < a]
-    if not back_branches:
-        raise ValueError("the kernel's SASS has no backward branch: no loop to count")
-    lo, hi = max(back_branches, key=lambda span: span[1] - span[0])
-    body = collections.Counter(op.split(".")[0] for a, (_, op, _) in zip(addresses, lines) if lo <= a <= hi)
+    return [(int(a, 16), op, rest) for a, op, rest in lines], usage
+
+
+def _back_branches(lines) -> list[tuple[int, int]]:
+    """(target, source) of every branch to an earlier address."""
+    return [(int(m.group(1), 16), a) for a, op, rest in lines
+            if op.startswith("BRA") and (m := re.search(r"0x([0-9a-f]+)", rest)) and int(m.group(1), 16) < a]
+
+
+def _span(kernel, lines, usage, lo: int, hi: int) -> dict:
+    body = collections.Counter(op.split(".")[0] for a, op, _ in lines if lo <= a <= hi)
     return dict(loop_instructions=sum(body.values()), alu_instructions=sum(n for op, n in body.items() if op in ALU),
                 opcodes=body, registers=int(re.search(r"REG:(\d+)", usage).group(1)),
                 stack=int(re.search(r"STACK:(\d+)", usage).group(1)), shared_bytes=kernel.metadata.shared,
                 total_instructions=len(lines))
+
+
+def main_loop(kernel) -> dict:
+    """The compiled kernel's main loop: {"loop_instructions", "alu_instructions", "opcodes" (Counter of the
+    loop's opcodes without modifiers), "registers", "stack", "shared_bytes", "total_instructions"}."""
+    lines, usage = _disassemble(kernel)
+    back_branches = _back_branches(lines)
+    if not back_branches:
+        raise ValueError("the kernel's SASS has no backward branch: no loop to count")
+    lo, hi = max(back_branches, key=lambda span: span[1] - span[0])
+    return _span(kernel, lines, usage, lo, hi)
+
+
+def inner_loops(kernel, min_instructions: int = 32) -> list[dict]:
+    """Every innermost loop of at least ``min_instructions``, in code order, each as ``main_loop``
+    describes it plus its "start" address. The longest backward branch is no loop in kernels that
+    wait on mbarriers (TMA): the retry of a failed wait sits after the kernel's end and jumps back
+    into the loop, spanning it all. Innermost (no other backward branch leaves from inside) drops
+    those, and the size floor drops the retries' own one-instruction spin loops."""
+    lines, usage = _disassemble(kernel)
+    spans = _back_branches(lines)
+    innermost = [(lo, hi) for lo, hi in spans if not any(lo <= src < hi for _, src in spans if src != hi)]
+    loops = [dict(_span(kernel, lines, usage, lo, hi), start=lo) for lo, hi in sorted(innermost)]
+    return [loop for loop in loops if loop["loop_instructions"] >= min_instructions]
