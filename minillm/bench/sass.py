@@ -100,3 +100,14 @@ def inner_loops(kernel, min_instructions: int = 32) -> list[dict]:
     innermost = [(lo, hi) for lo, hi in spans if not any(lo <= src < hi for _, src in spans if src != hi)]
     loops = [dict(_span(kernel, lines, usage, lo, hi), start=lo) for lo, hi in sorted(innermost)]
     return [loop for loop in loops if loop["loop_instructions"] >= min_instructions]
+
+
+def sass_result(benchmark: str, workload: str, command: str, runs) -> dict:
+    """A SASS figure's JSON: the common header (``result_header``), a device line that says nothing ran, and
+    ``runs``."""
+    import triton
+    from minillm.bench.harness import result_header
+    result = result_header(benchmark, workload, "-", command)
+    result["device"] = f"sm_90 (H200) code from Triton {triton.__version__}, compiled on a CPU: nothing ran"
+    result["runs"] = runs
+    return result

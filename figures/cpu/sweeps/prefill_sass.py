@@ -14,8 +14,7 @@ can fail on a loop). Run: PYTHONPATH=$PWD python figures/cpu/sweeps/prefill_sass
 import json, os
 os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real backend
 import triton
-from minillm.bench.harness import result_header
-from minillm.bench.sass import compile_sm90, inner_loops
+from minillm.bench.sass import compile_sm90, inner_loops, sass_result
 from minillm.kernels import flash_attention as fa
 
 OUT = os.environ.get("OUT", "/tmp/out"); os.makedirs(OUT, exist_ok=True)
@@ -71,8 +70,6 @@ for config in fa.GPU_CONFIGS:
                           f"{lp['IMAD']:3}, LEA {lp['LEA']:2}, LDGSTS {lp['LDGSTS']:2}, UTMALDG {lp['UTMALDG']})"
                           for n, lp in row["loops"].items())
         print(f"{tile:16} {name:8} regs {row['registers']:3} stack {row['stack']} smem {row['shared_bytes']:6}  {loops}")
-result = result_header("prefill_sass", "flash_attention KV loops, bf16 D=128 causal", "-",
-                       "python figures/cpu/sweeps/prefill_sass.py")
-result["device"] = f"sm_90 (H200) code from Triton {triton.__version__}, compiled on a CPU: nothing ran"
-result["runs"] = rows
+result = sass_result("prefill_sass", "flash_attention KV loops, bf16 D=128 causal",
+                     "python figures/cpu/sweeps/prefill_sass.py", rows)
 json.dump(result, open(f"{OUT}/prefill_sass.json", "w"), indent=1)

@@ -3,11 +3,9 @@ against PAIRS (kernels/w4_dot_pairs.py), from sm_90 SASS that Triton compiles on
 Weights per thread and iteration are BLOCK_K BLOCK_N / (32 num_warps); "alu" counts the integer-pipe opcodes.
 Configs: the fastest of the H200 sweep per M (figures/h200/sweeps/w4a16_dot.json), bf16, group 128.
 Usage: python figures/cpu/sweeps/w4a16_dot_sass.py OUT.json"""
-import json, os, platform, sys
+import json, os, sys
 os.environ.pop("TRITON_INTERPRET", None)  # compile for a GPU, do not interpret
-import triton
-from minillm.bench.harness import result_header
-from minillm.bench.sass import compile_sm90, main_loop
+from minillm.bench.sass import compile_sm90, main_loop, sass_result
 from minillm.kernels import quant_matmul
 
 ALIGNED = {"X", "Y", "Partials", "Counters", "QW", "S", "Z", "N", "K", "stride_xm", "stride_ym", "stride_q", "stride_s",
@@ -35,14 +33,10 @@ def count(block_m, block_n, block_k, split_k, swap, warps, stages, pairs):
                 **{op: ops.get(op, 0) for op in KEEP}, top=ops.most_common(12))
 
 
-rows = []
-for config in CONFIGS:
-    for pairs in (False, True):
-        rows.append(count(*config, pairs))
-        r = rows[-1]
-        print(f"{config} PAIRS={pairs}: {r['per_weight']} instr/weight ({r['alu_per_weight']} ALU), {r['registers']} regs, "
-              f"stack {r['stack']}, top {r['top'][:6]}", flush=True)
-doc = result_header("w4a16_dot_sass", "main loop of _w4_dot_kernel, sm_90 SASS, bf16, group 128", "-",
-                    "python figures/cpu/sweeps/w4a16_dot_sass.py figures/cpu/w4a16_dot_sass.json")
-doc |= dict(device=f"CPU ({platform.machine()}), Triton {triton.__version__} compiling for sm_90", runs=rows)
+rows = [count(*config, pairs) for config in CONFIGS for pairs in (False, True)]
+for r in rows:
+    print(f"{r['BLOCK_M'], r['BLOCK_N'], r['BLOCK_K'], r['SPLIT_K'], r['SWAP_AB']} PAIRS={r['PAIRS']}: {r['per_weight']} "
+          f"instr/weight ({r['alu_per_weight']} ALU), {r['registers']} regs, stack {r['stack']}, top {r['top'][:6]}")
+doc = sass_result("w4a16_dot_sass", "main loop of _w4_dot_kernel, sm_90 SASS, bf16, group 128",
+                  "python figures/cpu/sweeps/w4a16_dot_sass.py figures/cpu/w4a16_dot_sass.json", rows)
 json.dump(doc, open(sys.argv[1], "w"), indent=1)

@@ -3,11 +3,9 @@ HFMA2 variant, from the sm_90 SASS that Triton compiles on this CPU (no GPU need
 Triton). The main loop is the longest backward branch; weights per thread and iteration are
 8 BLOCK_KP BLOCK_N / (32 num_warps). "alu" counts the integer-pipe opcodes (LOP3, SHF, PRMT, IADD3, LEA, ISETP, ...),
 which issue at half the FMA rate on sm_90. Usage: python figures/cpu/sweeps/w4a16_gemv_sass.py OUT.json"""
-import json, os, platform, sys
+import json, os, sys
 os.environ.pop("TRITON_INTERPRET", None)  # compile for a GPU, do not interpret
-import triton
-from minillm.bench.harness import result_header
-from minillm.bench.sass import compile_sm90, main_loop
+from minillm.bench.sass import compile_sm90, main_loop, sass_result
 from minillm.kernels import quant_matmul
 
 ALIGNED = {"X", "Y", "Partials", "Counters", "QW", "S", "Z", "N", "K", "stride_xm", "stride_ym", "stride_q", "stride_s",
@@ -42,7 +40,6 @@ for config in CONFIGS:
     r = rows[-1]
     print(f"{r['dtype']} {config[1:5]} {config[5]}: {r['per_weight']} instr/weight ({r['alu_per_weight']} ALU), "
           f"{r['registers']} regs", flush=True)
-doc = result_header("w4a16_gemv_sass", "main loop of _w4_gemv_kernel, sm_90 SASS, group 128", "-",
-                    "python figures/cpu/sweeps/w4a16_gemv_sass.py figures/cpu/w4a16_gemv_sass.json")
-doc |= dict(device=f"CPU ({platform.machine()}), Triton {triton.__version__} compiling for sm_90", runs=rows)
+doc = sass_result("w4a16_gemv_sass", "main loop of _w4_gemv_kernel, sm_90 SASS, group 128",
+                  "python figures/cpu/sweeps/w4a16_gemv_sass.py figures/cpu/w4a16_gemv_sass.json", rows)
 json.dump(doc, open(sys.argv[1], "w"), indent=1)

@@ -11,9 +11,7 @@ registers, stack and shared memory. The loop is the span of the longest backward
 Run: PYTHONPATH=$PWD python figures/h200/sweeps/kv_quant_sass.py -> $OUT/kv_quant_sass.json."""
 import json, os
 os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real backend
-import triton
-from minillm.bench.harness import result_header
-from minillm.bench.sass import compile_sm90, main_loop
+from minillm.bench.sass import compile_sm90, main_loop, sass_result
 from minillm.kernels import flash_attention as fa, paged_attention as pa
 from minillm.kernels.kv_dequant import INT4_GROUPS, NO_QUANT, PER_TOKEN
 
@@ -60,7 +58,8 @@ decode_ptrs = {"Q": "*bf16", "BlockTables": "*i32", "ContextLens": "*i32", "O": 
 split_ptrs = dict(decode_ptrs, O="*fp32", Lse="*fp32")
 # The channel strides are 1 at run time, which Triton turns into constants (contiguous, vectorised loads).
 prefill = dict(HEAD_DIM=D, CAUSAL=True, PAGED=True, PAGE_SIZE=BS, BLOCK_M=128, BLOCK_N=64, stride_qd=1, stride_kd=1,
-               stride_vd=1, stride_od=1)
+               stride_vd=1, stride_od=1, TMA=False,
+               WARP_SPECIALIZE=False)
 prefill_ptrs = {"Q": "*bf16", "Out": "*bf16", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "context_lens": "*i32",
                 "block_tables": "*i32"}
 rows = []
@@ -76,8 +75,7 @@ for r in rows:
     print(f"{r['kernel']:18} {r.get('merge', '-'):10} {r['kv']:5} {r['num_warps']}w{r['num_stages']}s loop {r['loop_instructions']:5} "
           f"{r['warp_instructions_per_kv_byte']:.3f}/B LDG {r['LDG']:3} LDGSTS {r['LDGSTS']:2} LDS {r['LDS']:3} "
           f"STL/LDL {r['STL']}/{r['LDL']} regs {r['registers']} stack {r['stack']} smem {r['shared_bytes']}")
-result = result_header("kv_quant_sass", "kernel main loops", "-", "python figures/h200/sweeps/kv_quant_sass.py")
-result["device"] = f"sm_90 (H200) code from Triton {triton.__version__}, compiled on a CPU: nothing ran"
-result["runs"] = {" ".join(str(r[k]) for k in ("kernel", "merge", "kv") if k in r) + f" {r['num_warps']}w{r['num_stages']}s": r
-                  for r in rows}  # keys "kernel [merge] kv warps/stages": merge only for the split rows
+result = sass_result("kv_quant_sass", "kernel main loops", "python figures/h200/sweeps/kv_quant_sass.py",
+                     {" ".join(str(r[k]) for k in ("kernel", "merge", "kv") if k in r) + f" {r['num_warps']}w{r['num_stages']}s": r
+                      for r in rows})  # keys "kernel [merge] kv warps/stages": merge only for the split rows
 json.dump(result, open(f"{OUT}/kv_quant_sass.json", "w"), indent=1)
