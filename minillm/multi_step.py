@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from minillm.kv.paged import BlockTables, to_device
-from minillm.request import Request
+from minillm.request import Request, output_budget
 
 if TYPE_CHECKING:
     from minillm.runner import PagedRunner
@@ -69,9 +69,7 @@ def lookahead_steps(scheduler: ContinuousScheduler, scheduled: list[tuple[Reques
     for request, num_new in scheduled:
         if num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
             return 1  # a prefill chunk: its next input is a prompt token, known on the host
-        remaining = min(request.params.max_tokens - len(request.output_token_ids),
-                        scheduler.max_model_len - request.num_tokens)
-        steps = min(steps, remaining)
+        steps = min(steps, output_budget(request, scheduler.max_model_len) - len(request.output_token_ids))
     tables = scheduler.block_tables
     # Pass i of a request with n tokens writes position n - 1 + i: the table must cover n + steps - 1.
     while steps > 1 and scheduler.available_blocks() < sum(

@@ -190,3 +190,8 @@ class Request:
         completion = CompletionOutput(0, text, list(self.output_token_ids), self.finish_reason, self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              self.finished, self.metrics)
+
+
+def output_budget(request: Request, max_model_len: int) -> int:
+    """Tokens this request may generate in all: its max_tokens, capped so prompt + output fits."""
+    return min(request.params.max_tokens, max_model_len - request.num_prompt_tokens)

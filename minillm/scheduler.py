@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from minillm.kv.radix import RadixCache, RadixNode
 from minillm.multi_step import lookahead_steps
-from minillm.request import Request, RequestStatus
+from minillm.request import Request, RequestStatus, output_budget
 
 
 @dataclass
@@ -33,11 +33,6 @@ class ScheduledBatch:
     # swapped-out request, ("in", CPU blocks, GPU blocks) for a swapped-in one (preemption_mode="swap").
     swaps: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     num_steps: int = 1  # decode passes to run back to back (num_scheduler_steps; minillm/multi_step.py)
-
-
-def output_budget(request: Request, max_model_len: int) -> int:
-    """Tokens this request may still generate: its max_tokens, capped so prompt + output fits."""
-    return min(request.params.max_tokens, max_model_len - request.num_prompt_tokens)
 
 
 class StaticScheduler:
