@@ -35,10 +35,10 @@ Two things make it robust, and the tests check both:
 Where it lives in minillm: ``kernels/paged_attention.py``. The Triton kernel
 ``paged_decode_attention`` runs stage 1 (one program per sequence, KV head and part) and stage 2,
 ``_merge_kernel`` (or, with ``merge="last_split"``, the last stage-1 program of each sequence and KV
-head to finish), both merging with this arithmetic (``_merge_splits``). Its plain-torch reference,
-``paged_decode_attention_ref(..., num_splits=S)``, computes the parts with ``split_partials_ref``
-and merges them with the module's ``merge_attention_partials``, looked up at every call, so you
-can swap yours in::
+head to finish), both merging with this arithmetic (``merge_splits`` in ``kernels/split_merge.py``).
+Its plain-torch reference, ``paged_decode_attention_ref(..., num_splits=S)``, computes the parts with
+``split_partials_ref`` and merges them with the module's ``merge_attention_partials``, looked up at every
+call, so you can swap yours in::
 
     import minillm.kernels.paged_attention as pa
     from exercises.ex04_merge_partials import merge_attention_partials   # yours (run from the repo root)

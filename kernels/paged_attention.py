@@ -19,7 +19,8 @@ Two ideas make that possible:
   (``merge_attention_partials`` says how). With num_splits == 1 stage 1 writes the output itself.
   Stage 2 is either a second kernel (``merge="kernel"``) or done inside stage 1 by the last split
   program of each (sequence, KV head) to finish (``merge="last_split"``: an arrival counter per pair,
-  as ``split_k.py`` does for the quantized matmuls), which saves a launch per layer and token.
+  as ``split_k.py`` does for the quantized matmuls), which saves a launch per layer and token; both
+  merge with ``split_merge.py``.
 
 **CUDA graphs.** The grid, (batch, KV heads, num_splits), depends on tensor *shapes* only, never on
 the values in ``context_lens``: each program reads its sequence's length on the GPU and derives its
@@ -52,6 +53,8 @@ from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
                                         kv_quant_mode, per_token_codes, scale_strides, tile_channels)
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
+from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE, merge_by_kernel,
+                                         merge_splits)
 from minillm.kv.quant import INT4_GROUP_SIZE
 
 _LN2 = tl.constexpr(math.log(2.0))
@@ -149,33 +152,9 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # ----------------------------------------------------------------------------- Triton kernels
 
 
-# Who merges the splits (the MERGE constexpr of _split_kernel): nobody (one split writes the output),
-# a second kernel (_merge_kernel), or the last split program of each (sequence, KV head) to finish.
-NO_MERGE, MERGE_KERNEL, MERGE_LAST_SPLIT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-MERGES = {"kernel": MERGE_KERNEL, "last_split": MERGE_LAST_SPLIT}
-# The wrapper's default. "kernel" until an H200 sweep (figures/h200/sweeps/decode_merge.py) shows the
+# The wrapper's default merge. "kernel" until an H200 sweep (figures/h200/sweeps/decode_merge.py) shows the
 # in-kernel merge is never slower; the lead flips it from that JSON.
 DEFAULT_MERGE = "kernel"
-
-
-@triton.jit
-def _merge_splits(part_ptrs, lse_ptrs, num_splits, stride_ps, row_ok, mask):
-    """Merge ``num_splits`` partials of R query heads (``merge_attention_partials``'s arithmetic, in split
-    order): ``part_ptrs`` [R, BLOCK_D] point at split 0's outputs, split s at + s * stride_ps;
-    ``lse_ptrs`` [R] at split 0's log-sum-exps, split s at + s. Returns the merged outputs, fp32.
-    Both merge paths call this, so they agree bit for bit. Loads bypass L1 (".cg"): the last split
-    program reads partials that programs on other SMs wrote during the same launch."""
-    # Split 0 always holds token 0 (context_lens >= 1), so its lse is finite: a safe first maximum.
-    top = tl.load(lse_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
-    for s in range(1, num_splits):
-        top = tl.maximum(top, tl.load(lse_ptrs + s, mask=row_ok, other=0.0, cache_modifier=".cg"))
-    total = tl.exp(tl.load(lse_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg") - top)
-    acc = total[:, None] * tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in range(1, num_splits):
-        weight = tl.exp(tl.load(lse_ptrs + s, mask=row_ok, other=0.0, cache_modifier=".cg") - top)  # empty: 0
-        total += weight
-        acc += weight[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
-    return acc / total[:, None]
 
 
 # Arguments that change with the batch (table width, split count, workspace strides) are not
@@ -270,26 +249,9 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
         # Every split arrives, an empty one too: its partial (weight 0) was stored all the same.
         if last_arrival(Counters, b * tl.num_programs(1) + kv_head, num_splits):
             part_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-            merged = _merge_splits(part_ptrs, lse_ptrs, num_splits, stride_os, rows < GROUP, row_dim_mask)
+            merged = merge_splits(part_ptrs, lse_ptrs, num_splits, stride_os, rows < GROUP, row_dim_mask)
             out_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + dims[None, :]
             tl.store(out_ptrs, merged.to(Out.dtype.element_ty), mask=row_dim_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh",
-                               "stride_ob", "stride_oh"])
-def _merge_kernel(O_part, Lse, Out, num_splits,
-                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Stage 2 (merge="kernel"): program (b, h) merges the num_splits partials of one query head."""
-    b = tl.program_id(0)
-    row = tl.arange(0, 1)  # one row, for _merge_splits's [rows, BLOCK_D] tiles; its mask folds to true
-    head = tl.program_id(1) + row
-    dims = tl.arange(0, BLOCK_D)
-    mask = (row < 1)[:, None] & (dims < HEAD_DIM)[None, :]
-    merged = _merge_splits(O_part + b * stride_pb + head[:, None] * stride_ph + dims[None, :],
-                           Lse + b * stride_lb + head * stride_lh, num_splits, stride_ps, row < 1, mask)
-    tl.store(Out + b * stride_ob + head[:, None] * stride_oh + dims[None, :], merged.to(Out.dtype.element_ty),
-             mask=mask)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -453,7 +415,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, **launch)
     if mode == MERGE_KERNEL:
-        _merge_kernel[(batch, heads)](
-            partial, lse, out, num_splits, *partial_strides, *lse_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=dim, BLOCK_D=block_d, **({"num_warps": 1} if on_gpu else {}))
+        merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d)
     return out
