@@ -46,18 +46,10 @@ The GEMV and the dot are memory-bound at small M, where N / BLOCK_N programs alo
 most of an H200's SMs idle: the K dimension is also split over SPLIT_K programs, whose partials the
 last one to finish sums (``split_k.py``).
 
-Integer to float without the converter: an int->float conversion issues at 1/8 of the FMA rate
-(CUDA C Programming Guide, arithmetic instruction throughput, cc 9.0), slower than HBM delivers
-nibbles. Instead the integer is written into the mantissa of a float (the trick of FasterTransformer's
-and Marlin's converters: Kim et al., https://arxiv.org/abs/2211.10017; Frantar et al.,
-https://arxiv.org/abs/2408.11743):
-- a nibble q shifted into mantissa bits 19..22 under the exponent of 1.0 (bits 0x3F800000) *is*
-  the float 1 + q / 16: one shift and one LOP3 per weight. The GEMV multiplies x into 1 + q / 16
-  and corrects once per packed row: sum_j x_j (q_j - z) = 16 (sum_j x_j (1 + q_j / 16) - (1 + z / 16)
-  sum_j x_j), so a weight costs a shift, a LOP3 and one FMA (about 5.5 instructions per weight in
-  all on sm_90, by the SASS);
-- an int8 v becomes a float by an integer add and a float subtract (``int_float.int8_to_float``).
-Computing 1 + q / 16 rather than q keeps the products and sums near 1, so fp32 loses nothing.
+Integer to float without the converter: an int->float conversion issues at 1/8 of the FMA rate, so
+the fp32 bodies read a nibble q as the float 1 + q / 16 (``w4_sixteenths.py``) and the 16-bit
+variants as pairs of 16-bit floats (``w4_gemv_pairs.py``, ``w4_dot_pairs.py``); an int8 v becomes a
+float by an integer add and a float subtract (``int_float.int8_to_float``).
 
 On CUDA the tile sizes and SPLIT_K are autotuned per (N, K, bucket of M); under Triton's CPU
 interpreter one small pinned config runs (with SPLIT_K = 2, so the fix-up path is what is tested).
@@ -75,6 +67,7 @@ from minillm.kernels.int_float import int8_to_float
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
 from minillm.kernels.w4_dot_pairs import dequant_tile_pairs
 from minillm.kernels.w4_gemv_pairs import gemv_pairs
+from minillm.kernels.w4_sixteenths import ONE_BITS, dequant_tile, int4_tile, nibble
 # The layout's helpers live in a Triton-free file; re-exported so that one import serves.
 from minillm.kernels.quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
                                         unpack_int4, unpack_int4_along_n)
@@ -88,7 +81,6 @@ GEMV_MAX_M = 1
 # (from M = 128 the two are level, at M = 2048 the dot takes 2 to 3 times as long).
 DEQUANT_MIN_M = 128
 _SPLIT_MAX_M = 64  # above this, enough programs come from M tiles alone: no split-K, no partials
-_ONE_BITS = 0x3F800000  # the float 1.0: mantissa bits 19..22 under its exponent count sixteenths
 
 
 def _configs(rows: list[tuple], names: tuple[str, ...]) -> list[triton.Config]:
@@ -134,45 +126,6 @@ def w8a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return ((x.float() @ qweight.float()) * scales.float()).to(x.dtype)
 
 
-# ----------------------------------------------------------------------------- shared pieces
-
-
-@triton.jit
-def _one_plus_sixteenth(v, one_bits):
-    """1 + v / 16 as fp32, exactly, for int32 v whose bits 19..22 hold v (all other bits are ignored).
-    ``one_bits`` is 0x3F800000, the float 1.0, passed in as an argument: as a second immediate next to
-    the mask it would cost an extra instruction per weight (ptxas re-creates it before every LOP3)."""
-    return ((v & 0x00780000) | one_bits).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _nibble(packed, j: tl.constexpr, one_bits):
-    """1 + q / 16 for nibble j (bits 4j..4j+3) of each packed int32: one shift and one LOP3 each."""
-    if 4 * j <= 19:
-        return _one_plus_sixteenth(packed << (19 - 4 * j), one_bits)
-    else:
-        return _one_plus_sixteenth(packed >> (4 * j - 19), one_bits)
-
-
-@triton.jit
-def _zero_point(packed_zero, n, one_bits):
-    """1 + z / 16 for columns n, from zeros packed eight columns per int32 (nibble n % 8)."""
-    return _one_plus_sixteenth((packed_zero >> ((n % 8) * 4)) << 19, one_bits)
-
-
-@triton.jit
-def _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits, stride_q, stride_s, stride_z, BLOCK_KP: tl.constexpr):
-    """Packed rows r = r0 .. r0 + BLOCK_KP (those below end) of columns n: (r, the packed int32 words,
-    their scales in fp32, 1 + zero / 16), each [BLOCK_KP, len(n)] but r."""
-    r = r0 + tl.arange(0, BLOCK_KP)
-    mask = (r < end)[:, None] & (n < N)[None, :]
-    packed = tl.load(QW + r[:, None] * stride_q + n[None, :], mask=mask, other=0)
-    g = (8 * r) // group_size  # all eight weights of packed row r share this group (group_size % 8 == 0)
-    scale = tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
-    packed_zero = tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0)
-    return r, packed, scale, _zero_point(packed_zero, n[None, :], one_bits)
-
-
 # ----------------------------------------------------------------------------- W4A16 kernels
 
 
@@ -197,23 +150,23 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
     else:
         acc = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
         if PREFETCH:
-            r_next, packed_next, scale_next, zero_next = _int4_tile(QW, S, Z, start, end, n, N, group_size, one_bits,
-                                                                    stride_q, stride_s, stride_z, BLOCK_KP)
+            r_next, packed_next, scale_next, zero_next = int4_tile(QW, S, Z, start, end, n, N, group_size, one_bits,
+                                                                   stride_q, stride_s, stride_z, BLOCK_KP)
         for r0 in range(start, end, BLOCK_KP):
             if PREFETCH:
                 r, packed, scale, zero = r_next, packed_next, scale_next, zero_next
-                r_next, packed_next, scale_next, zero_next = _int4_tile(QW, S, Z, r0 + BLOCK_KP, end, n, N,
-                                                                        group_size, one_bits, stride_q, stride_s,
-                                                                        stride_z, BLOCK_KP)
+                r_next, packed_next, scale_next, zero_next = int4_tile(QW, S, Z, r0 + BLOCK_KP, end, n, N,
+                                                                       group_size, one_bits, stride_q, stride_s,
+                                                                       stride_z, BLOCK_KP)
             else:
-                r, packed, scale, zero = _int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
-                                                    stride_q, stride_s, stride_z, BLOCK_KP)
+                r, packed, scale, zero = int4_tile(QW, S, Z, r0, end, n, N, group_size, one_bits,
+                                                   stride_q, stride_s, stride_z, BLOCK_KP)
             part = tl.zeros((BLOCK_KP, BLOCK_N), tl.float32)
             x_sum = tl.zeros((BLOCK_KP,), tl.float32)
             for j in tl.static_range(8):  # nibble j of row r is input k = 8r + j
                 x = tl.load(X + m * stride_xm + 8 * r + j, mask=r < end, other=0.0).to(tl.float32)
                 x_sum += x
-                part += x[:, None] * _nibble(packed, j, one_bits)  # sum_j x_j (1 + q_j / 16): one FMA per weight
+                part += x[:, None] * nibble(packed, j, one_bits)  # sum_j x_j (1 + q_j / 16): one FMA per weight
             # sum_j x_j (q_j - z) = 16 (part - (1 + z / 16) sum_j x_j); the 16 waits for the end.
             acc += scale * (part - zero * x_sum[:, None])
         y = 16.0 * tl.sum(acc, axis=0)
@@ -246,8 +199,8 @@ def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
             zero = (tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=g_mask, other=0) >> ((n % 8) * 4)) & 15
             w = dequant_tile_pairs(packed, scale, zero, X.dtype.element_ty, BLOCK_K, BLOCK_N)
         else:
-            w = _dequant_tile(packed, r, mask, n, N, S, Z, k0, group_size, one_bits, stride_s, stride_z, ONE_GROUP,
-                              X.dtype.element_ty, BLOCK_K, BLOCK_N)
+            w = dequant_tile(packed, r, mask, n, N, S, Z, k0, group_size, one_bits, stride_s, stride_z, ONE_GROUP,
+                             X.dtype.element_ty, BLOCK_K, BLOCK_N)
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=(m < M)[:, None] & (k < end)[None, :], other=0.0)
         if SWAP_AB:
@@ -258,30 +211,6 @@ def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
         acc = tl.trans(acc)
     finish(acc, Y, Partials, Counters, m.to(tl.int64), n, (m < M)[:, None] & (n < N)[None, :], M, N, stride_ym,
             tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), SPLIT_K)
-
-
-@triton.jit
-def _dequant_tile(packed, r, mask, n, N, S, Z, k0, group_size, one_bits, stride_s, stride_z,
-                  ONE_GROUP: tl.constexpr, DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The dot's weight tile [BLOCK_K, BLOCK_N] in DTYPE from BLOCK_K // 8 packed rows, in fp32 math."""
-    # Row k = 8r + j of the tile is nibble j of packed row r: shifting each packed word by 4j for
-    # j = 0..7 gives a [BLOCK_K // 8, 8, BLOCK_N] block whose row-major order is k's order.
-    shifts = 4 * tl.arange(0, 8)
-    nibbles = _one_plus_sixteenth((packed[:, None, :] >> shifts[None, :, None]) << 19, one_bits)
-    if ONE_GROUP:  # one scale and zero per column for the whole tile
-        g = k0 // group_size
-        scale = 16.0 * tl.load(S + g * stride_s + n, mask=n < N, other=0.0).to(tl.float32)
-        zero = _zero_point(tl.load(Z + g * stride_z + n // 8, mask=n < N, other=0), n, one_bits)
-        w = (nibbles - zero[None, None, :]) * scale[None, None, :]
-    else:
-        g = (8 * r) // group_size  # the eight weights of a packed row share a group (group_size % 8 == 0)
-        scale = 16.0 * tl.load(S + g[:, None] * stride_s + n[None, :], mask=mask, other=0.0).to(tl.float32)
-        packed_zero = tl.load(Z + g[:, None] * stride_z + (n // 8)[None, :], mask=mask, other=0)
-        zero = _zero_point(packed_zero, n[None, :], one_bits)
-        w = (nibbles - zero[:, None, :]) * scale[:, None, :]
-    # (1 + q/16 - (1 + z/16)) * 16 s = (q - z) s exactly in fp32, rounded once to x's dtype: the
-    # reference's weight. Rounded before the reshape, so a reshape that moves data moves half the bytes.
-    return tl.reshape(w.to(DTYPE), (BLOCK_K, BLOCK_N))
 
 
 # ----------------------------------------------------------------------------- W8A16 kernels
@@ -451,7 +380,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         check(path == "dot" or (path is None and GEMV_MAX_M < rows),
               f"config {config} asks for PAIRS, a dot variant, but path {path!r} at M = {rows} is not the dot")
         check(x.dtype != torch.float32, "PAIRS dequantizes in x's 16-bit dtype; x is float32")
-    weights = (qweight, scales, zeros, group, _ONE_BITS, qweight.stride(0), scales.stride(0), zeros.stride(0))
+    weights = (qweight, scales, zeros, group, ONE_BITS, qweight.stride(0), scales.stride(0), zeros.stride(0))
     return _launch("w4", x, k, n, weights, path, config, out)
 
 
