@@ -66,8 +66,7 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
                    stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, stride_sb, stride_st, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                   KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr,
-                   WARP_SPECIALIZE: tl.constexpr):
+                   KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr):
     """Fold keys [lo, hi) into the running (acc, m_i, l_i) of one query tile, BLOCK_N at a time.
     MASKED=False is the fast path: every key in range is real and visible to every row. A quantized
     cache (KV_QUANT, paged only) is dequantized as ``kv_dequant.py`` explains. With TMA, K and V are
@@ -76,7 +75,7 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
         offs_d = tl.arange(0, HEAD_DIM // 2)  # tiles of packed bytes, each loaded once (kv_dequant.py)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
-    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start in range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)  # lo is a multiple of BLOCK_N: aligned tiles
         offs_n = start + tl.arange(0, BLOCK_N)
         in_range = offs_n < k_len
@@ -162,8 +161,7 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
                       KScale, VScale, stride_sb, stride_st, stride_sh,
                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr = False,
-                      WARP_SPECIALIZE: tl.constexpr = False):
+                      KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr = False):
     # Tiles in reverse order: under causal masking the last tiles of a sequence do the most work,
     # and starting them first leaves short ones to fill the tail of the grid.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -217,12 +215,12 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
                                    VScale, k_start, table, stride_kb, stride_kt, stride_kd, stride_vb,
                                    stride_vt, stride_vd, stride_sb, stride_st, qk_scale, HEAD_DIM, BLOCK_N,
                                    PAGED, PAGE_SIZE, CAUSAL, MASKED=False, KV_QUANT=KV_QUANT,
-                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA, WARP_SPECIALIZE=WARP_SPECIALIZE)
+                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, unmasked_end, masked_end, k_len, diag,
                                    K, V, KScale, VScale, k_start, table, stride_kb, stride_kt, stride_kd,
                                    stride_vb, stride_vt, stride_vd, stride_sb, stride_st, qk_scale, HEAD_DIM,
                                    BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, MASKED=True, KV_QUANT=KV_QUANT,
-                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA, WARP_SPECIALIZE=WARP_SPECIALIZE)
+                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA)
     out = acc / l_i[:, None]
     tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=offs_m[:, None] < q_len)
@@ -362,8 +360,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     max_seqlen_q must be at least the longest q_len (it sizes the grid; rows beyond it stay unwritten).
     causal is bottom-right aligned. scale defaults to 1/sqrt(D). Returns out [Tq_total, H, D] in q's
     dtype. config pins e.g. {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}; adding
-    "TMA": True loads K/V tiles through TMA descriptors (sm_90+, ``flash_attention_tma.py``) and
-    "WARP_SPECIALIZE": True asks Triton to split the KV loop into producer and consumer warps.
+    "TMA": True loads K/V tiles through TMA descriptors (sm_90+, ``flash_attention_tma.py``).
     """
     out, scale = _check_common(q, k, v, "", out, scale)
     _check(k.dim() == 3, f"k must be [tokens, kv_heads, head_dim], got shape {tuple(k.shape)}")

@@ -10,8 +10,9 @@ whole [BLOCK_N, HEAD_DIM] box from global to shared memory in one instruction (U
 addresses and fills rows outside the shape with zeros (NVIDIA, CUDA C++ Programming Guide, "Tensor
 Memory Access"; Hopper tuning guide). FlashAttention-3 (Shah et al., 2024) builds on the same copies,
 with producer warps that only issue TMA while consumer warpgroups run the matrix products and the
-softmax; Triton's ``tl.range(..., warp_specialize=True)`` (Triton >= 3.4) asks the compiler to split
-a loop that way, which is the kernel's separate ``WARP_SPECIALIZE`` switch.
+softmax. Triton's ``tl.range(..., warp_specialize=True)`` asks its compiler for that split; on the
+H200 (Triton 3.6) it failed to compile at 4 warps and was no faster at 8, so the kernel does without
+(figures/h200/prefill_tma.json, variant ``tma_ws``).
 
 One descriptor per (sequence, KV head), over that sequence's rows only: a packed varlen batch keeps
 working, the tail tile's rows past the sequence's end come back as zeros rather than as the next

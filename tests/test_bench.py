@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.bench.harness import bench_throughput
+from minillm.bench.harness import bench_latency, bench_throughput
 from minillm.bench.kv_waste import (ServedRequest, contiguous_at_peak, contiguous_over_time, kv_memory_summary,
                                     paged_at_peak, paged_over_time)
 from minillm.bench.metrics import RequestTiming, serving_metrics
@@ -158,6 +158,24 @@ def test_cli_bench_latency_reports_fraction_of_the_roofline(tmp_path):
         assert 0 < run["fraction_of_roofline"] < 1  # below the limit, or the limit is miscounted
         assert run["mean_decode_tok_s"] == pytest.approx(run["fraction_of_roofline"] * run["roofline_tok_s"])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_latency_roofline_counts_the_bytes_the_engine_stores(tmp_path):
+    """INT8 weights and KV: the roofline reads the engine's bytes, not every parameter at the dtype's size."""
+    common = dict(model="tiny", load_format="dummy", scale="cpu", num_requests=1, peers=[], device="cpu",
+                  dtype="float32", batching="continuous", attention_backend="torch")
+    dense = bench_latency(**common)["runs"]["minillm"]["roofline_tok_s"]
+    quantized = bench_latency(**common, quantization="rtn-int8", kv_cache_dtype="int8")["runs"]["minillm"]
+    # Its linears drop from 4 bytes a weight to 1 (plus scales); its fp32 embeddings, half the bytes, stay.
+    assert quantized["roofline_tok_s"] > 1.5 * dense and quantized["fraction_of_roofline"] < 1
+
+
+@pytest.mark.parametrize("flag", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_peers_are_refused_for_a_sharded_engine_before_the_run(flag):
+    for bench, peers in ((bench_latency, ["hf_static"]), (bench_throughput, ["hf_cb"])):
+        extra = {} if bench is bench_latency else {"workload": "mixed"}
+        with pytest.raises(ValueError, match=f"{flag}=2 each rank holds a shard.*--peers"):
+            bench(model="tiny", load_format="dummy", scale="cpu", num_requests=1, peers=peers, **extra, **{flag: 2})
 
 
 def test_hf_continuous_batching_peer_matches_greedy():

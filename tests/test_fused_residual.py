@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minillm import LLM, SamplingParams
+from test_continuous import DEVICE
 
 MAX_TOKENS = 3  # a prefill and two decode steps: three forward passes
 
@@ -36,8 +37,11 @@ class HiddenStateAdds(TorchDispatchMode):
 @pytest.mark.parametrize("backend, adds_per_layer", [("torch", 2), ("triton", 0)])
 def test_residual_adds_are_fused_into_the_norms(backend, adds_per_layer):
     """``attention_backend="triton"`` turns the fused kernels on; "torch" keeps every op in torch."""
-    llm = LLM("tiny", load_format="dummy", dtype="float32", device="cpu", batching="continuous",
-              attention_backend=backend, seed=0)
+    # The Triton kernels run on the GPU where there is one, else under the interpreter (tests/conftest.py);
+    # eager, since a CUDA graph replay would hide its ops from the counter.
+    device = DEVICE if backend == "triton" else "cpu"
+    llm = LLM("tiny", load_format="dummy", dtype="float32", device=device, batching="continuous",
+              attention_backend=backend, enforce_eager=True, seed=0, **({"memory_budget": "2GB"} if device == "cuda" else {}))
     config = llm.engine.model_config
     assert config.hidden_size != config.vocab_size  # the logits must not pass for hidden states
     with HiddenStateAdds(config.hidden_size) as adds:

@@ -42,6 +42,9 @@ def test_prefill_and_decode_by_hand():
     # 3 sequences, each one new token attending to 5 tokens.
     assert rl.decode_flops(TOY, 3, 5) == 3 * (2 * 388 + ATTN_PER_PAIR * 5) == 2808
     assert rl.decode_bytes(TOY, 2, 3, 5) == 776 + 3 * 5 * 16 == 1016
+    # A quantized model or cache: the bytes it really stores replace the dtype's count.
+    assert rl.decode_bytes(TOY, 2, 3, 5, weights=200, kv_per_token=9) == 200 + 3 * 5 * 9
+    assert rl.decode_bytes(TOY, 2, 3, 5, weights=200) == 200 + 3 * 5 * 16
     assert rl.arithmetic_intensity(2808, 1016) == pytest.approx(2.7638, rel=1e-4)
 
 

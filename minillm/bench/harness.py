@@ -45,6 +45,17 @@ def check_choices(kind: str, given, valid) -> None:
             raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(valid)}")
 
 
+def check_peers_can_share_weights(peers, engine_kwargs: dict) -> None:
+    """The transformers peers borrow rank 0's weights, which a parallel engine holds only a shard of:
+    refuse before the long run rather than crash at its end."""
+    sizes = {name: engine_kwargs.get(name) or 1 for name in ("tensor_parallel_size", "pipeline_parallel_size")}
+    sharded = {name: size for name, size in sizes.items() if size > 1}
+    if peers and sharded:
+        raise ValueError(f"the transformers peers ({', '.join(peers)}) share minillm's weights, and with "
+                         f"{', '.join(f'{k}={v}' for k, v in sharded.items())} each rank holds a shard; run with "
+                         "--peers (none), or compare sizes with `minillm bench parallel`")
+
+
 def git_commit() -> str:
     """MINILLM_COMMIT wins (the GPU machine gets a copy of the tree without .git)."""
     if os.environ.get("MINILLM_COMMIT"):
@@ -166,6 +177,7 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
                      peer_batch_size: int | None = None, variants: tuple[str, ...] = (), **engine_kwargs) -> dict:
     check_choices("peer", peers, PEERS)
     check_choices("variant", variants, VARIANTS)
+    check_peers_can_share_weights(peers, engine_kwargs)
     if variants and engine_kwargs.get("batching") != "continuous":
         raise ValueError("variants switch parts of the paged engine; they need batching='continuous'")
     llm = LLM(model, load_format=load_format, seed=seed, **engine_kwargs)
@@ -233,6 +245,7 @@ def bench_latency(*, model: str | None, load_format: str, scale: str, num_reques
     from minillm.bench import roofline
 
     check_choices("latency peer", peers, LATENCY_PEERS)
+    check_peers_can_share_weights(peers, engine_kwargs)
     engine_kwargs["max_num_seqs"] = 1
     llm = LLM(model, load_format=load_format, seed=seed, **engine_kwargs)
     engine = llm.engine
@@ -240,7 +253,9 @@ def bench_latency(*, model: str | None, load_format: str, scale: str, num_reques
     first = requests[0]
     context = len(first.prompt_token_ids) + first.max_tokens // 2  # the mean context while decoding
     ceilings = roofline.measure_ceilings(engine.device, engine.dtype)
-    limit = roofline.decode_roofline_tok_s(engine.model_config, engine.dtype.itemsize, 1, context, ceilings)
+    # The bytes this engine's weights and KV cache really take: INT4 weights or an INT8 cache lower the floor.
+    limit = roofline.decode_roofline_tok_s(engine.model_config, engine.dtype.itemsize, 1, context, ceilings,
+                                           weights=engine.weight_bytes, kv_per_token=engine.kv_bytes_per_token)
     run_minillm(llm, requests[:1])  # warm-up
     timings = [run_minillm(llm, [r], use_tqdm=False)[0][0] for r in tqdm(requests, desc="minillm", unit="run")]
     runs = {"minillm": _decode_metrics(timings, limit)}

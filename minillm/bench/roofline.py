@@ -139,9 +139,14 @@ def decode_flops(config: ModelConfig, batch: int, context: int) -> float:
     return batch * (2 * config.num_params + attention_flops(config, 1, context - 1))
 
 
-def decode_bytes(config: ModelConfig, dtype_bytes: float, batch: int, context: int) -> float:
-    """One decode step: all weights once, plus K and V of ``context`` tokens for each sequence."""
-    return weight_bytes(config, dtype_bytes) + batch * context * config.kv_bytes_per_token(dtype_bytes)
+def decode_bytes(config: ModelConfig, dtype_bytes: float, batch: int, context: int, *,
+                 weights: float | None = None, kv_per_token: float | None = None) -> float:
+    """One decode step: all weights once, plus K and V of ``context`` tokens for each sequence.
+    ``weights`` / ``kv_per_token`` give the bytes a quantized model or KV cache really holds; by default
+    every parameter and cached value takes ``dtype_bytes``."""
+    weights = weight_bytes(config, dtype_bytes) if weights is None else weights
+    kv_per_token = config.kv_bytes_per_token(dtype_bytes) if kv_per_token is None else kv_per_token
+    return weights + batch * context * kv_per_token
 
 
 def arithmetic_intensity(flops: float, nbytes: float) -> float:
@@ -160,10 +165,11 @@ def attainable_tflops(intensity: float, ceilings: Ceilings) -> float:
 
 
 def decode_roofline_tok_s(config: ModelConfig, dtype_bytes: float, batch: int, context: int,
-                          ceilings: Ceilings) -> float:
-    """The most output tokens per second a decode step of ``batch`` sequences at ``context`` can give."""
-    seconds = time_floor(decode_flops(config, batch, context), decode_bytes(config, dtype_bytes, batch, context),
-                         ceilings)
+                          ceilings: Ceilings, **stored_bytes: float | None) -> float:
+    """The most output tokens per second a decode step of ``batch`` sequences at ``context`` can give
+    (``stored_bytes``: ``decode_bytes``'s ``weights`` and ``kv_per_token``)."""
+    seconds = time_floor(decode_flops(config, batch, context),
+                         decode_bytes(config, dtype_bytes, batch, context, **stored_bytes), ceilings)
     return batch / seconds
 
 

@@ -158,14 +158,14 @@ TMA_CASES = [
     ([5, 17, 1], [20, 17, 9], 4, 2, 16, True, torch.float16, {"BLOCK_M": 16, "BLOCK_N": 16}),  # bottom-right
     ([7, 33], [12, 5], 4, 1, 64, False, torch.float32, {"BLOCK_M": 16, "BLOCK_N": 16}),  # GQA 4, unmasked
     ([33, 6], [50, 6], 4, 2, 16, True, torch.float32, {"BLOCK_M": 32, "BLOCK_N": 16}),  # BLOCK_M > BLOCK_N
-    ([21, 3], [37, 3], 2, 2, 32, False, torch.float16, {"BLOCK_M": 16, "BLOCK_N": 32, "WARP_SPECIALIZE": True}),
+    ([21, 3], [37, 3], 2, 2, 32, False, torch.float16, {"BLOCK_M": 16, "BLOCK_N": 32}),
 ]
 if CUDA:
     TMA_CASES += [
         ([1000, 1, 77, 513], [1000, 300, 1077, 600], 8, 2, 128, True, torch.bfloat16,
          {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
         ([257, 1024], [257, 1500], 4, 4, 64, False, torch.float16,
-         {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "WARP_SPECIALIZE": True}),
+         {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}),
         ([130, 64], [200, 64], 4, 1, 128, True, torch.float32, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4}),
     ]
 

@@ -2,14 +2,14 @@
 read from SASS compiled on a CPU (no GPU): the evidence for issue 4's TMA variant (kernels/flash_attention_tma.py).
 
 For each autotuned config (kernels/flash_attention.py GPU_CONFIGS), bf16, D=128, causal, non-paged, and
-each variant (pointer loads, TMA=True, TMA=True with WARP_SPECIALIZE=True): both KV loops (the unmasked
+each variant (pointer loads, TMA=True): both KV loops (the unmasked
 one that does most tiles, then the masked diagonal/tail one), each as SASS instructions per KV tile per
 warp (one iteration = one tile), integer-pipe (ALU) instructions among them, K/V copies (LDGSTS = cp.async,
 UTMALDG = TMA), mbarrier operations (SYNCS), wgmma (HGMMA), exp2 (MUFU), address arithmetic (IMAD, LEA),
-local-memory traffic (LDL/STL = spills); per kernel registers, stack and shared memory. Whether
-WARP_SPECIALIZE changed anything is recorded as whether its PTX differs from the variant without it.
-A variant that does not compile is recorded with its error (Triton's Hopper warp specialization pass
-can fail on a loop). Run: PYTHONPATH=$PWD python figures/cpu/sweeps/prefill_sass.py -> $OUT/prefill_sass.json
+local-memory traffic (LDL/STL = spills); per kernel registers, stack and shared memory. The committed
+JSON also holds a third variant, tma_ws (TMA plus Triton's warp specialization of the loop), measured
+at commit 88e2759; the kernel lost that switch after the H200 showed it failing to compile at 4 warps
+and no faster at 8 (figures/h200/prefill_tma.json). Run: PYTHONPATH=$PWD python figures/cpu/sweeps/prefill_sass.py -> $OUT/prefill_sass.json
 (about 2 minutes)."""
 import json, os
 os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real backend
@@ -22,9 +22,8 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "KScale": 
             "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "context_lens": "*i32", "block_tables": "*i32"}
 # Channel strides are 1 at run time: Triton makes them constants (contiguous loads; TMA needs it too).
 BASE = dict(HEAD_DIM=128, CAUSAL=True, PAGED=False, PAGE_SIZE=1, KV_QUANT=0, QUANT_GROUP=32, TMA=False,
-            WARP_SPECIALIZE=False,
             stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)
-VARIANTS = {"pointer": {}, "tma": {"TMA": True}, "tma_ws": {"TMA": True, "WARP_SPECIALIZE": True}}
+VARIANTS = {"pointer": {}, "tma": {"TMA": True}}
 OPS = ("LDGSTS", "UTMALDG", "LDG", "SYNCS", "HGMMA", "MUFU", "IMAD", "LEA", "LDL", "STL")
 
 
@@ -50,7 +49,7 @@ def describe(kernel) -> dict:
                        for name, lp in zip(names, loops)})
 
 
-rows, ptx = {}, {}
+rows = {}
 for config in fa.GPU_CONFIGS:
     tile = f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} {config.num_warps}w{config.num_stages}s"
     for name, variant in VARIANTS.items():
@@ -58,14 +57,11 @@ for config in fa.GPU_CONFIGS:
                                                         num_stages=config.num_stages), variant=name)
         try:
             kernel = compile_variant(config, variant)
-        except Exception as e:  # Triton's warp specialization pass may refuse a loop: that is a result
+        except Exception as e:  # a config that does not compile is a result, not the end
             row["compile_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"
             print(f"{tile:16} {name:8} does not compile: {row['compile_error']}")
             continue
-        ptx[tile, name] = kernel.asm["ptx"]
         row.update(describe(kernel))
-        if name == "tma_ws":
-            row["ptx_differs_from_tma"] = ptx[tile, "tma_ws"] != ptx[tile, "tma"]
         loops = "  ".join(f"{n} {lp['instructions_per_tile_per_warp']:4} (ALU {lp['alu_instructions']:3}, IMAD "
                           f"{lp['IMAD']:3}, LEA {lp['LEA']:2}, LDGSTS {lp['LDGSTS']:2}, UTMALDG {lp['UTMALDG']})"
                           for n, lp in row["loops"].items())

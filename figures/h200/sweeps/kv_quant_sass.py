@@ -58,8 +58,7 @@ decode_ptrs = {"Q": "*bf16", "BlockTables": "*i32", "ContextLens": "*i32", "O": 
 split_ptrs = dict(decode_ptrs, O="*fp32", Lse="*fp32")
 # The channel strides are 1 at run time, which Triton turns into constants (contiguous, vectorised loads).
 prefill = dict(HEAD_DIM=D, CAUSAL=True, PAGED=True, PAGE_SIZE=BS, BLOCK_M=128, BLOCK_N=64, stride_qd=1, stride_kd=1,
-               stride_vd=1, stride_od=1, TMA=False,
-               WARP_SPECIALIZE=False)
+               stride_vd=1, stride_od=1, TMA=False)
 prefill_ptrs = {"Q": "*bf16", "Out": "*bf16", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "context_lens": "*i32",
                 "block_tables": "*i32"}
 rows = []

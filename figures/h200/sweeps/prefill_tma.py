@@ -1,12 +1,13 @@
-"""Issue 4 on an H200: the prefill kernel (kernels/flash_attention.py) with K/V through TMA descriptors, and
-with Triton's warp specialization on top, against its autotuned pointer-load self and SDPA's cuDNN / flash
+"""Issue 4 on an H200: the prefill kernel (kernels/flash_attention.py) with K/V through TMA descriptors
+against its autotuned pointer-load self and SDPA's cuDNN / flash
 backends, in TFLOP/s (bf16, B=8, H=32, D=128, causal, S = 512, 1024, 2048, 4096).
 
 Per S: ``minillm.bench.kernels.bench_prefill`` (the autotuned kernel, every SDPA backend, the kernel's error
-against fp32 SDPA), then each variant (pointer = the kernel pinned to one config, tma, tma_ws) at each of
-GPU_CONFIGS, pinned, with its largest difference from the autotuned kernel's output. Variants run in the
-outer loop, warp specialization last, and the JSON is rewritten after every row: a compiler crash there
-(Triton's Hopper warp specialization pass can fail on a loop) keeps everything measured before it.
+against fp32 SDPA), then each variant (pointer = the kernel pinned to one config, tma) at each of
+GPU_CONFIGS, pinned, with its largest difference from the autotuned kernel's output; the JSON is rewritten
+after every row, and a config that fails to compile is recorded with its error. The committed JSON also
+holds a third variant, tma_ws (TMA plus Triton's warp specialization of the loop), measured at commit
+88e2759: it failed to compile at 4 warps and was no faster at 8, and the kernel lost that switch.
 VARIANTS=pointer,tma limits the variants; BUDGET_S (default 210) stops timing new rows.
 Run: PYTHONPATH=$PWD python figures/h200/sweeps/prefill_tma.py -> $OUT/prefill_tma.json (~3 minutes).
 On a CPU (SCALE=cpu, under TRITON_INTERPRET=1) one tiny shape and a 16x16 tile smoke-test the script."""
@@ -25,7 +26,7 @@ dtype = torch.float16 if CPU else torch.bfloat16  # the interpreter's bf16 dot i
 SHAPES = [PrefillShape(1, 2, 1, 33, 16)] if CPU else [PrefillShape(8, 32, 32, s, 128) for s in (512, 1024, 2048, 4096)]
 CONFIGS = [{"BLOCK_M": 16, "BLOCK_N": 16}] if CPU else [
     dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in GPU_CONFIGS]
-VARIANTS = {"pointer": {}, "tma": {"TMA": True}, "tma_ws": {"TMA": True, "WARP_SPECIALIZE": True}}
+VARIANTS = {"pointer": {}, "tma": {"TMA": True}}
 chosen = os.environ.get("VARIANTS", ",".join(VARIANTS)).split(",")
 deadline = time.time() + float(os.environ.get("BUDGET_S", "210"))
 COMMAND = "python figures/h200/sweeps/prefill_tma.py"
