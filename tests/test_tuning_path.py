@@ -104,11 +104,11 @@ def test_later_steps_reuse_the_quantized_weights_instead_of_calibrating_again(mo
     original = quantize.quantize_model
     monkeypatch.setattr(quantize, "quantize_model", lambda *a, **k: calls.append(a[1]) or original(*a, **k))
     result = bench_tuning_path(**TINY, scale="cpu", num_requests=2, peers=[], calibration_samples=1,
-                               steps=["3_awq_int4", "4_prefix_cache", "5_token_budget"])
+                               steps=["3_awq_int4", "4_prefix_cache", "5_multi_step"])
     runs = result["runs"]
     assert calls == ["awq-int4"]  # step 3 calibrated; steps 4 and 5 loaded its checkpoint
     assert "quantized_weights_from" not in runs["3_awq_int4"]
-    for name in ("4_prefix_cache", "5_token_budget"):
+    for name in ("4_prefix_cache", "5_multi_step"):
         assert runs[name]["quantized_weights_from"] == "3_awq_int4"
         assert runs[name]["weight_bytes"] == runs["3_awq_int4"]["weight_bytes"]
         assert runs[name]["prefix_cache_queries"] > 0

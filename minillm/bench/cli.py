@@ -112,13 +112,13 @@ The design documents' tuning path for a 7B model under a 24 GB card, replayed on
 is a configuration of the same engine that adds one change to the steps before it, run one after
 the other on the tuning-path workload under the same memory budget (weights + KV must fit):
   0 static batching, contiguous KV   1 + continuous batching, paged KV   2 + INT8 KV cache
-  3 + AWQ INT4 weights               4 + prefix caching (lpm)            5 + token budget 8192
+  3 + AWQ INT4 weights               4 + prefix caching (lpm)            5 + 8 decode passes per step
 transformers' static generate and continuous batching run on step 0's weights. AWQ calibrates once
 (steps 4 and 5 load step 3's weights) on 32 samples at gpu scale, 8 at cpu scale (--calibration-samples).
 Prints the table, writes JSON and a plot (speed-up per step beside the seeds' path, median TTFT).
 
 examples:
-  minillm bench tuning-path --model llama2-7b --load-format dummy --num-requests 64 --output figures/h200/tuning_path.json
+  minillm bench tuning-path --model llama2-7b --load-format dummy --num-requests 96 --output figures/h200/tuning_path.json
   minillm bench tuning-path --scale cpu --output figures/cpu/tuning_path.json   # the embedded model, minutes
 """
 
