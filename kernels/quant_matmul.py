@@ -21,8 +21,8 @@ Paths, chosen by M (the number of tokens):
   unpacked nibble by nibble; each nibble plane is multiplied into an fp32 accumulator with plain
   FMAs; the group's scale is applied once per packed row, and the reduction over K once, at the end.
   (The weight stays fp32 where the reference rounds it to x's dtype: 16-bit y may differ in a bit.)
-  With HFMA2=True in a pinned config, the body works in x's 16-bit dtype two weights per instruction
-  (``w4_gemv_pairs.py``): 1.7 to 2.1 instructions per weight in the sm_90 SASS instead of 5.5.
+  With HFMA2=True the body works in x's 16-bit dtype two weights per instruction (``w4_gemv_pairs.py``):
+  1.7 to 2.1 instructions per weight in the sm_90 SASS instead of 5.5; the autotuner has both bodies.
   At M = 1 a tensor-core dot would be 1/16 useful work plus a shared-memory round trip. The M
   programs of a column tile are neighbours in the grid, so rows after the first find its weights
   in L2; but each dequantizes them again, which is why larger M goes to the dot.
@@ -34,8 +34,8 @@ Paths, chosen by M (the number of tokens):
   the kernel computes y^T = W^T x^T: on Hopper a warpgroup MMA takes its second operand from shared
   memory only, but its first may come from registers, and it wants 64 rows there; swapped, those
   are BLOCK_N weight columns instead of BLOCK_M tokens. With PAIRS=True (16-bit x) the tile is
-  dequantized in x's dtype two weights per instruction (``w4_dot_pairs.py``). Only a pinned config
-  reaches SWAP_AB or PAIRS until measured on an H200.
+  dequantized in x's dtype two weights per instruction (``w4_dot_pairs.py``). The autotuner's list has
+  the SWAP_AB / PAIRS configs that won an H200 sweep (_W4_DOT).
 - **dequant** (W4A16 only, M >= DEQUANT_MIN_M, prefill): one kernel (``int4_dequantize.py``) writes
   the weight in x's dtype to a temporary, then ``torch.matmul`` (cuBLAS). Once M is large the GEMM
   is compute-bound, and cuBLAS's tensor-core pipeline beats a Triton dot whose B operand is
@@ -91,14 +91,33 @@ def _configs(rows: list[tuple], names: tuple[str, ...]) -> list[triton.Config]:
 # Small on purpose (each config is compiled and timed for every new key). For Hopper's 132 SMs: the
 # GEMV wants a few hundred programs (N / BLOCK_N x SPLIT_K) each streaming 16-byte loads along N.
 _W4_GEMV = _configs([(64, 16, 1, 4, 3), (128, 16, 1, 4, 3), (64, 16, 2, 4, 3), (64, 16, 4, 4, 3), (128, 16, 4, 4, 3),
-                     (64, 16, 8, 4, 3), (128, 32, 4, 8, 3), (256, 16, 8, 8, 3)], ("BLOCK_N", "BLOCK_KP", "SPLIT_K"))
+                     (64, 16, 8, 4, 3), (128, 32, 4, 8, 3), (256, 16, 8, 8, 3), (64, 16, 16, 2, 2)],
+                    ("BLOCK_N", "BLOCK_KP", "SPLIT_K")) + [
+    # The H200 sweep's winners at M = 1 on Llama-2-7B's projections (figures/h200/sweeps/w4a16_gemv_hfma2.json):
+    # fp32 with a prefetched tile, and the 16-bit HFMA2 body, 1.2 to 1.6x the fp32 GEMV where K = 4096 and
+    # slower at K = 11008; the autotuner keeps whichever wins per shape (_fit_gemv_variants drops HFMA2
+    # where it cannot run).
+    triton.Config(dict(BLOCK_N=64, BLOCK_KP=16, SPLIT_K=8, PREFETCH=True), num_warps=2, num_stages=3),
+    triton.Config(dict(BLOCK_N=256, BLOCK_KP=8, SPLIT_K=16, HFMA2=True, RUN=2), num_warps=1, num_stages=1),
+    triton.Config(dict(BLOCK_N=256, BLOCK_KP=4, SPLIT_K=32, HFMA2=True, RUN=1), num_warps=2, num_stages=1),
+    triton.Config(dict(BLOCK_N=128, BLOCK_KP=4, SPLIT_K=32, HFMA2=True, RUN=2), num_warps=1, num_stages=1),
+]
 _W8_GEMV = _configs([(128, 32, 1, 4, 3), (256, 16, 1, 4, 3), (128, 32, 4, 4, 3), (256, 32, 2, 8, 3),
                      (256, 16, 4, 4, 3), (128, 32, 8, 4, 3), (256, 64, 4, 8, 3)], ("BLOCK_N", "BLOCK_K", "SPLIT_K"))
 # The dot's rows come from an H200 sweep of 54 configs over Llama-2-7B's four projections (M = 2 .. 128).
 _W4_DOT = _configs([(16, 64, 128, 2, 4, 3), (16, 64, 128, 4, 4, 3), (16, 64, 128, 8, 4, 3), (16, 128, 128, 8, 4, 3),
                     (32, 64, 128, 4, 4, 3), (32, 128, 64, 2, 4, 3), (32, 128, 64, 4, 4, 3),
                     (64, 64, 128, 1, 4, 3), (64, 64, 128, 2, 4, 3), (128, 128, 128, 1, 8, 3), (128, 256, 64, 1, 8, 3)],
-                   ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
+                   ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")) + [
+    # The PAIRS body (16-bit dequantization, two weights per instruction), mostly with SWAP_AB, won every
+    # shape of the H200 sweep at M = 16..64 but three, by up to 1.4x over the fp32 dequantization's best
+    # (figures/h200/sweeps/w4a16_dot_pairs.json): its winning configs. x is 16-bit on this autotuned path
+    # (fp32 on a GPU takes _GPU_FP32_DOT).
+    triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, SPLIT_K=split, SWAP_AB=swap, PAIRS=True),
+                  num_warps=warps, num_stages=stages)
+    for m, n, k, split, swap, warps, stages in [(16, 128, 128, 4, True, 4, 3), (32, 64, 64, 4, True, 4, 2),
+                                                 (32, 64, 128, 4, True, 4, 2), (32, 128, 64, 8, True, 4, 3),
+                                                 (64, 128, 64, 2, False, 4, 3), (64, 128, 128, 8, True, 8, 4)]]
 _W8_DOT = _configs([(16, 64, 64, 1, 4, 3), (16, 128, 64, 1, 4, 3), (16, 64, 64, 4, 4, 3), (16, 128, 128, 4, 4, 3),
                     (32, 64, 64, 2, 4, 3), (64, 64, 64, 1, 4, 3), (64, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 3)],
                    ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
@@ -140,7 +159,7 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
     end (Triton's pipeliner leaves this loop's loads alone: plain LDGs in the sm_90 SASS, each
     tile waiting out its own memory latency). HFMA2: the body is ``w4_gemv_pairs.gemv_pairs``, two
     weights per instruction in x's 16-bit dtype, summed in 16 bits over runs of RUN packed rows
-    (ONE_GROUP, EVEN_N: see there). Both are reached by a pinned config until an H200 sweep decides."""
+    (ONE_GROUP, EVEN_N: see there). The autotuner's list holds the configs of each that won an H200 sweep."""
     m = tl.program_id(0) % M  # the M programs of a column tile run side by side and share its weights in L2
     n = tl.program_id(0) // M * BLOCK_N + tl.arange(0, BLOCK_N)
     start, end = split_range(K // 8, BLOCK_KP, SPLIT_K)
@@ -271,15 +290,33 @@ _w4_dot = triton.heuristics({"ONE_GROUP": lambda a: a["group_size"] % a["BLOCK_K
 _w4_gemv = triton.heuristics({
     "ONE_GROUP": lambda a: a["group_size"] % (8 * a["BLOCK_KP"]) == 0 or a["group_size"] >= a["K"],
     "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})(_w4_gemv_kernel)
+
+
+def _fit_gemv_variants(configs, named_args, **kwargs):
+    """HFMA2 configs only where they run: 16-bit x, and runs of RUN packed rows that divide the tile and
+    stay inside a group (``w4a16_matmul`` checks the same of a pinned config)."""
+    args = {**named_args, **kwargs}
+    group, k = args["group_size"], args["K"]
+
+    def runs(c):
+        run = c.kwargs.get("RUN", 2)
+        return args["X"].dtype != torch.float32 and c.kwargs["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k)
+    return [c for c in configs if not c.kwargs.get("HFMA2") or runs(c)]
+
+
 _KERNELS = {  # name -> (the kernel, the kernel autotuned on CUDA)
-    "w4_gemv": (_w4_gemv, triton.autotune(_W4_GEMV, key=["N", "K", "M"])(_w4_gemv)),
+    "w4_gemv": (_w4_gemv, triton.autotune(_W4_GEMV, key=["N", "K", "M", "group_size"],
+                                          prune_configs_by={"early_config_prune": _fit_gemv_variants})(_w4_gemv)),
     "w4_dot": (_w4_dot, triton.autotune(_W4_DOT, key=["N", "K", "M_BUCKET"],
                                         prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w4_dot)),
     "w8_gemv": (_w8_gemv_kernel, triton.autotune(_W8_GEMV, key=["N", "K", "M"])(_w8_gemv_kernel)),
     "w8_dot": (_w8_dot_kernel, triton.autotune(_W8_DOT, key=["N", "K", "M_BUCKET"],
                                                prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w8_dot_kernel)),
 }
-_MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in _W4_GEMV + _W4_DOT + _W8_GEMV + _W8_DOT)
+# The partials an autotuned launch may need: its kernel's largest split.
+_MAX_SPLIT_K = {name: max(c.kwargs["SPLIT_K"] for c in configs)
+                for name, configs in (("w4_gemv", _W4_GEMV), ("w4_dot", _W4_DOT), ("w8_gemv", _W8_GEMV),
+                                      ("w8_dot", _W8_DOT))}
 
 
 def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: str | None, config: dict | None,
@@ -288,12 +325,13 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
     kernel's arguments after the strides of x and y."""
     x = x_in.reshape(-1, k)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if config and config.get("HFMA2") and (x.data_ptr() % 4 or x.stride(0) % 2):
-        x = x.clone(memory_format=torch.contiguous_format)  # HFMA2 reads x two inputs per int32
     rows = x.shape[0]
     path = path or ("gemv" if rows <= GEMV_MAX_M else "dot")
     check(path in ("gemv", "dot"), f"path is {path!r}; expected 'gemv', 'dot' or None (chosen by M)")
     name = f"{fmt}_{path}"
+    hfma2 = config.get("HFMA2") if config else (name == "w4_gemv" and not INTERPRET)  # the autotuner may pick it
+    if hfma2 and (x.data_ptr() % 4 or x.stride(0) % 2):
+        x = x.clone(memory_format=torch.contiguous_format)  # HFMA2 reads x two inputs per int32
     out = _output(x_in, n, out)
     y = out.view(rows, n)
     if rows == 0 or n == 0:
@@ -303,7 +341,7 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
     elif config is None and x.dtype == torch.float32 and path == "dot":
         config = _GPU_FP32_DOT[name]
     # Autotuned split-K configs exist only for M <= _SPLIT_MAX_M (see the pruning): no partials beyond.
-    splits = config["SPLIT_K"] if config else (_MAX_SPLIT_K if rows <= _SPLIT_MAX_M else 1)
+    splits = config["SPLIT_K"] if config else (_MAX_SPLIT_K[name] if rows <= _SPLIT_MAX_M else 1)
     partials = torch.empty(splits * rows * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     check(splits == 1 or triton.cdiv(n, 32) * triton.cdiv(rows, 16) <= MAX_TILES,
           f"a split-K launch with N = {n}, M = {rows} needs more than {MAX_TILES} tile counters")

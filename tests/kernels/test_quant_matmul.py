@@ -368,3 +368,43 @@ def test_bad_inputs_are_refused_with_the_bad_value():
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+# ----------------------------------------------------------------------------- the autotuner's lists
+
+
+def _pinned(config: triton.Config) -> dict:
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def test_gemv_autotuning_offers_hfma2_only_where_it_can_run():
+    configs = quant_matmul._W4_GEMV
+    hfma2 = [c for c in configs if c.kwargs.get("HFMA2")]
+    assert hfma2 and len(hfma2) < len(configs)  # both bodies compete
+    x16, x32 = torch.randn(1, 4096, dtype=torch.float16), torch.randn(1, 4096)
+    assert quant_matmul._fit_gemv_variants(configs, {"X": x16, "group_size": 128, "K": 4096}) == configs
+    fp32 = quant_matmul._fit_gemv_variants(configs, {"X": x32, "group_size": 128, "K": 4096})
+    assert fp32 == [c for c in configs if not c.kwargs.get("HFMA2")]
+    # Groups of 8 inputs (one packed row) fit only runs of one row; a single group (K) fits every run.
+    one_row = quant_matmul._fit_gemv_variants(configs, {"X": x16, "group_size": 8, "K": 4096})
+    assert {c.kwargs["RUN"] for c in one_row if c.kwargs.get("HFMA2")} == {1}
+    assert quant_matmul._fit_gemv_variants(configs, {"X": x16, "group_size": 4096, "K": 4096}) == configs
+
+
+@pytest.mark.parametrize("config", [c for c in quant_matmul._W4_GEMV if c.kwargs.get("HFMA2") or c.kwargs.get("PREFETCH")],
+                         ids=str)
+def test_every_added_gemv_config_computes_the_reference(config):
+    """The configs the H200 sweep added, pinned as the autotuner would launch them (N = 256: whole tiles)."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 512, 256, 128, torch.float16, seed=3)
+    y = w4a16_matmul(x, qweight, scales, zeros, 128, path="gemv", config=_pinned(config), out=poisoned((1, 256), x.dtype))
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.float16)
+    assert counters_are_clean()
+
+
+@pytest.mark.parametrize("config", [c for c in quant_matmul._W4_DOT if c.kwargs.get("PAIRS")], ids=str)
+def test_every_pairs_dot_config_computes_the_reference(config):
+    """fp16 (the interpreter misreads bf16 dots); M = 20 rows in tiles of 16 to 64, N = 200 over masked tiles."""
+    x, qweight, scales, zeros, _, _ = int4_problem(20, 256, 200, 128, torch.float16, seed=5)
+    y = w4a16_matmul(x, qweight, scales, zeros, 128, path="dot", config=_pinned(config), out=poisoned((20, 200), x.dtype))
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.float16)
+    assert counters_are_clean()
