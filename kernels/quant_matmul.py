@@ -51,8 +51,11 @@ the fp32 bodies read a nibble q as the float 1 + q / 16 (``w4_sixteenths.py``) a
 variants as pairs of 16-bit floats (``w4_gemv_pairs.py``, ``w4_dot_pairs.py``); an int8 v becomes a
 float by an integer add and a float subtract (``int_float.int8_to_float``).
 
-On CUDA the tile sizes and SPLIT_K are autotuned per (N, K, bucket of M); under Triton's CPU
-interpreter one small pinned config runs (with SPLIT_K = 2, so the fix-up path is what is tested).
+On CUDA the tile sizes and SPLIT_K are autotuned per (N, K, bucket of M) for the dot and per (N, K, M,
+group size) for the GEMV; under Triton's CPU interpreter one small pinned config runs (with SPLIT_K = 2,
+so the fix-up path is what is tested). The GEMV's autotuner may pick the HFMA2 body for 16-bit x: its
+error is up to twice the fp32 body's (16-bit sums over short runs; ``w4_gemv_pairs.py``), well inside
+what 4-bit weights cost, and it needs |x| < 2**27 in bf16.
 """
 
 from __future__ import annotations
@@ -294,14 +297,17 @@ _w4_gemv = triton.heuristics({
 
 def _fit_gemv_variants(configs, named_args, **kwargs):
     """HFMA2 configs only where they run: 16-bit x, and runs of RUN packed rows that divide the tile and
-    stay inside a group (``w4a16_matmul`` checks the same of a pinned config)."""
+    stay inside a group (``w4a16_matmul`` checks the same of a pinned config). Split-K only up to
+    _SPLIT_MAX_M rows, the most ``_launch`` sizes partials for (path="gemv" can be forced at any M)."""
     args = {**named_args, **kwargs}
     group, k = args["group_size"], args["K"]
 
     def runs(c):
         run = c.kwargs.get("RUN", 2)
-        return args["X"].dtype != torch.float32 and c.kwargs["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k)
-    return [c for c in configs if not c.kwargs.get("HFMA2") or runs(c)]
+        fits = c.kwargs["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k)
+        return args["X"].dtype != torch.float32 and fits
+    return [c for c in configs if (not c.kwargs.get("HFMA2") or runs(c))
+            and (c.kwargs["SPLIT_K"] == 1 or args["M"] <= _SPLIT_MAX_M)]
 
 
 _KERNELS = {  # name -> (the kernel, the kernel autotuned on CUDA)

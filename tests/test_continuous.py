@@ -38,8 +38,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def tiny_engine(**kwargs) -> Engine:
     defaults = dict(model="tiny", load_format="dummy", dtype="float32", device=DEVICE)
     if torch.device(kwargs.get("device", DEVICE)).type == "cuda":
-        # Without a budget each engine takes 90 % of the free memory for KV blocks, and a test that holds two
-        # engines at once (a reference and the engine under test) runs out on the second.
+        # Without a budget each engine sizes its KV blocks to fill 90 % of the GPU (gpu_memory_utilization),
+        # and a test that holds two engines at once (a reference and the engine under test) runs out.
         defaults["memory_budget"] = "2GB"
     return sharpen(Engine(EngineConfig(**{**defaults, **kwargs})))
 

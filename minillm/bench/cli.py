@@ -118,7 +118,8 @@ transformers' static generate and continuous batching run on step 0's weights. A
 Prints the table, writes JSON and a plot (speed-up per step beside the seeds' path, median TTFT).
 
 examples:
-  minillm bench tuning-path --model llama2-7b --load-format dummy --num-requests 96 --output figures/h200/tuning_path.json
+  minillm bench tuning-path --model llama2-7b --load-format dummy --num-requests 96 \\
+      --output figures/h200/tuning_path.json
   minillm bench tuning-path --scale cpu --output figures/cpu/tuning_path.json   # the embedded model, minutes
 """
 

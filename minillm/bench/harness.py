@@ -253,9 +253,12 @@ def bench_latency(*, model: str | None, load_format: str, scale: str, num_reques
     first = requests[0]
     context = len(first.prompt_token_ids) + first.max_tokens // 2  # the mean context while decoding
     ceilings = roofline.measure_ceilings(engine.device, engine.dtype)
-    # The bytes this engine's weights and KV cache really take: INT4 weights or an INT8 cache lower the floor.
-    limit = roofline.decode_roofline_tok_s(engine.model_config, engine.dtype.itemsize, 1, context, ceilings,
-                                           weights=engine.weight_bytes, kv_per_token=engine.kv_bytes_per_token)
+    # The bytes this engine's weights and KV cache really take: INT4 weights or an INT8 cache lower the
+    # floor. A parallel engine's rank holds only a shard, and offloaded layers are not in weight_bytes:
+    # those keep the whole model's count at the dtype's size, one device's floor.
+    one_device = engine.workers is None and not engine.offloaded_weight_bytes
+    stored = dict(weights=engine.weight_bytes, kv_per_token=engine.kv_bytes_per_token) if one_device else {}
+    limit = roofline.decode_roofline_tok_s(engine.model_config, engine.dtype.itemsize, 1, context, ceilings, **stored)
     run_minillm(llm, requests[:1])  # warm-up
     timings = [run_minillm(llm, [r], use_tqdm=False)[0][0] for r in tqdm(requests, desc="minillm", unit="run")]
     runs = {"minillm": _decode_metrics(timings, limit)}
@@ -282,7 +285,8 @@ def bench_latency(*, model: str | None, load_format: str, scale: str, num_reques
                    "tensor_parallel_size": engine.config.tensor_parallel_size,
                    "num_scheduler_steps": engine.config.num_scheduler_steps},
         "ceilings": {"bandwidth_gbs": ceilings.bandwidth_gbs, "peak_tflops": ceilings.peak_tflops,
-                     "decode_context": context},
+                     "decode_context": context,
+                     "roofline_bytes": "as stored" if one_device else "every parameter at the dtype's size"},
         "runs": runs,
     }
 

@@ -382,22 +382,30 @@ def test_gemv_autotuning_offers_hfma2_only_where_it_can_run():
     hfma2 = [c for c in configs if c.kwargs.get("HFMA2")]
     assert hfma2 and len(hfma2) < len(configs)  # both bodies compete
     x16, x32 = torch.randn(1, 4096, dtype=torch.float16), torch.randn(1, 4096)
-    assert quant_matmul._fit_gemv_variants(configs, {"X": x16, "group_size": 128, "K": 4096}) == configs
-    fp32 = quant_matmul._fit_gemv_variants(configs, {"X": x32, "group_size": 128, "K": 4096})
-    assert fp32 == [c for c in configs if not c.kwargs.get("HFMA2")]
+    fit = lambda x, group, m=1: quant_matmul._fit_gemv_variants(configs, {"X": x, "group_size": group, "K": 4096,  # noqa: E731
+                                                                         "M": m})
+    assert fit(x16, 128) == configs
+    assert fit(x32, 128) == [c for c in configs if not c.kwargs.get("HFMA2")]
     # Groups of 8 inputs (one packed row) fit only runs of one row; a single group (K) fits every run.
-    one_row = quant_matmul._fit_gemv_variants(configs, {"X": x16, "group_size": 8, "K": 4096})
-    assert {c.kwargs["RUN"] for c in one_row if c.kwargs.get("HFMA2")} == {1}
-    assert quant_matmul._fit_gemv_variants(configs, {"X": x16, "group_size": 4096, "K": 4096}) == configs
+    assert {c.kwargs["RUN"] for c in fit(x16, 8) if c.kwargs.get("HFMA2")} == {1}
+    assert fit(x16, 4096) == configs
+    # A GEMV forced on many rows gets no split-K: _launch sizes partials only up to _SPLIT_MAX_M rows.
+    many = fit(x16, 128, m=quant_matmul._SPLIT_MAX_M + 1)
+    assert many and all(c.kwargs["SPLIT_K"] == 1 for c in many)
 
 
-@pytest.mark.parametrize("config", [c for c in quant_matmul._W4_GEMV if c.kwargs.get("HFMA2") or c.kwargs.get("PREFETCH")],
-                         ids=str)
-def test_every_added_gemv_config_computes_the_reference(config):
-    """The configs the H200 sweep added, pinned as the autotuner would launch them (N = 256: whole tiles)."""
-    x, qweight, scales, zeros, _, _ = int4_problem(1, 512, 256, 128, torch.float16, seed=3)
-    y = w4a16_matmul(x, qweight, scales, zeros, 128, path="gemv", config=_pinned(config), out=poisoned((1, 256), x.dtype))
-    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.float16)
+ADDED_GEMV = [c for c in quant_matmul._W4_GEMV if c.kwargs.get("HFMA2") or c.kwargs.get("PREFETCH")]
+
+
+@pytest.mark.parametrize("dtype, group_size", [(torch.float16, 128), (torch.bfloat16, 32)])
+@pytest.mark.parametrize("config", ADDED_GEMV, ids=str)
+def test_every_added_gemv_config_computes_the_reference(config, dtype, group_size):
+    """The configs the H200 sweep added, pinned as the autotuner would launch them (N = 256: whole tiles);
+    groups of 32 give the tiles of 4 or 8 packed rows a scale per run, groups of 128 one per tile."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 512, 256, group_size, dtype, seed=3)
+    y = w4a16_matmul(x, qweight, scales, zeros, group_size, path="gemv", config=_pinned(config),
+                     out=poisoned((1, 256), dtype))
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, group_size), dtype)
     assert counters_are_clean()
 
 
@@ -405,6 +413,20 @@ def test_every_added_gemv_config_computes_the_reference(config):
 def test_every_pairs_dot_config_computes_the_reference(config):
     """fp16 (the interpreter misreads bf16 dots); M = 20 rows in tiles of 16 to 64, N = 200 over masked tiles."""
     x, qweight, scales, zeros, _, _ = int4_problem(20, 256, 200, 128, torch.float16, seed=5)
-    y = w4a16_matmul(x, qweight, scales, zeros, 128, path="dot", config=_pinned(config), out=poisoned((20, 200), x.dtype))
+    y = w4a16_matmul(x, qweight, scales, zeros, 128, path="dot", config=_pinned(config),
+                     out=poisoned((20, 200), x.dtype))
     assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.float16)
     assert counters_are_clean()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the autotuned GEMV runs on a GPU (the interpreter pins one config)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autotuned_gemv_reads_a_misaligned_x(dtype):
+    """The autotuner may pick an HFMA2 config, which reads x two inputs per int32: an x two bytes off a 4-byte
+    boundary is copied first (``_launch``), not read across the boundary."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 4096, 4096, 128, dtype, seed=11)
+    misaligned = torch.empty(4097, dtype=dtype, device=DEVICE)[1:].view(1, 4096)
+    misaligned.copy_(x)
+    assert misaligned.data_ptr() % 4 == 2
+    y = w4a16_matmul(misaligned, qweight, scales, zeros, 128, out=poisoned((1, 4096), dtype))
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, 128), dtype)

@@ -8,6 +8,13 @@ from minillm.kernels.quant_matmul import autotuned_config
 OUT = os.environ["OUT"]
 doc = result_header("latency_w4_autotune", "latency", "llama2-7b (dummy weights)", "python figures/h200/sweeps/latency_w4_autotune.py")
 doc["runs"] = {}
+
+
+def save(result):
+    with open(f"{OUT}/latency_w4.json", "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
 common = dict(model="llama2-7b", load_format="dummy", scale="gpu", num_requests=3, peers=[], batching="continuous")
 for name, extra in (("rtn_int4", {"quantization": "rtn-int4"}), ("bf16", {})):
     r = bench_latency(**common, **extra)
@@ -16,9 +23,9 @@ for name, extra in (("rtn_int4", {"quantization": "rtn-int4"}), ("bf16", {})):
     doc["runs"][name] = r
     m = r["runs"]["minillm"]
     print(f"{name}: {m['mean_decode_tok_s']:.1f} tok/s ({m['fraction_of_roofline']:.0%} of its roofline)", flush=True)
-    json.dump(doc, open(f"{OUT}/latency_w4.json", "w"), indent=1, default=str)
+    save(doc)
     gc.collect(); torch.cuda.empty_cache()
 t = {n: r["runs"]["minillm"]["mean_decode_tok_s"] for n, r in doc["runs"].items()}
 doc["int4_over_bf16"] = t["rtn_int4"] / t["bf16"]
 print("ratio INT4 / bf16", doc["int4_over_bf16"])
-json.dump(doc, open(f"{OUT}/latency_w4.json", "w"), indent=1, default=str)
+save(doc)
