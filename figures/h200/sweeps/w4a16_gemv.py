@@ -2,7 +2,8 @@
 the HFMA2 variant (kernels/w4_gemv_pairs.py) over a sampled grid, and bf16 torch.matmul, on Llama-2-7B's shapes.
 Each shape gets BUDGET_S / 4 seconds (compiles included), hand-picked configs first. Writes $OUT/w4_gemv_sweep.json
 (committed wrapped as figures/h200/sweeps/w4a16_gemv.json). Without CUDA: a tiny shape under the interpreter, to
-check the script runs. Usage: BUDGET_S=480 OUT=/tmp/out python figures/h200/sweeps/w4a16_gemv.py"""
+check the script runs (TRITON_INTERPRET=1). Usage: BUDGET_S=480 OUT=/tmp/out python figures/h200/sweeps/w4a16_gemv.py;
+SHAPES=4096x11008,11008x4096 limits the shapes (K x N); SAMPLES (default 40): HFMA2 configs drawn from the grid."""
 import itertools, json, os, random, time
 import torch
 from minillm.bench.kernels import time_ms
@@ -12,6 +13,8 @@ OUT = os.environ.get("OUT", "/tmp/out"); os.makedirs(OUT, exist_ok=True); G = 12
 GPU = torch.cuda.is_available(); dev = torch.device("cuda" if GPU else "cpu"); dtype = torch.bfloat16
 L2 = torch.cuda.get_device_properties(dev).L2_cache_size if GPU else 0
 SHAPES = [(4096, 11008), (11008, 4096), (4096, 12288), (4096, 4096)] if GPU else [(256, 64)]  # (K, N)
+if GPU and os.environ.get("SHAPES"):
+    SHAPES = [tuple(int(d) for d in shape.split("x")) for shape in os.environ["SHAPES"].split(",")]
 # The fp32 body: the best four of the last H200 sweep (figures/h200/sweeps/w4a16_gemv.json at fdfd4b9).
 FP32 = [dict(BLOCK_N=64, BLOCK_KP=16, SPLIT_K=8, PREFETCH=True, num_warps=2, num_stages=3),
         dict(BLOCK_N=256, BLOCK_KP=4, SPLIT_K=32, num_warps=2, num_stages=3),
@@ -22,9 +25,11 @@ PICKED = [dict(BLOCK_N=bn, BLOCK_KP=kp, SPLIT_K=sk, RUN=run, num_warps=w) for bn
     (256, 16, 8, 2, 1), (256, 8, 16, 2, 1), (512, 8, 16, 2, 2), (256, 16, 8, 4, 1), (256, 16, 8, 1, 1),
     (128, 16, 8, 2, 1)]]
 grid = [dict(BLOCK_N=bn, BLOCK_KP=kp, SPLIT_K=sk, RUN=run, num_warps=w)
-        for bn, kp, sk, run, w in itertools.product((128, 256, 512), (4, 8, 16), (4, 8, 16, 32), (1, 2, 4), (1, 2, 4))
+        for bn, kp, sk, run, w in itertools.product((128, 256, 512), (4, 8, 16), (4, 8, 16, 32, 64), (1, 2, 4),
+                                                    (1, 2, 4))
         if 4 <= bn // (32 * w) <= 16 and run <= kp]
-random.seed(0); HFMA2 = PICKED + [c for c in random.sample(grid, min(40, len(grid))) if c not in PICKED]
+samples = int(os.environ.get("SAMPLES", "40"))
+random.seed(0); HFMA2 = PICKED + [c for c in random.sample(grid, min(samples, len(grid))) if c not in PICKED]
 HFMA2 = [dict(c, HFMA2=True, num_stages=1) for c in HFMA2]
 if not GPU:
     FP32 = [dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=2)]
