@@ -295,18 +295,21 @@ _w4_gemv = triton.heuristics({
     "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})(_w4_gemv_kernel)
 
 
+def _hfma2_runs_fit(config: dict, group: int, k: int) -> bool:
+    """HFMA2's runs of RUN packed rows: 1, 2 or 4 of them (longer 16-bit sums lose accuracy), dividing the
+    tile and staying inside a group."""
+    run = config.get("RUN", 2)
+    return run in (1, 2, 4) and config["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k)
+
+
 def _fit_gemv_variants(configs, named_args, **kwargs):
     """HFMA2 configs only where they run: 16-bit x, and runs of RUN packed rows that divide the tile and
     stay inside a group (``w4a16_matmul`` checks the same of a pinned config). Split-K only up to
     _SPLIT_MAX_M rows, the most ``_launch`` sizes partials for (path="gemv" can be forced at any M)."""
     args = {**named_args, **kwargs}
-    group, k = args["group_size"], args["K"]
-
-    def runs(c):
-        run = c.kwargs.get("RUN", 2)
-        fits = c.kwargs["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k)
-        return args["X"].dtype != torch.float32 and fits
-    return [c for c in configs if (not c.kwargs.get("HFMA2") or runs(c))
+    hfma2_runs = args["X"].dtype != torch.float32
+    return [c for c in configs
+            if (not c.kwargs.get("HFMA2") or hfma2_runs and _hfma2_runs_fit(c.kwargs, args["group_size"], args["K"]))
             and (c.kwargs["SPLIT_K"] == 1 or args["M"] <= _SPLIT_MAX_M)]
 
 
@@ -335,7 +338,8 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
     path = path or ("gemv" if rows <= GEMV_MAX_M else "dot")
     check(path in ("gemv", "dot"), f"path is {path!r}; expected 'gemv', 'dot' or None (chosen by M)")
     name = f"{fmt}_{path}"
-    hfma2 = config.get("HFMA2") if config else (name == "w4_gemv" and not INTERPRET)  # the autotuner may pick it
+    # The autotuner may pick HFMA2 for a 16-bit x (_fit_gemv_variants).
+    hfma2 = config.get("HFMA2") if config else (name == "w4_gemv" and not INTERPRET and x.dtype != torch.float32)
     if hfma2 and (x.data_ptr() % 4 or x.stride(0) % 2):
         x = x.clone(memory_format=torch.contiguous_format)  # HFMA2 reads x two inputs per int32
     out = _output(x_in, n, out)
@@ -417,7 +421,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         check(path == "gemv" or (path is None and rows <= GEMV_MAX_M),
               f"config {config} asks for HFMA2, a GEMV variant, but path {path!r} at M = {rows} is not the GEMV")
         check(x.dtype != torch.float32, "HFMA2 computes in x's 16-bit dtype; x is float32")
-        check(run in (1, 2, 4) and config["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k),
+        check(_hfma2_runs_fit(config, group, k),
               f"RUN = {run} must be 1, 2 or 4 (longer 16-bit runs lose accuracy) and divide BLOCK_KP and group_size / 8")
     if config and config.get("PAIRS"):
         rows = x.numel() // k
