@@ -4,6 +4,7 @@ B=64, 32 query / 8 KV heads, D=128, block 16, 2048 tokens, over block_n x warps 
 int8 and bf16 caches at the same shape (default launch and a few configs) for reference. At 1b86659 the
 INT4 kernel took 3.78 ms here (53 GB/s, 1 % of copy bandwidth; figures/h200/kernels_decode.json).
 Writes $OUT/decode_int4.json (result-file keys of BENCHMARKS.md; commit it as figures/h200/sweeps/decode_int4.json).
+FULL_GRID=int8 gives the int8 cache the full grid instead (with bf16 for reference).
 DEV=cpu SMALL=1 TRITON_INTERPRET=1 checks the script on a CPU (fp16 there: the interpreter mis-reads bf16 tiles)."""
 import itertools, json, os, random, time
 import torch
@@ -24,6 +25,8 @@ B, S, H, Hkv, D, bs = (2, 64, 8, 2, 128, 16) if SMALL else (64, 2048, 32, 8, 128
 grid = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)))
 few = [(64, 4, 3), (64, 2, 4), (32, 2, 2), (128, 4, 2)]
 cases = [("int4", grid, (1, 2), 0.7), ("int8", few, (1,), 0.15), ("auto", few, (1,), 0.15)]
+if os.environ.get("FULL_GRID") == "int8":  # the int8 path on its own grid (after the word-wise reads, session 9)
+    cases = [("int8", grid, (1, 2), 0.8), ("auto", few, (1,), 0.2)]
 if SMALL: cases = [(kv, [(16, 4, 3), (32, 2, 4)], (1, 2), 1 / 3) for kv in ("int4", "int8", "auto")]
 bandwidth = measure_bandwidth(dev, nbytes=2**24 if SMALL else None)
 random.seed(0)
@@ -57,7 +60,8 @@ for kv, launches, splits, share in cases:
     print(f"{kv:4} B={B} S={S}: default {default*1e3:.1f}us {kv_bytes/default/1e6:.0f} GB/s ({kv_bytes/default/1e6/bandwidth:.0%}) "
           f"err {default_err:.2g}; best {b.get('ms', 0)*1e3:.1f}us {b.get('gbs', 0):.0f} GB/s ({b.get('gbs', 0)/bandwidth:.0%}) "
           f"{ {x: b.get(x) for x in ('splits', 'block_n', 'num_warps', 'num_stages', 'err')} } of {len(res)}", flush=True)
-    result = result_header("decode_int4_sweep", "kernel shapes", "-", "BUDGET_S=300 python figures/h200/sweeps/decode_int4.py")
+    env = " ".join(f"{name}={os.environ[name]}" for name in ("FULL_GRID", "BUDGET_S") if name in os.environ)
+    result = result_header("decode_int4_sweep", "kernel shapes", "-", f"{env} python figures/h200/sweeps/decode_int4.py".strip())
     result["note"] = (f"{H} query / {Hkv} KV heads, D={D}, block {bs}, {dtype} queries, copy bandwidth {bandwidth:.0f} GB/s "
                       "(measured in this run). kv_bytes: K/V plus scales. top: the 10 fastest launches tried (random "
                       "order, time budget), each with its max error against the torch reference.")
