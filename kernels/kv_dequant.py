@@ -9,7 +9,8 @@ code; with ``NO_QUANT`` none of it is compiled, and the kernel is the one it was
   it: q . (s_j k_j) = s_j (q . k_j), so K's scale multiplies token j's *score*, and
   sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j, so V's scale multiplies its softmax *weight*. That is
   a [rows, BLOCK_N] multiply instead of a [BLOCK_N, head_dim] one, and int8 and e4m3 values
-  convert exactly to fp16 / bf16 for ``tl.dot``.
+  convert exactly to fp16 / bf16 for ``tl.dot``. The decode kernel multiplies them in fp16 whatever
+  q's dtype (``per_token_query``), weighting V's tokens relative to the tile's largest scale.
 - ``INT4_GROUPS`` (int4): a scale and a minimum per 16 channels. They vary along the dot's
   reduction axis, so they cannot be factored out: the tile itself is dequantized (``dequant_int4``).
 
@@ -142,3 +143,41 @@ def per_token_codes(raw, like):
     if raw.dtype == tl.int8:
         return int8_to_float(raw).to(like.dtype)
     return raw.to(like.dtype)
+
+
+@triton.jit
+def per_token_query(q):
+    """A 16-bit q [rows, D] as fp16 for the dot with per-token codes, and each row's factor back.
+
+    int8 codes become fp16 four at a time (``int_float.int8_words_to_fp16``) where bf16 needs a float
+    add per value, so the decode kernel multiplies in fp16 whatever q's dtype (e4m3 codes too: exact). A bf16 q may exceed fp16's range,
+    so each row is divided by the power of two at or below its largest |value| (exact), into [0, 2);
+    the scores are multiplied back by it. Values under 2**-16 of their row's largest lose low bits in
+    fp16's subnormals, an error below 2**-24 of the row's largest, far under bf16's own rounding
+    (2**-9). An fp32 q stays as it is (factor 1)."""
+    if q.dtype == tl.float32:
+        unit = tl.full([q.shape[0]], 1.0, tl.float32)
+        scaled = q
+    else:
+        top = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+        unit = (top.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # 2**floor(log2 top)
+        unit = tl.where(unit > 0, unit, 1.0)  # a row of zeros (padding) or of subnormals: left as is
+        scaled = (q.to(tl.float32) / unit[:, None]).to(tl.float16)
+    return scaled, unit
+
+
+@triton.jit
+def per_token_scales(Scales, rows_at, valid, kv_head, stride_sh, SCALE_HEADS: tl.constexpr):
+    """The fp32 scale of each token of a tile for ``kv_head``: [BLOCK_N], 0 where not ``valid``.
+
+    Loaded for SCALE_HEADS neighbouring heads at once (the aligned group holding kv_head; the number
+    of KV heads must be a multiple of it), then picked: one head's 2-byte scale per token is too
+    narrow for the GPU's async copy (4, 8 or 16 bytes), so Triton's pipeliner leaves such a load out
+    and the tile waits on it (an LDG in the loop's SASS). A group's scales of one token share a
+    32-byte sector, so DRAM moves no more bytes. The mask is per token only: one that varied along
+    the heads would make the load as narrow again (Triton's AssignLatencies.cpp, isSmallLoad)."""
+    first = kv_head // SCALE_HEADS * SCALE_HEADS
+    heads = first + tl.arange(0, SCALE_HEADS)
+    group = tl.load(Scales + rows_at[:, None] + heads[None, :] * stride_sh, mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+    return tl.sum(tl.where((heads == kv_head)[None, :], group, 0.0), axis=1)  # where, not a product: no NaN leaks

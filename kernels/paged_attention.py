@@ -51,7 +51,9 @@ import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
-                                        kv_quant_mode, per_token_codes, scale_strides, tile_channels)
+                                        kv_quant_mode, per_token_codes, per_token_query, per_token_scales,
+                                        scale_strides, tile_channels)
+from minillm.kernels.int_float import int8_words_to_fp16
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE, merge_by_kernel,
                                          merge_splits)
@@ -169,10 +171,16 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   Out, stride_outb, stride_outh, Counters,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr):
+                  MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
+                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
-    KV_QUANT: how K/V are stored (``kv_dequant.py``). The scale arguments come late and the merge's
-    (Out, Counters) last, so that without them the kernel compiles to the instructions it had before.
+    KV_QUANT: how K/V are stored (``kv_dequant.py``). INT8_WORDS: an int8 cache for a 16-bit q, read
+    as int32 words of four codes, each word turned into four fp16s in the registers it was loaded into
+    (``int_float.int8_words_to_fp16``): loaded byte-wise into the dot's layout, the codes cost a
+    shared-memory load per one or two bytes (``figures/h200/sweeps/kv_quant_sass.json``).
+    SCALE_HEADS: the KV heads whose per-token scales are loaded together (``kv_dequant.per_token_scales``).
+    The scale arguments come late and the merge's (Out, Counters) last, so that without them the
+    kernel compiles to the instructions it had before.
     MERGE: NO_MERGE writes the output to O; otherwise O and Lse get the split's partial, and with
     MERGE_LAST_SPLIT the last program of (b, kv_head) to finish merges all splits into Out."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -188,6 +196,10 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     dims, dim_ok = tile_channels(BLOCK_D, HEAD_DIM, KV_QUANT)  # the head channel of each tile column
     row_dim_mask = (rows < GROUP)[:, None] & dim_ok[None, :]
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_dim_mask, other=0.0)
+    row_scale = qk_scale
+    if KV_QUANT == PER_TOKEN:  # the dots run in fp16 (kv_dequant.per_token_query says why)
+        q, q_unit = per_token_query(q)
+        row_scale = qk_scale * q_unit[:, None]
 
     # Online softmax in base 2: qk_scale = scale * log2(e), and exp2 is the GPU's native exp.
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -197,32 +209,41 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     if KV_QUANT == INT4_GROUPS:  # [BLOCK_N, D/2] tiles of bytes: each byte is loaded once
         columns = tl.arange(0, BLOCK_D // 2)
         column_ok = columns < HEAD_DIM // 2
+    elif INT8_WORDS:  # [BLOCK_N, D/4] tiles of int32 words, four codes each (rows start at multiples of 4 bytes)
+        columns = tl.arange(0, BLOCK_D // 4)
+        column_ok = columns < HEAD_DIM // 4
     else:
         columns, column_ok = dims, dim_ok
-    kv_base = kv_head * stride_kh + columns[None, :]
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
         # A tile may span several blocks: gather each position's block id. Padding entries of the
         # table past the sequence's length are never read (masked).
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # int64: big pools
-        offsets = block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt + kv_base
+        rows_at = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         kv_mask = valid[:, None] & column_ok[None, :]
-        k = tl.load(K + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(V + offsets, mask=kv_mask, other=0.0)
-        if KV_QUANT != NO_QUANT:
-            scale_rows = block * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head * stride_sh
+        if INT8_WORDS:
+            words_at = (rows_at // 4)[:, None] + columns[None, :]
+            k = int8_words_to_fp16(tl.load(K.to(tl.pointer_type(tl.int32), bitcast=True) + words_at, mask=kv_mask,
+                                           other=0))
+            v = int8_words_to_fp16(tl.load(V.to(tl.pointer_type(tl.int32), bitcast=True) + words_at, mask=kv_mask,
+                                           other=0))
+        else:
+            k = tl.load(K + rows_at[:, None] + columns[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + rows_at[:, None] + columns[None, :], mask=kv_mask, other=0.0)
         if KV_QUANT == PER_TOKEN:  # scales go on the scores and weights, below (kv_dequant.py)
-            k_scale = tl.load(KScale + scale_rows, mask=valid, other=0.0).to(tl.float32)
-            v_scale = tl.load(VScale + scale_rows, mask=valid, other=0.0).to(tl.float32)
-            k, v = per_token_codes(k, q), per_token_codes(v, q)
+            token_at = block * stride_sb + (pos % BLOCK_SIZE) * stride_st
+            k_scale = per_token_scales(KScale, token_at, valid, kv_head, stride_sh, SCALE_HEADS)
+            v_scale = per_token_scales(VScale, token_at, valid, kv_head, stride_sh, SCALE_HEADS)
+            if not INT8_WORDS:
+                k, v = per_token_codes(k, q), per_token_codes(v, q)
         if KV_QUANT == INT4_GROUPS:  # pairs at even offsets (kv_quant_mode checks): one 4-byte load each
-            pairs = tl.multiple_of(scale_rows, 2)
+            pairs = tl.multiple_of(block * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head * stride_sh, 2)
             k = dequant_int4(k, KScale + pairs, valid, HEAD_DIM // 2, QUANT_GROUP).to(q.dtype)
             v = dequant_int4(v, VScale + pairs, valid, HEAD_DIM // 2, QUANT_GROUP).to(q.dtype)
 
         # "ieee": fp32 inputs get fp32 products, not TF32's 10-bit mantissa; 16-bit inputs ignore it.
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * row_scale
         if KV_QUANT == PER_TOKEN:
             scores = scores * k_scale[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -231,8 +252,14 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if KV_QUANT == PER_TOKEN:
-            p = p * v_scale[None, :]  # after the denominator: V's scale weighs values, not probabilities
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            # After the denominator: V's scale weighs values, not probabilities. Relative to the tile's
+            # largest scale, so that the weights stay in fp16's normal range (in [0, 1]); times it after the dot.
+            v_unit = tl.max(v_scale, axis=0)
+            v_unit = tl.where(v_unit > 0, v_unit, 1.0)
+            p = p * (v_scale / v_unit)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee") * v_unit
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     # An empty split (start >= end) ran no tile: l_i = 0, so it writes out 0 and lse -inf.
@@ -290,6 +317,15 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 def _num_sms(device: torch.device) -> int:
     # No SMs under the interpreter: one, so that num_splits=None means no split on the CPU.
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _scale_heads(kv_heads: int) -> int:
+    """How many KV heads' per-token scales the decode kernel loads together (``per_token_scales``): all
+    of them up to 16 (32 bytes a token) when that divides them, else one."""
+    for group in (16, 8, 4, 2):
+        if kv_heads % group == 0:
+            return group
+    return 1
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale) -> tl.constexpr:
@@ -403,6 +439,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Without scales the cache stands in for them: never read (KV_QUANT=NO_QUANT compiles no load).
     k_scales, v_scales = (k_cache, v_cache) if k_scale is None else (k_scale, v_scale)
     mode = NO_MERGE if num_splits == 1 else MERGES[merge]
+    int8_words = k_cache.dtype == torch.int8 and q.dtype != torch.float32 and dim % 4 == 0 and all(
+        x % 4 == 0 for cache in (k_cache, v_cache) for x in (*cache.stride()[:3], cache.data_ptr()))
     # The counters only exist where they are used: a graph captured with "kernel" never allocates them.
     counters = tile_counters(q.device) if mode == MERGE_LAST_SPLIT else lse
     _split_kernel[(batch, kv_heads, num_splits)](
@@ -413,7 +451,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out, out.stride(0), out.stride(1), counters,
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
-        KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, **launch)
+        KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=int8_words,
+        SCALE_HEADS=_scale_heads(kv_heads), **launch)
     if mode == MERGE_KERNEL:
         merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d)
     return out

@@ -32,10 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import interpreter_on
-from minillm.kernels.int_float import int8_to_float
-
-ASM = tl.constexpr(not interpreter_on())
+from minillm.kernels.int_float import ASM, int8_to_float
 
 
 @triton.jit

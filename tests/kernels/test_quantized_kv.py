@@ -45,6 +45,11 @@ DECODE_CASES = [
     ([45, 2], 4, 1, 32, 32, 2, torch.float16, "fp8"),
     ([29, 9], 4, 4, 64, 8, 1, torch.float16, "int4"),
     ([21, 9], 6, 3, 48, 8, 2, torch.float32, "int4"),
+    # int8 for a 16-bit q is read as words of four codes and multiplied in fp16 (a bf16 q rescaled per row),
+    # unless head_dim is not a multiple of 4 (6: rows off 4-byte boundaries), which reads it code by code.
+    # Per-token scales load for 2 heads at once here, for 1 with 3 KV heads (kernels' SCALE_HEADS).
+    ([50, 16, 1], 8, 2, 64, 16, 3, torch.bfloat16, "int8"),
+    ([13, 30], 6, 3, 6, 8, 2, torch.float16, "int8"),
 ]
 if DEVICE == "cuda":  # bf16 (the interpreter's bf16 tl.dot is wrong) and the engine's shapes
     DECODE_CASES += [([1, 100, 333, 2048], 32, 8, 128, 16, splits, torch.bfloat16, kv)
@@ -110,6 +115,19 @@ def test_references_equal_attention_over_the_dequantized_cache(kv):
     q = qp[cu_q[1:].long() - 1]  # each sequence's last token, as a decode step
     torch.testing.assert_close(paged_decode_attention_ref(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs),
                                paged_decode_attention_ref(q, k, v, tables, ctx), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 1e6])
+def test_int8_decode_takes_bf16_queries_outside_fp16_range(magnitude):
+    """The int8 path multiplies in fp16 (kernel INT8_WORDS): a bf16 q of any magnitude is rescaled per
+    row by a power of two, so neither 1e6 (past fp16's 65504) nor 1e-6 (fp16 subnormals) loses it."""
+    q, kq, vq, ks, vs, tables, _, ctx = quantized_paged([1, 1], [40, 23], 4, 2, 32, 8, torch.bfloat16, "int8", seed=5)
+    q = (q.float() * magnitude * torch.linspace(0.5, 2, q.shape[1], device=q.device)[:, None]).to(torch.bfloat16)
+    scale = 32 ** -0.5 / magnitude  # keeps the scores, and so the softmax, as peaked as at magnitude 1
+    got = paged_decode_attention(q, kq, vq, tables, ctx, scale=scale, num_splits=2, k_scale=ks, v_scale=vs)
+    want = paged_decode_attention_ref(q, kq, vq, tables, ctx, scale=scale, k_scale=ks, v_scale=vs)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
 
 
 def test_wrapper_errors_name_the_bad_value():

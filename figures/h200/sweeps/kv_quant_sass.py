@@ -38,6 +38,10 @@ def count(fn, kv_fmt, consts, pointers, warps, stages, tile_tokens):
     consts = dict(consts, KV_QUANT=mode, QUANT_GROUP=16)
     if kv_fmt == "int8" and "stride_sh" in fn.arg_names:
         consts["stride_sh"] = 1  # per-token scales [blocks, tokens, heads]: Triton specialises a 1 to a constant
+    if "SCALE_HEADS" in fn.arg_names:
+        consts["SCALE_HEADS"] = 8  # the 8 KV heads' scales of a token in one 16-byte load
+    if "INT8_WORDS" in fn.arg_names:
+        consts["INT8_WORDS"] = kv_fmt == "int8"  # what the wrapper picks for a 16-bit q and 4-byte-aligned rows
     sig, aligned = signature(fn, pointers, kv, "*fp16" if mode != NO_QUANT else kv, consts)
     loop = main_loop(compile_sm90(fn, sig, consts, aligned, warps, stages))
     body = loop["opcodes"]
