@@ -4,7 +4,8 @@ B=64, 32 query / 8 KV heads, D=128, block 16, 2048 tokens, over block_n x warps 
 int8 and bf16 caches at the same shape (default launch and a few configs) for reference. At 1b86659 the
 INT4 kernel took 3.78 ms here (53 GB/s, 1 % of copy bandwidth; figures/h200/kernels_decode.json).
 Writes $OUT/decode_int4.json (result-file keys of BENCHMARKS.md; commit it as figures/h200/sweeps/decode_int4.json).
-FULL_GRID=int8 gives the int8 cache the full grid instead (with bf16 for reference).
+FULL_GRID=int8 gives the int8 cache the full grid instead (with bf16 for reference); FULL_GRID=int8_splits small
+tiles with 2 to 8 splits, for both.
 DEV=cpu SMALL=1 TRITON_INTERPRET=1 checks the script on a CPU (fp16 there: the interpreter mis-reads bf16 tiles)."""
 import itertools, json, os, random, time
 import torch
@@ -27,6 +28,9 @@ few = [(64, 4, 3), (64, 2, 4), (32, 2, 2), (128, 4, 2)]
 cases = [("int4", grid, (1, 2), 0.7), ("int8", few, (1,), 0.15), ("auto", few, (1,), 0.15)]
 if os.environ.get("FULL_GRID") == "int8":  # the int8 path on its own grid (after the word-wise reads, session 9)
     cases = [("int8", grid, (1, 2), 0.8), ("auto", few, (1,), 0.2)]
+if os.environ.get("FULL_GRID") == "int8_splits":  # small tiles, many splits: more programs resident per SM
+    small = list(itertools.product((16, 32, 64), (1, 2, 4), (2, 3)))
+    cases = [("int8", small, (2, 4, 8), 0.75), ("auto", small, (2, 4), 0.25)]
 if SMALL: cases = [(kv, [(16, 4, 3), (32, 2, 4)], (1, 2), 1 / 3) for kv in ("int4", "int8", "auto")]
 bandwidth = measure_bandwidth(dev, nbytes=2**24 if SMALL else None)
 random.seed(0)
