@@ -319,9 +319,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def _scale_heads(kv_heads: int) -> int:
+def _scale_heads(kv_heads: int, k_scale: torch.Tensor | None) -> int:
     """How many KV heads' per-token scales the decode kernel loads together (``per_token_scales``): all
-    of them up to 16 (32 bytes a token) when that divides them, else one."""
+    of them up to 16 (32 bytes a token) when that divides them and a token's scales are contiguous
+    (the heads' stride is 1), else one."""
+    if k_scale is None or k_scale.dim() != 3 or k_scale.stride(2) != 1:
+        return 1
     for group in (16, 8, 4, 2):
         if kv_heads % group == 0:
             return group
@@ -452,7 +455,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=int8_words,
-        SCALE_HEADS=_scale_heads(kv_heads), **launch)
+        SCALE_HEADS=_scale_heads(kv_heads, k_scale), **launch)
     if mode == MERGE_KERNEL:
         merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d)
     return out

@@ -117,6 +117,24 @@ def test_references_equal_attention_over_the_dequantized_cache(kv):
                                paged_decode_attention_ref(q, k, v, tables, ctx), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_decode_kernel_reads_a_head_major_pool(kv):
+    """The kernel takes the pools' strides: the same values stored [blocks, kv_heads, slots, ...] (vLLM's order; a
+    permuted view of the logical shape) give the same output. Its scales are then per head, not per token,
+    contiguous, so they load one head at a time (SCALE_HEADS = 1)."""
+    q, kq, vq, ks, vs, tables, _, ctx = quantized_paged([1, 1, 1], [37, 16, 70], 8, 4, 32, 8, torch.float16, kv, seed=9)
+    want = paged_decode_attention(q, kq, vq, tables, ctx, num_splits=2, k_scale=ks, v_scale=vs)
+
+    def head_major(t):
+        order = [0, 2, 1, *range(3, t.dim())]
+        return t.permute(order).contiguous().permute(order)
+
+    assert head_major(kq).stride(1) < head_major(kq).stride(2) and head_major(ks).stride(2) != 1
+    got = paged_decode_attention(q, head_major(kq), head_major(vq), tables, ctx, num_splits=2, k_scale=head_major(ks),
+                                 v_scale=head_major(vs))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("magnitude", [1e-6, 1e6])
 def test_int8_decode_takes_bf16_queries_outside_fp16_range(magnitude):
     """The int8 path multiplies in fp16 (kernel INT8_WORDS): a bf16 q of any magnitude is rescaled per
