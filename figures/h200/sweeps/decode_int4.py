@@ -10,8 +10,8 @@ DEV=cpu SMALL=1 TRITON_INTERPRET=1 checks the script on a CPU (fp16 there: the i
 import itertools, json, os, random, time
 import torch
 from minillm.bench.harness import result_header
-from minillm.bench.kernels import time_ms, paged_copy
-from launch_sweep import time_launches  # beside this script
+from minillm.bench.kernels import time_ms
+from launch_sweep import decode_problem, time_launches  # beside this script
 from minillm.bench.roofline import measure_bandwidth
 from minillm.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref, PagedAttentionWorkspace
 from minillm.kv.quant import quantize_kv, kv_layout
@@ -35,13 +35,7 @@ if SMALL: cases = [(kv, [(16, 4, 3), (32, 2, 4)], (1, 2), 1 / 3) for kv in ("int
 bandwidth = measure_bandwidth(dev, nbytes=2**24 if SMALL else None)
 random.seed(0)
 runs = {}
-gen = torch.Generator(device=dev).manual_seed(0)
-q = torch.randn(B, H, D, device=dev, dtype=dtype, generator=gen)
-k = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype, generator=gen)
-v = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype, generator=gen)
-pools, tables = paged_copy(k, bs, torch.Generator().manual_seed(0))
-v_pool = torch.empty_like(pools); v_pool[tables.view(-1).long()] = v.reshape(-1, bs, Hkv, D)
-lens = torch.full((B,), S, dtype=torch.int32, device=dev)
+q, pools, v_pool, tables, lens = decode_problem(B, S, H, Hkv, D, bs, dev, dtype)
 ws = PagedAttentionWorkspace.allocate(B, H, D, 8, dev)
 out = torch.full_like(q, float("nan"))
 for kv, launches, splits, share in cases:

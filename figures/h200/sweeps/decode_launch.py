@@ -5,8 +5,8 @@ figures/h200/sweeps/decode_launch.json). DEV=cpu SMALL=1 TRITON_INTERPRET=1 chec
 interpreter mis-reads bf16 tiles)."""
 import itertools, json, os, random, time
 import torch
-from minillm.bench.kernels import time_ms, paged_copy
-from launch_sweep import time_launches  # beside this script
+from minillm.bench.kernels import time_ms
+from launch_sweep import decode_problem, time_launches  # beside this script
 from minillm.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref, PagedAttentionWorkspace
 from minillm.kv.quant import quantize_kv, kv_layout
 
@@ -22,13 +22,7 @@ random.seed(0)
 rows = []
 for kv, B, S, splits in cases:
     H, Hkv, D, bs = 32, 8, 128, 16
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(B, H, D, device=dev, dtype=dtype, generator=gen)
-    k = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype, generator=gen)
-    v = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype, generator=gen)
-    k_pool, tables = paged_copy(k, bs, torch.Generator().manual_seed(0))
-    v_pool = torch.empty_like(k_pool); v_pool[tables.view(-1).long()] = v.reshape(-1, bs, Hkv, D)
-    lens = torch.full((B,), S, dtype=torch.int32, device=dev)
+    q, k_pool, v_pool, tables, lens = decode_problem(B, S, H, Hkv, D, bs, dev, dtype)
     scales = {}
     if kv != "auto":
         k_pool, ks = quantize_kv(k_pool, kv); v_pool, vs = quantize_kv(v_pool, kv); scales = dict(k_scale=ks, v_scale=vs)

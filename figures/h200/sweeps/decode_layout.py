@@ -13,11 +13,11 @@ a CPU (fp16 there: the interpreter mis-reads bf16 tiles)."""
 import json, os, random, time
 import torch
 from minillm.bench.harness import result_header
-from minillm.bench.kernels import paged_copy, time_ms
+from minillm.bench.kernels import time_ms
 from minillm.bench.roofline import measure_bandwidth
 from minillm.kernels.paged_attention import PagedAttentionWorkspace, paged_decode_attention, paged_decode_attention_ref
 from minillm.kv.quant import kv_layout, quantize_kv
-from launch_sweep import time_launches  # beside this script
+from launch_sweep import decode_problem, time_launches  # beside this script
 
 OUT = os.environ.get("OUT", "/tmp/out"); dev = torch.device(os.environ.get("DEV", "cuda"))
 dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
@@ -34,13 +34,7 @@ def head_major(t: torch.Tensor) -> torch.Tensor:
 
 
 bandwidth = measure_bandwidth(dev, nbytes=2**24 if SMALL else None)
-gen = torch.Generator(device=dev).manual_seed(0)
-q = torch.randn(B, H, D, device=dev, dtype=dtype, generator=gen)
-k = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype, generator=gen)
-v = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype, generator=gen)
-k_pool, tables = paged_copy(k, bs, torch.Generator().manual_seed(0))
-v_pool = torch.empty_like(k_pool); v_pool[tables.view(-1).long()] = v.reshape(-1, bs, Hkv, D)
-lens = torch.full((B,), S, dtype=torch.int32, device=dev)
+q, k_pool, v_pool, tables, lens = decode_problem(B, S, H, Hkv, D, bs, dev, dtype)
 ws = PagedAttentionWorkspace.allocate(B, H, D, max(SPLITS), dev)
 out = torch.full_like(q, float("nan"))
 random.seed(0)

@@ -1,9 +1,24 @@
-"""The loop the paged-decode launch sweeps share (decode_launch.py, decode_int4.py): each
+"""What the paged-decode launch sweeps share (decode_launch.py, decode_int4.py, decode_layout.py): their problem
+(``decode_problem``) and their loop (``time_launches``), which tries each
 (block_n, warps, stages) x split count in random order until the deadline, timed, then run once more
 on a poisoned output and compared with the reference; a launch that fails (e.g. too much shared
 memory) is recorded, not fatal. Returns the rows fastest first."""
 import itertools, random, time
-from minillm.bench.kernels import time_ms
+import torch
+from minillm.bench.kernels import paged_copy, time_ms
+
+
+def decode_problem(B, S, H, Hkv, D, bs, dev, dtype):
+    """Seeded q [B, H, D] and B sequences of S tokens of K/V in pools of shuffled blocks of bs tokens (``paged_copy``):
+    (q, k_pool, v_pool, block tables, context lengths)."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(B, H, D, device=dev, dtype=dtype, generator=gen)
+    k = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype, generator=gen)
+    v = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype, generator=gen)
+    k_pool, tables = paged_copy(k, bs, torch.Generator().manual_seed(0))
+    v_pool = torch.empty_like(k_pool)
+    v_pool[tables.view(-1).long()] = v.reshape(-1, bs, Hkv, D)
+    return q, k_pool, v_pool, tables, torch.full((B,), S, dtype=torch.int32, device=dev)
 
 
 def time_launches(run, ref, out, kv_bytes, launches, splits, deadline, bandwidth=None):
