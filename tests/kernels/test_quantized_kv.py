@@ -47,9 +47,11 @@ DECODE_CASES = [
     ([21, 9], 6, 3, 48, 8, 2, torch.float32, "int4"),
     # int8 for a 16-bit q is read as words of four codes and multiplied in fp16 (a bf16 q rescaled per row),
     # unless head_dim is not a multiple of 4 (6: rows off 4-byte boundaries), which reads it code by code.
-    # Per-token scales load for 2 heads at once here, for 1 with 3 KV heads (kernels' SCALE_HEADS).
+    # Per-token scales load for 2 heads at once here, for 1 with 3 KV heads, in groups of 2 starting at heads
+    # 0, 2 and 4 with 6 (kernels' SCALE_HEADS).
     ([50, 16, 1], 8, 2, 64, 16, 3, torch.bfloat16, "int8"),
     ([13, 30], 6, 3, 6, 8, 2, torch.float16, "int8"),
+    ([13, 30], 12, 6, 32, 8, 2, torch.float16, "int8"),
 ]
 if DEVICE == "cuda":  # bf16 (the interpreter's bf16 tl.dot is wrong) and the engine's shapes
     DECODE_CASES += [([1, 100, 333, 2048], 32, 8, 128, 16, splits, torch.bfloat16, kv)

@@ -6,6 +6,10 @@ whole token's width from the next; head-major, a block's tokens of one head are 
 The question comes from figures/h200/sweeps/decode_int8_splits.json: bf16 and int8 both take ~125 us at B=64,
 2k context, reading the same number of pieces though int8 reads half the bytes.
 
+The per-token scales change with the layout too: token-major, a token's 8 heads' scales are contiguous and load
+together (the kernel's SCALE_HEADS = 8); head-major, one head's scales are contiguous along the tokens and load one
+head at a time (SCALE_HEADS = 1). For int8 and fp8 the comparison measures both.
+
 B=64, 32 query / 8 KV heads, D=128, block 16, 2048 tokens; bf16, int8 and fp8 caches (int4's scale layout is
 per group and left out); the default launch and a few others per case. Writes $OUT/decode_layout.json.
 Usage: OUT=/tmp/out python figures/h200/sweeps/decode_layout.py; DEV=cpu SMALL=1 TRITON_INTERPRET=1 checks it on
