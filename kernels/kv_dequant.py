@@ -78,6 +78,25 @@ def kv_quant_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return PER_TOKEN
 
 
+def reads_int8_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the decode kernel reads this cache as int32 words of four codes (its INT8_WORDS): an int8
+    cache for a 16-bit q whose rows start at multiples of 4 bytes (head_dim, strides and pointers)."""
+    return k_cache.dtype == torch.int8 and q.dtype != torch.float32 and q.shape[-1] % 4 == 0 and all(
+        x % 4 == 0 for cache in (k_cache, v_cache) for x in (*cache.stride()[:3], cache.data_ptr()))
+
+
+def scale_heads(kv_heads: int, k_scale: torch.Tensor | None) -> int:
+    """How many KV heads' per-token scales the decode kernel loads together (``per_token_scales``): all
+    of them up to 16 (32 bytes a token) when that divides them and a token's scales are contiguous
+    (the heads' stride is 1), else one."""
+    if k_scale is None or k_scale.dim() != 3 or k_scale.stride(2) != 1:
+        return 1
+    for group in (16, 8, 4, 2):
+        if kv_heads % group == 0:
+            return group
+    return 1
+
+
 def dequantize_as_kernels_do(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """K or V as the kernels multiply them, in fp32, for the references: int8 and fp8 codes are exact
     in fp16 / bf16 and their scales apply in fp32, so they are exact; int4 values are computed in

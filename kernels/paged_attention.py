@@ -52,7 +52,7 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
                                         kv_quant_mode, per_token_codes, per_token_query, per_token_scales,
-                                        scale_strides, tile_channels)
+                                        reads_int8_words, scale_heads, scale_strides, tile_channels)
 from minillm.kernels.int_float import int8_words_to_fp16
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE, merge_by_kernel,
@@ -231,14 +231,15 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
         else:
             k = tl.load(K + rows_at[:, None] + columns[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V + rows_at[:, None] + columns[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT != NO_QUANT:
+            token_at = block * stride_sb + (pos % BLOCK_SIZE) * stride_st  # the tokens' first scales
         if KV_QUANT == PER_TOKEN:  # scales go on the scores and weights, below (kv_dequant.py)
-            token_at = block * stride_sb + (pos % BLOCK_SIZE) * stride_st
             k_scale = per_token_scales(KScale, token_at, valid, kv_head, stride_sh, SCALE_HEADS)
             v_scale = per_token_scales(VScale, token_at, valid, kv_head, stride_sh, SCALE_HEADS)
             if not INT8_WORDS:
                 k, v = per_token_codes(k, q), per_token_codes(v, q)
         if KV_QUANT == INT4_GROUPS:  # pairs at even offsets (kv_quant_mode checks): one 4-byte load each
-            pairs = tl.multiple_of(block * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head * stride_sh, 2)
+            pairs = tl.multiple_of(token_at + kv_head * stride_sh, 2)
             k = dequant_int4(k, KScale + pairs, valid, HEAD_DIM // 2, QUANT_GROUP).to(q.dtype)
             v = dequant_int4(v, VScale + pairs, valid, HEAD_DIM // 2, QUANT_GROUP).to(q.dtype)
 
@@ -317,18 +318,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 def _num_sms(device: torch.device) -> int:
     # No SMs under the interpreter: one, so that num_splits=None means no split on the CPU.
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def _scale_heads(kv_heads: int, k_scale: torch.Tensor | None) -> int:
-    """How many KV heads' per-token scales the decode kernel loads together (``per_token_scales``): all
-    of them up to 16 (32 bytes a token) when that divides them and a token's scales are contiguous
-    (the heads' stride is 1), else one."""
-    if k_scale is None or k_scale.dim() != 3 or k_scale.stride(2) != 1:
-        return 1
-    for group in (16, 8, 4, 2):
-        if kv_heads % group == 0:
-            return group
-    return 1
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale) -> tl.constexpr:
@@ -442,8 +431,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Without scales the cache stands in for them: never read (KV_QUANT=NO_QUANT compiles no load).
     k_scales, v_scales = (k_cache, v_cache) if k_scale is None else (k_scale, v_scale)
     mode = NO_MERGE if num_splits == 1 else MERGES[merge]
-    int8_words = k_cache.dtype == torch.int8 and q.dtype != torch.float32 and dim % 4 == 0 and all(
-        x % 4 == 0 for cache in (k_cache, v_cache) for x in (*cache.stride()[:3], cache.data_ptr()))
     # The counters only exist where they are used: a graph captured with "kernel" never allocates them.
     counters = tile_counters(q.device) if mode == MERGE_LAST_SPLIT else lse
     _split_kernel[(batch, kv_heads, num_splits)](
@@ -454,8 +441,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out, out.stride(0), out.stride(1), counters,
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
-        KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=int8_words,
-        SCALE_HEADS=_scale_heads(kv_heads, k_scale), **launch)
+        KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=reads_int8_words(q, k_cache, v_cache),
+        SCALE_HEADS=scale_heads(kv_heads, k_scale), **launch)
     if mode == MERGE_KERNEL:
         merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d)
     return out
