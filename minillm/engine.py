@@ -74,7 +74,7 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.workers: Workers | None = None  # this process's rank, with tensor or pipeline parallelism
-        symmetric = config.tensor_parallel_size > 1 and tp_all_reduce.chosen(self.device) == "symm_mem"
+        all_reduce = tp_all_reduce.chosen(self.device) if config.tensor_parallel_size > 1 else "nccl"
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             self.workers = Workers.start(config, self.device)
             self.device = self.workers.device
@@ -83,10 +83,15 @@ class Engine:
                             None if self.workers is None else self.workers.part, config.quantization,
                             config.calibration_samples)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        if symmetric:  # before any graph captures the all-reduces
+        if all_reduce == "symm_mem":  # before any graph captures the all-reduces
             tp_all_reduce.enable_symmetric(self.device, config.max_num_batched_tokens * self.model_config.hidden_size,
                                            self.dtype)
             self.workers.on_shutdown(tp_all_reduce.disable_symmetric)
+        elif all_reduce == "fused":  # decode batches: at most max_num_seqs rows a pass
+            rows = min(config.max_num_seqs, tp_all_reduce.FusedAllReduceNorm.MAX_ROWS)
+            fused = tp_all_reduce.FusedAllReduceNorm(self.device, rows, self.model_config.hidden_size, self.dtype)
+            tp_all_reduce.fuse_into_norms(self.model, fused)
+            self.workers.on_shutdown(lambda: tp_all_reduce.fuse_into_norms(self.model, None))
         self.model_source, self.quantization = loaded.source, loaded.quantization
         model_limit = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)

@@ -109,8 +109,9 @@ def test_a_failing_release_hook_still_brings_the_group_down():
     assert [p.exitcode for p in workers] == [0]  # told to stop, not killed
 
 
-@pytest.mark.parametrize("value, message", [("ring", r"MINILLM_TP_ALLREDUCE='ring'; valid: nccl, symm_mem"),
-                                            ("symm_mem", "symm_mem needs CUDA GPUs .* run on cpu")])
+@pytest.mark.parametrize("value, message", [("ring", r"MINILLM_TP_ALLREDUCE='ring'; valid: nccl, symm_mem, fused"),
+                                            ("symm_mem", "symm_mem needs CUDA GPUs .* run on cpu"),
+                                            ("fused", "fused needs CUDA GPUs .* run on cpu")])
 def test_a_bad_all_reduce_choice_is_refused_before_any_process_starts(monkeypatch, value, message):
     monkeypatch.setenv("MINILLM_TP_ALLREDUCE", value)
     with pytest.raises(ValueError, match=message):

@@ -39,6 +39,13 @@ def test_tp2_with_the_symmetric_memory_all_reduce_gives_the_same_tokens(monkeypa
     assert greedy_tokens(tensor_parallel_size=2) == nccl
 
 
+def test_tp2_with_the_all_reduce_fused_into_the_norms_gives_the_same_tokens(monkeypatch):
+    # Its kernel adds the two partials in rank order in fp32 and rounds once: a + b, NCCL's bits.
+    nccl = greedy_tokens(tensor_parallel_size=2)
+    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", "fused")
+    assert greedy_tokens(tensor_parallel_size=2) == nccl
+
+
 def test_pp2_on_two_gpus_gives_the_one_gpu_tokens():
     assert greedy_tokens(pipeline_parallel_size=2) == greedy_tokens()
 

@@ -33,6 +33,9 @@ class AttentionContext(Protocol):
 
 class RMSNorm(nn.Module):
     fused_ops = None  # minillm.kernels.fused_layer_ops once enable_fused_kernels() is called
+    # Tensor parallelism with MINILLM_TP_ALLREDUCE=fused: x with a residual is a row-parallel linear's
+    # unreduced output, and this sums it over the ranks in the norm's kernel (parallel/all_reduce.py).
+    reduce_input = None
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -41,6 +44,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with ``residual``: (norm(x + residual), x + residual) — the add fused in."""
+        if residual is not None and self.reduce_input is not None and self.reduce_input.fits(x):
+            return self.reduce_input(x, self.weight, self.eps, residual)
         if self.fused_ops is not None:
             return self.fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:

@@ -1,4 +1,5 @@
-"""The all-reduce of tensor parallelism: NCCL by default, or a one-shot all-reduce over symmetric memory.
+"""The all-reduce of tensor parallelism: NCCL by default; a one-shot all-reduce over symmetric memory;
+or that all-reduce fused into the residual add and RMSNorm after it.
 
 Why a second one: a decode step of Llama-2-7B all-reduces one [batch, 4096] activation twice per
 layer, 64 times per token, and at batch 1 that is 8 KB each: pure latency. NCCL's ring pays a few
@@ -8,10 +9,17 @@ Memory" in its docs) gives every rank a buffer the others can read over NVLink, 
 all-reduce is one kernel in which each rank reads every peer's buffer and sums: no ring steps,
 no protocol (the idea of vLLM's and TensorRT-LLM's custom all-reduce kernels).
 
-Opt-in and experimental: ``MINILLM_TP_ALLREDUCE=symm_mem`` (vLLM switches its own with an
-environment variable too). It needs CUDA GPUs with peer access (NVLink); activations larger than
-the buffer (one step's token budget) and other dtypes still go through NCCL. Not yet measured on
-GPUs: ``minillm bench parallel`` run both ways is the test of whether it pays.
+Opt-in: ``MINILLM_TP_ALLREDUCE=symm_mem`` (vLLM switches its own with an environment variable too).
+It needs CUDA GPUs with peer access (NVLink); activations larger than the buffer (one step's token
+budget) and other dtypes still go through NCCL. On two H200s it saved ~1.5 % of a batch-1 decode
+step (``figures/h200/tp_decode_profile.json``): torch's kernel pays for a barrier of its own, and
+the copy into the buffer is a kernel too.
+
+``MINILLM_TP_ALLREDUCE=fused`` goes further: every row-parallel output (o_proj, down_proj) is followed
+by ``x + residual`` and an RMSNorm, so the row-parallel linear leaves its output unreduced and the norm
+after it runs ``kernels/all_reduce_norm.py``: push to the peers, wait, sum, add, normalise, one kernel
+(:class:`FusedAllReduceNorm`, wired in by :func:`fuse_into_norms`). Decode batches up to ``max_rows``
+rows take it; longer steps (prefill chunks) keep NCCL and the plain norm.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 ENV = "MINILLM_TP_ALLREDUCE"
-CHOICES = ("nccl", "symm_mem")  # "nccl": the process group's own all-reduce (NCCL on GPUs, gloo on a CPU)
+CHOICES = ("nccl", "symm_mem", "fused")  # "nccl": the process group's own all-reduce (NCCL on GPUs, gloo on a CPU)
 
 _symmetric: "SymmetricAllReduce | None" = None  # this process's, while a tensor-parallel engine is open
 
@@ -40,10 +48,26 @@ def chosen(device: torch.device) -> str:
     choice = os.environ.get(ENV, "nccl")
     if choice not in CHOICES:
         raise ValueError(f"{ENV}={choice!r}; valid: {', '.join(CHOICES)}")
-    if choice == "symm_mem" and device.type != "cuda":
-        raise ValueError(f"{ENV}=symm_mem needs CUDA GPUs (NVLink peers), but the ranks run on {device.type}; "
+    if choice != "nccl" and device.type != "cuda":
+        raise ValueError(f"{ENV}={choice} needs CUDA GPUs (NVLink peers), but the ranks run on {device.type}; "
                          f"unset it (NCCL or gloo is used)")
     return choice
+
+
+def _symmetric_empty(numel: int, dtype: torch.dtype, device: torch.device):
+    """A zeroed tensor in symmetric memory on every rank of the default group (collective), and the
+    address of every rank's copy as this process sees it."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch releases, harmless in newer
+        symm_mem.enable_symm_mem_for_group(group)
+    tensor = symm_mem.empty(numel, dtype=dtype, device=device).zero_()
+    torch.cuda.synchronize(device)  # zeroed before any peer can learn where it is
+    handle = symm_mem.rendezvous(tensor, group)  # collective: every rank maps the others' buffers
+    # buffer_ptrs are the allocations' starts; a pooled tensor may sit at the same offset into each.
+    offset = tensor.data_ptr() - handle.buffer_ptrs[handle.rank]
+    return tensor, [ptr + offset for ptr in handle.buffer_ptrs]
 
 
 class SymmetricAllReduce:
@@ -51,13 +75,8 @@ class SymmetricAllReduce:
     one-shot all-reduce through it: copy x in, sum every rank's copy into x."""
 
     def __init__(self, device: torch.device, max_elements: int, dtype: torch.dtype):
-        import torch.distributed._symmetric_memory as symm_mem
-
         self.group_name = dist.group.WORLD.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch releases, harmless in newer
-            symm_mem.enable_symm_mem_for_group(self.group_name)
-        self.buffer = symm_mem.empty(max_elements, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank maps the others' buffers
+        self.buffer, _ = _symmetric_empty(max_elements, dtype, device)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.buffer.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous()
@@ -66,6 +85,49 @@ class SymmetricAllReduce:
         staged = self.buffer[:x.numel()]
         staged.copy_(x.view(-1))
         torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, x.view(-1))
+
+
+class FusedAllReduceNorm:
+    """The workspace of ``kernels/all_reduce_norm.py`` on this rank: two slots a rank of ``max_rows`` rows
+    of ``hidden`` in symmetric memory, a flag a (rank, program), and this rank's epochs."""
+
+    PROGRAMS = 16  # the kernel's grid: rows are dealt out over it; every call launches all of them
+    MAX_ROWS = 256  # the most rows it takes (the engine's decode batches); more go through NCCL and a norm
+
+    def __init__(self, device: torch.device, max_rows: int, hidden: int, dtype: torch.dtype):
+        from minillm.kernels.all_reduce_norm import Workspace, all_reduce_rms_norm
+
+        self.kernel = all_reduce_rms_norm
+        world, programs = dist.get_world_size(), self.PROGRAMS
+        buffer, buffers = _symmetric_empty(2 * world * max_rows * hidden, dtype, device)
+        flags, peer_flags = _symmetric_empty(world * programs, torch.int32, device)
+        self.workspace = Workspace(dist.get_rank(), world, programs, buffer.view(2, world, max_rows, hidden),
+                                   flags.view(world, programs), torch.zeros(programs, dtype=torch.int32, device=device),
+                                   torch.tensor(buffers, dtype=torch.int64, device=device),
+                                   torch.tensor(peer_flags, dtype=torch.int64, device=device))
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return self.workspace.fits(x)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor):
+        """(RMSNorm(all-reduced x + residual), all-reduced x + residual)."""
+        return self.kernel(x, weight, eps, residual, self.workspace)
+
+
+def fuse_into_norms(model, op: FusedAllReduceNorm | None) -> None:
+    """Route each row-parallel output's all-reduce into the norm that follows it (``op``), or, with None,
+    back to the linear. The decoder (``model/llama.py``) adds every row-parallel output (o_proj's,
+    down_proj's) to the residual in the next norm, and no other input reaches a norm with a residual."""
+    from minillm.parallel.tp import RowParallelLinear, RowParallelQuantLinear
+
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            if not isinstance(linear, (RowParallelLinear, RowParallelQuantLinear)) or linear.bias is not None:
+                raise ValueError(f"{ENV}=fused needs row-parallel o_proj and down_proj without a bias; "
+                                 f"this model has {type(linear).__name__} (bias: {linear.bias is not None})")
+            linear.reduced_by_next_norm = op
+        layer.input_layernorm.reduce_input = layer.post_attention_layernorm.reduce_input = op
+    model.model.norm.reduce_input = op
 
 
 def enable_symmetric(device: torch.device, max_elements: int, dtype: torch.dtype) -> SymmetricAllReduce:

@@ -223,9 +223,20 @@ def checkpoint_slice(name: str, config: ModelConfig, shard: Shard) -> tuple[slic
 # -- the layers that communicate -----------------------------------------------------------------
 
 
+def _reduced(linear: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """A row-parallel linear's partial product ``y`` summed over the ranks, plus its bias (once) — or
+    ``y`` as it is, when the norm after the linear sums it (``all_reduce.fuse_into_norms``)."""
+    if linear.reduced_by_next_norm is not None and linear.reduced_by_next_norm.fits(y):
+        return y  # the norm decides by the same fits(y): it will sum it
+    all_reduce(y)
+    return y if linear.bias is None else y + linear.bias
+
+
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r @ W_r^T, (+ bias once): x arrives sharded by features (each rank's
     heads or MLP slice), W_r is this rank's columns of W, and an all-reduce sums the partials."""
+
+    reduced_by_next_norm = None  # see _reduced
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -233,19 +244,17 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        return _reduced(self, F.linear(x, self.weight))
 
 
 class RowParallelQuantLinear(QuantLinear):
     """``RowParallelLinear`` with quantized weights: this rank's input channels, in whole groups (one
     group per output channel: the whole row's scale, the same on every rank)."""
 
+    reduced_by_next_norm = None  # see _reduced
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
-        all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        return _reduced(self, self.matmul(x))
 
 
 def row_parallel_rtn(weight: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,180 @@
+"""Tensor parallelism's all-reduce fused into the residual add and RMSNorm that follow it: one kernel
+where NCCL's all-reduce and a norm kernel were two, twice per decoder layer.
+
+Why: at batch 1 a TP=2 decode step of Llama-2-7B all-reduces a 4096-wide row 65 times, 8 KB each:
+pure latency. On two H200s NCCL took 9 us a call, 587 us of a 3.38 ms step, and the norm kernel after
+each call 2.1 us more (``figures/h200/tp_decode_profile.json``). Every all-reduce of a row-parallel
+output is followed by ``x + residual`` and an RMSNorm (``model/llama.py``'s DecoderLayer), so one
+kernel can do all three once the sum's bytes are in this GPU.
+
+How: a *one-shot push* all-reduce, the scheme of vLLM's and TensorRT-LLM's custom all-reduce kernels,
+here in Triton over PyTorch's symmetric memory (every rank maps every peer's buffer; NVLink carries
+the stores):
+
+1. push: each program stores its rows of this rank's partial sum into every peer's buffer, in the
+   slot of this rank;
+2. signal: after a barrier (so every thread's stores precede it), one release store at system scope
+   writes the call's epoch into this program's flag on each peer;
+3. wait: spin on each peer's flag for this program, in this GPU's memory, until it reaches the epoch
+   (acquire);
+4. reduce: sum the partials in rank order, so every rank computes the same bits; round to the dtype
+   as an all-reduce's output is; then the residual add and the norm of ``fused_layer_ops.rms_norm``.
+
+The epoch: each program counts its calls in a device tensor (CUDA-graph replays read it current).
+The grid is always ``programs`` wide and every rank makes the same calls, so program p's count is the
+same on every rank, and a flag only grows. Slots alternate with the epoch's parity (double buffering):
+a peer can run at most one call ahead (it cannot finish call n + 1 before this rank's program signals
+call n + 1, which it does only after its call n kernel has finished), so a peer never overwrites rows
+that this rank has yet to read.
+
+A wait that outlasts ``MAX_SPIN`` polls (tens of seconds: a peer may be compiling a kernel) stops the
+kernel with a ``trap``, a CUDA error instead of a silent hang: ranks that disagree on the sequence of
+calls (as NCCL would hang too).
+
+Under the interpreter (CPU tests) one process plays every rank, which cannot spin while another rank
+is yet to run: ``PHASE=1`` runs steps 1-2 for each rank, then ``PHASE=2`` steps 3-4 (``phases``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minillm.kernels.checks import check, interpreter_on
+from minillm.kernels.fused_layer_ops import rms_norm_ref
+from minillm.kernels.int_float import ASM
+
+INTERPRET = interpreter_on()
+MAX_SPIN = 1 << 25  # polls of a flag before the kernel traps: ~30 s at ~1 us an acquire of an L2 line
+
+
+def all_reduce_rms_norm_ref(partials: list[torch.Tensor], weight: torch.Tensor, eps: float,
+                            residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranks' partial sums added in rank order in fp32 and rounded to their dtype (an all-reduce's
+    output), then ``rms_norm_ref`` with the residual: (normed, new residual)."""
+    total = torch.stack([p.float() for p in partials]).sum(0).to(partials[0].dtype)
+    return rms_norm_ref(total, weight, eps, residual)
+
+
+@dataclass
+class Workspace:
+    """One rank's view of the symmetric memory the kernel works in.
+
+    buffer: this rank's [2, world, max_rows, hidden] slots (parity, source rank), which peers write;
+    flags: this rank's [world, programs] int32 epochs, which peers write; epochs: [programs] int32,
+    this rank's own count of calls per program; peer_buffers, peer_flags: int64 [world], the address
+    of every rank's buffer and flags as this process sees them (its own included, unused)."""
+
+    rank: int
+    world: int
+    programs: int
+    buffer: torch.Tensor
+    flags: torch.Tensor
+    epochs: torch.Tensor
+    peer_buffers: torch.Tensor
+    peer_flags: torch.Tensor
+
+    @property
+    def max_rows(self) -> int:
+        return self.buffer.shape[2]
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` (a row-parallel output) can go through this kernel; otherwise NCCL and a norm."""
+        return (x.dtype == self.buffer.dtype and x.shape[-1] == self.buffer.shape[3] and x.is_contiguous()
+                and x.numel() // x.shape[-1] <= self.max_rows)
+
+
+@triton.jit
+def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Flags, Epochs, PeerBuffers, PeerFlags, rank, n_rows,
+                                n_cols, max_rows, eps, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                                PHASE: tl.constexpr, MAX_SPIN: tl.constexpr):
+    p = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    epoch = tl.load(Epochs + p) + 1
+    parity = epoch % 2
+    if PHASE != 2:  # push this rank's rows into every peer's slot for it, then raise this program's flag there
+        for row in range(p, n_rows, programs):
+            x = tl.load(X + row * n_cols + cols, mask=mask)
+            for q in tl.static_range(WORLD):
+                if q != rank:
+                    peer = tl.load(PeerBuffers + q).to(tl.pointer_type(X.dtype.element_ty))
+                    peer = tl.multiple_of(peer, 16)  # symmetric buffers are page-aligned: 16-byte vector stores
+                    tl.store(peer + ((parity * WORLD + rank) * max_rows + row) * n_cols + cols, x,
+                             mask=mask)
+        tl.debug_barrier()  # every thread's stores, then one release: the rows land before the flag
+        for q in tl.static_range(WORLD):
+            if q != rank:
+                flags = tl.load(PeerFlags + q).to(tl.pointer_type(tl.int32))
+                tl.atomic_xchg(flags + rank * programs + p, epoch, sem="release", scope="sys")
+    if PHASE != 1:  # wait for every peer's rows, then sum in rank order, add the residual, normalise
+        for q in tl.static_range(WORLD):
+            if q != rank:
+                seen = tl.atomic_add(Flags + q * programs + p, 0, sem="acquire", scope="sys")
+                spins = 0
+                while (seen < epoch) & (spins < MAX_SPIN):
+                    seen = tl.atomic_add(Flags + q * programs + p, 0, sem="acquire", scope="sys")
+                    spins += 1
+                if seen < epoch:
+                    _stop(seen, Epochs, p)
+        tl.debug_barrier()
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        for row in range(p, n_rows, programs):
+            total = tl.zeros((BLOCK,), tl.float32)
+            for q in tl.static_range(WORLD):
+                if q == rank:
+                    part = tl.load(X + row * n_cols + cols, mask=mask, other=0.0)
+                else:  # written by a peer over NVLink: read from L2, not a stale L1 line
+                    part = tl.load(Buffer + ((parity * WORLD + q) * max_rows + row) * n_cols + cols,
+                                   mask=mask, other=0.0, cache_modifier=".cg")
+                total += part.to(tl.float32)
+            r_ptrs = row * n_cols + cols
+            s = total.to(X.dtype.element_ty) + tl.load(R + r_ptrs, mask=mask, other=0.0)  # rounded, as in torch
+            tl.store(S + r_ptrs, s, mask=mask)
+            sf = s.to(tl.float32)
+            inv_rms = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / n_cols + eps)
+            normed = (sf * inv_rms).to(X.dtype.element_ty)  # round, then multiply by the weight (transformers)
+            tl.store(Y + r_ptrs, (normed.to(tl.float32) * w).to(Y.dtype.element_ty), mask=mask)
+        if tl.load(Epochs + p) >= 0:  # (-1: stopped)
+            tl.store(Epochs + p, epoch)
+
+
+@triton.jit
+def _stop(seen, Epochs, p):
+    """End the kernel with an error: a peer never raised its flag. The interpreter runs no PTX: there the
+    program leaves its epoch at -1, for the wrapper to raise on."""
+    if ASM:
+        tl.inline_asm_elementwise("trap;", "=r,r", [seen], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(Epochs + p, -1)
+
+
+def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+                        workspace: Workspace, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        phases: tuple[int, ...] = (0,), max_spin: int = MAX_SPIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new residual) = RMSNorm(sum over ranks of x + residual) with the sum, as its output;
+    x is this rank's partial sum [..., hidden]. Every rank of ``workspace`` must make the same calls.
+    ``out``: where to write them (else new tensors). ``phases``: (0,) the whole kernel; (1,) or (2,) one
+    half of it, for one process playing every rank (the interpreter). ``max_spin``: polls before a trap."""
+    check(workspace.fits(x), f"x is {x.dtype} {tuple(x.shape)} (contiguous: {x.is_contiguous()}); the workspace "
+          f"takes contiguous {workspace.buffer.dtype} rows of {workspace.buffer.shape[3]}, at most {workspace.max_rows}")
+    check(weight.shape == (x.shape[-1],) and weight.dtype == x.dtype,
+          f"weight is {weight.dtype} {tuple(weight.shape)}; expected {x.dtype} ({x.shape[-1]},)")
+    check(residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous(),
+          f"residual is {residual.dtype} {tuple(residual.shape)}; expected contiguous {x.dtype} {tuple(x.shape)}")
+    rows = x.numel() // x.shape[-1]
+    y, s = out if out is not None else (torch.empty_like(x), torch.empty_like(x))
+    check(y.shape == s.shape == x.shape and y.is_contiguous() and s.is_contiguous(),
+          f"out has shapes {tuple(y.shape)}, {tuple(s.shape)}; expected contiguous {tuple(x.shape)}")
+    for phase in phases:
+        _all_reduce_rms_norm_kernel[(workspace.programs,)](
+            x, residual, weight, y, s, workspace.buffer, workspace.flags, workspace.epochs, workspace.peer_buffers,
+            workspace.peer_flags, workspace.rank, rows, x.shape[-1], workspace.max_rows, eps, WORLD=workspace.world,
+            BLOCK=triton.next_power_of_2(x.shape[-1]), PHASE=phase, MAX_SPIN=max_spin)
+        if INTERPRET and phase != 1 and workspace.epochs.min() < 0:
+            raise RuntimeError("all_reduce_rms_norm: a peer never signalled (the ranks disagree on the calls)")
+    return y, s
