@@ -9,30 +9,31 @@ kernel can do all three once the sum's bytes are in this GPU.
 
 How: a *one-shot push* all-reduce, the scheme of vLLM's and TensorRT-LLM's custom all-reduce kernels,
 here in Triton over PyTorch's symmetric memory (every rank maps every peer's buffer; NVLink carries
-the stores):
+the stores), with NCCL's "LL" (low-latency) protocol for the handshake:
 
 1. push: each program stores its rows of this rank's partial sum into every peer's buffer, in the
-   slot of this rank;
-2. signal: after a barrier (so every thread's stores precede it), one release store at system scope
-   writes the call's epoch into this program's flag on each peer;
-3. wait: spin on each peer's flag for this program, in this GPU's memory, until it reaches the epoch
-   (acquire);
-4. reduce: sum the partials in rank order, so every rank computes the same bits; round to the dtype
+   slot of this rank, as 8-byte words that each hold 4 bytes of data and the call's *epoch*;
+2. wait: it reads its rows of each peer's slot in this GPU's memory until every word carries the
+   epoch. An 8-byte store lands whole (PTX: vector elements are single-copy atomic), so a word with
+   the epoch holds this call's data: no flag, no fence and no second trip over NVLink, which a
+   separate flag written after a release fence costs (the first version of this kernel: 6.3 us a call
+   on two H200s, ``figures/h200/latency_tp_fused.json``);
+3. reduce: sum the partials in rank order, so every rank computes the same bits; round to the dtype
    as an all-reduce's output is; then the residual add and the norm of ``fused_layer_ops.rms_norm``.
 
 The epoch: each program counts its calls in a device tensor (CUDA-graph replays read it current).
 The grid is always ``programs`` wide and every rank makes the same calls, so program p's count is the
-same on every rank, and a flag only grows. Slots alternate with the epoch's parity (double buffering):
-a peer can run at most one call ahead (it cannot finish call n + 1 before this rank's program signals
-call n + 1, which it does only after its call n kernel has finished), so a peer never overwrites rows
-that this rank has yet to read.
+same on every rank. Slots alternate with the epoch's parity (double buffering): a peer can run at most
+one call ahead (it cannot finish call n + 1 before this rank pushes call n + 1, which it does only after
+its call n kernel has finished), so a peer never overwrites words that this rank has yet to read, and
+the words of the slot being read carry either this call's epoch or the one two calls back.
 
 A wait that outlasts ``MAX_SPIN`` polls (tens of seconds: a peer may be compiling a kernel) stops the
 kernel with a ``trap``, a CUDA error instead of a silent hang: ranks that disagree on the sequence of
 calls (as NCCL would hang too).
 
 Under the interpreter (CPU tests) one process plays every rank, which cannot spin while another rank
-is yet to run: ``PHASE=1`` runs steps 1-2 for each rank, then ``PHASE=2`` steps 3-4 (``phases``).
+is yet to run: ``PHASE=1`` runs step 1 for each rank, then ``PHASE=2`` steps 2-3 (``phases``).
 """
 
 from __future__ import annotations
@@ -63,74 +64,77 @@ def all_reduce_rms_norm_ref(partials: list[torch.Tensor], weight: torch.Tensor, 
 class Workspace:
     """One rank's view of the symmetric memory the kernel works in.
 
-    buffer: this rank's [2, world, max_rows, hidden] slots (parity, source rank), which peers write;
-    flags: this rank's [world, programs] int32 epochs, which peers write; epochs: [programs] int32,
-    this rank's own count of calls per program; peer_buffers, peer_flags: int64 [world], the address
-    of every rank's buffer and flags as this process sees them (its own included, unused)."""
+    buffer: this rank's int64 [2, world, max_rows, words] slots (parity, source rank) of rows of
+    ``dtype`` in LL words (``words`` = hidden * itemsize / 4), which peers write; epochs: [programs]
+    int32, this rank's own count of calls per program; peer_buffers: int64 [world], the address of
+    every rank's buffer as this process sees it (its own included, unused)."""
 
     rank: int
     world: int
     programs: int
+    dtype: torch.dtype
     buffer: torch.Tensor
-    flags: torch.Tensor
     epochs: torch.Tensor
     peer_buffers: torch.Tensor
-    peer_flags: torch.Tensor
+
+    @staticmethod
+    def buffer_shape(world: int, max_rows: int, hidden: int, dtype: torch.dtype) -> tuple[int, ...]:
+        check(hidden * dtype.itemsize % 4 == 0, f"rows of {hidden} {dtype} are not whole 4-byte words")
+        return 2, world, max_rows, hidden * dtype.itemsize // 4
 
     @property
     def max_rows(self) -> int:
         return self.buffer.shape[2]
 
+    @property
+    def hidden(self) -> int:
+        return self.buffer.shape[3] * 4 // self.dtype.itemsize
+
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` (a row-parallel output) can go through this kernel; otherwise NCCL and a norm."""
-        return (x.dtype == self.buffer.dtype and x.shape[-1] == self.buffer.shape[3] and x.is_contiguous()
+        return (x.dtype == self.dtype and x.shape[-1] == self.hidden and x.is_contiguous()
                 and x.numel() // x.shape[-1] <= self.max_rows)
 
 
 @triton.jit
-def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Flags, Epochs, PeerBuffers, PeerFlags, rank, n_rows,
-                                n_cols, max_rows, eps, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                                PHASE: tl.constexpr, MAX_SPIN: tl.constexpr):
+def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Epochs, PeerBuffers, rank, n_rows, n_cols, max_rows, eps,
+                                WORLD: tl.constexpr, BLOCK: tl.constexpr, WORDS: tl.constexpr, PHASE: tl.constexpr,
+                                MAX_SPIN: tl.constexpr):
     p = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    words = tl.arange(0, WORDS)
     epoch = tl.load(Epochs + p) + 1
     parity = epoch % 2
-    if PHASE != 2:  # push this rank's rows into every peer's slot for it, then raise this program's flag there
+    row_words = n_cols * WORDS // BLOCK  # a row's words: hidden * itemsize / 4 (a whole number: checked)
+    word_mask = words < row_words
+    if PHASE != 2:  # push this rank's rows, stamped with the epoch, into every peer's slot for it
+        stamp = epoch.to(tl.int64) << 32
         for row in range(p, n_rows, programs):
-            x = tl.load(X + row * n_cols + cols, mask=mask)
+            x = tl.load(X + row * n_cols + cols, mask=mask, other=0.0)
+            ll = stamp | (_to_words(x, BLOCK).to(tl.int64) & 0xFFFFFFFF)
             for q in tl.static_range(WORLD):
                 if q != rank:
-                    peer = tl.load(PeerBuffers + q).to(tl.pointer_type(X.dtype.element_ty))
-                    peer = tl.multiple_of(peer, 16)  # symmetric buffers are page-aligned: 16-byte vector stores
-                    tl.store(peer + ((parity * WORLD + rank) * max_rows + row) * n_cols + cols, x,
-                             mask=mask)
-        tl.debug_barrier()  # every thread's stores, then one release: the rows land before the flag
-        for q in tl.static_range(WORLD):
-            if q != rank:
-                flags = tl.load(PeerFlags + q).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(flags + rank * programs + p, epoch, sem="release", scope="sys")
+                    peer = tl.multiple_of(tl.load(PeerBuffers + q).to(tl.pointer_type(tl.int64)), 16)
+                    tl.store(peer + ((parity * WORLD + rank) * max_rows + row) * row_words + words, ll, mask=word_mask)
     if PHASE != 1:  # wait for every peer's rows, then sum in rank order, add the residual, normalise
-        for q in tl.static_range(WORLD):
-            if q != rank:
-                seen = tl.atomic_add(Flags + q * programs + p, 0, sem="acquire", scope="sys")
-                spins = 0
-                while (seen < epoch) & (spins < MAX_SPIN):
-                    seen = tl.atomic_add(Flags + q * programs + p, 0, sem="acquire", scope="sys")
-                    spins += 1
-                if seen < epoch:
-                    _stop(seen, Epochs, p)
-        tl.debug_barrier()
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         for row in range(p, n_rows, programs):
             total = tl.zeros((BLOCK,), tl.float32)
             for q in tl.static_range(WORLD):
                 if q == rank:
                     part = tl.load(X + row * n_cols + cols, mask=mask, other=0.0)
-                else:  # written by a peer over NVLink: read from L2, not a stale L1 line
-                    part = tl.load(Buffer + ((parity * WORLD + q) * max_rows + row) * n_cols + cols,
-                                   mask=mask, other=0.0, cache_modifier=".cg")
+                else:  # volatile: each poll reads memory again (peers write it over NVLink)
+                    ptrs = Buffer + ((parity * WORLD + q) * max_rows + row) * row_words + words
+                    ll = tl.load(ptrs, mask=word_mask, other=0, volatile=True)
+                    spins = 0
+                    while (_oldest(ll, word_mask, epoch) < epoch) & (spins < MAX_SPIN):
+                        ll = tl.load(ptrs, mask=word_mask, other=0, volatile=True)
+                        spins += 1
+                    if _oldest(ll, word_mask, epoch) < epoch:
+                        _stop(spins, Epochs, p)
+                    part = _from_words(ll.to(tl.int32), X.dtype.element_ty, BLOCK)
                 total += part.to(tl.float32)
             r_ptrs = row * n_cols + cols
             s = total.to(X.dtype.element_ty) + tl.load(R + r_ptrs, mask=mask, other=0.0)  # rounded, as in torch
@@ -141,6 +145,36 @@ def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Flags, Epochs, PeerBuffer
             tl.store(Y + r_ptrs, (normed.to(tl.float32) * w).to(Y.dtype.element_ty), mask=mask)
         if tl.load(Epochs + p) >= 0:  # (-1: stopped)
             tl.store(Epochs + p, epoch)
+
+
+@triton.jit
+def _oldest(ll, word_mask, epoch):
+    """The smallest epoch stamped on the row's words (the masked ones count as current)."""
+    return tl.min(tl.where(word_mask, (ll >> 32).to(tl.int32), epoch), axis=0)
+
+
+@triton.jit
+def _to_words(x, BLOCK: tl.constexpr):
+    """A row of 4- or 2-byte values as int32 words: [BLOCK], or [BLOCK / 2] with pairs low half first."""
+    if x.dtype.primitive_bitwidth == 32:
+        words = x.to(tl.int32, bitcast=True)
+    else:
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        low, high = tl.split(tl.reshape(bits, (BLOCK // 2, 2)))
+        words = low | (high << 16)
+    return words
+
+
+@triton.jit
+def _from_words(words, dtype: tl.constexpr, BLOCK: tl.constexpr):
+    """``_to_words`` undone: [BLOCK] values of ``dtype``."""
+    if dtype.primitive_bitwidth == 32:
+        values = words.to(dtype, bitcast=True)
+    else:
+        low = words.to(tl.int16).to(dtype, bitcast=True)
+        high = (words >> 16).to(tl.int16).to(dtype, bitcast=True)
+        values = tl.reshape(tl.join(low, high), (BLOCK,))
+    return values
 
 
 @triton.jit
@@ -161,20 +195,20 @@ def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, resid
     ``out``: where to write them (else new tensors). ``phases``: (0,) the whole kernel; (1,) or (2,) one
     half of it, for one process playing every rank (the interpreter). ``max_spin``: polls before a trap."""
     check(workspace.fits(x), f"x is {x.dtype} {tuple(x.shape)} (contiguous: {x.is_contiguous()}); the workspace "
-          f"takes contiguous {workspace.buffer.dtype} rows of {workspace.buffer.shape[3]}, at most {workspace.max_rows}")
+          f"takes contiguous {workspace.dtype} rows of {workspace.hidden}, at most {workspace.max_rows}")
     check(weight.shape == (x.shape[-1],) and weight.dtype == x.dtype,
           f"weight is {weight.dtype} {tuple(weight.shape)}; expected {x.dtype} ({x.shape[-1]},)")
     check(residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous(),
           f"residual is {residual.dtype} {tuple(residual.shape)}; expected contiguous {x.dtype} {tuple(x.shape)}")
-    rows = x.numel() // x.shape[-1]
+    rows, block = x.numel() // x.shape[-1], triton.next_power_of_2(x.shape[-1])
     y, s = out if out is not None else (torch.empty_like(x), torch.empty_like(x))
     check(y.shape == s.shape == x.shape and y.is_contiguous() and s.is_contiguous(),
           f"out has shapes {tuple(y.shape)}, {tuple(s.shape)}; expected contiguous {tuple(x.shape)}")
     for phase in phases:
         _all_reduce_rms_norm_kernel[(workspace.programs,)](
-            x, residual, weight, y, s, workspace.buffer, workspace.flags, workspace.epochs, workspace.peer_buffers,
-            workspace.peer_flags, workspace.rank, rows, x.shape[-1], workspace.max_rows, eps, WORLD=workspace.world,
-            BLOCK=triton.next_power_of_2(x.shape[-1]), PHASE=phase, MAX_SPIN=max_spin)
+            x, residual, weight, y, s, workspace.buffer, workspace.epochs, workspace.peer_buffers, workspace.rank, rows,
+            x.shape[-1], workspace.max_rows, eps, WORLD=workspace.world, BLOCK=block,
+            WORDS=block * x.dtype.itemsize // 4, PHASE=phase, MAX_SPIN=max_spin)
         if INTERPRET and phase != 1 and workspace.epochs.min() < 0:
             raise RuntimeError("all_reduce_rms_norm: a peer never signalled (the ranks disagree on the calls)")
     return y, s

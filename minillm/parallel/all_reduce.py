@@ -24,6 +24,7 @@ rows take it; longer steps (prefill chunks) keep NCCL and the plain norm.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -89,7 +90,7 @@ class SymmetricAllReduce:
 
 class FusedAllReduceNorm:
     """The workspace of ``kernels/all_reduce_norm.py`` on this rank: two slots a rank of ``max_rows`` rows
-    of ``hidden`` in symmetric memory, a flag a (rank, program), and this rank's epochs."""
+    of ``hidden`` in symmetric memory (as LL words: twice the bytes), and this rank's epochs."""
 
     PROGRAMS = 16  # the kernel's grid: rows are dealt out over it; every call launches all of them
     MAX_ROWS = 256  # the most rows it takes (the engine's decode batches); more go through NCCL and a norm
@@ -98,13 +99,13 @@ class FusedAllReduceNorm:
         from minillm.kernels.all_reduce_norm import Workspace, all_reduce_rms_norm
 
         self.kernel = all_reduce_rms_norm
-        world, programs = dist.get_world_size(), self.PROGRAMS
-        buffer, buffers = _symmetric_empty(2 * world * max_rows * hidden, dtype, device)
-        flags, peer_flags = _symmetric_empty(world * programs, torch.int32, device)
-        self.workspace = Workspace(dist.get_rank(), world, programs, buffer.view(2, world, max_rows, hidden),
-                                   flags.view(world, programs), torch.zeros(programs, dtype=torch.int32, device=device),
-                                   torch.tensor(buffers, dtype=torch.int64, device=device),
-                                   torch.tensor(peer_flags, dtype=torch.int64, device=device))
+        world = dist.get_world_size()
+        shape = Workspace.buffer_shape(world, max_rows, hidden, dtype)
+        # Zeroed: every word stamped with epoch 0, older than the first call's (1).
+        buffer, buffers = _symmetric_empty(math.prod(shape), torch.int64, device)
+        self.workspace = Workspace(dist.get_rank(), world, self.PROGRAMS, dtype, buffer.view(shape),
+                                   torch.zeros(self.PROGRAMS, dtype=torch.int32, device=device),
+                                   torch.tensor(buffers, dtype=torch.int64, device=device))
 
     def fits(self, x: torch.Tensor) -> bool:
         return self.workspace.fits(x)

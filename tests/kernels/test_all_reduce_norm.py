@@ -17,15 +17,14 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3,
 
 
 def simulated_ranks(world: int, programs: int, max_rows: int, hidden: int, dtype: torch.dtype) -> list[Workspace]:
-    """``world`` workspaces in this process, each one's peers the others' buffers and flags."""
+    """``world`` workspaces in this process, each one's peers the others' buffers."""
     g = torch.Generator().manual_seed(5)
-    # Slots start as random values and flags at zero, as a fresh symmetric allocation would leave them.
-    buffers = [torch.randn(2, world, max_rows, hidden, generator=g).to(dtype=dtype, device=DEVICE) for _ in range(world)]
-    flags = [torch.zeros(world, programs, dtype=torch.int32, device=DEVICE) for _ in range(world)]
+    # Slots start as random data stamped with an epoch older than any call's (a negative high half).
+    shape = Workspace.buffer_shape(world, max_rows, hidden, dtype)
+    buffers = [(torch.randint(0, 2**32, shape, generator=g) - 2**62).to(DEVICE) for _ in range(world)]
     peer_buffers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=DEVICE)
-    peer_flags = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEVICE)
-    return [Workspace(rank, world, programs, buffers[rank], flags[rank],
-                      torch.zeros(programs, dtype=torch.int32, device=DEVICE), peer_buffers, peer_flags)
+    return [Workspace(rank, world, programs, dtype, buffers[rank], torch.zeros(programs, dtype=torch.int32,
+                                                                                device=DEVICE), peer_buffers)
             for rank in range(world)]
 
 
