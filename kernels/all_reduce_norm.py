@@ -47,7 +47,6 @@ import triton.language as tl
 from minillm.kernels.checks import check, interpreter_on
 from minillm.kernels.fused_layer_ops import rms_norm_ref
 from minillm.kernels.int_float import ASM
-from minillm.kernels.l2_prefetch import prefetch_args, prefetch_row_starts
 
 INTERPRET = interpreter_on()
 MAX_SPIN = 1 << 25  # polls of a flag before the kernel traps: ~30 s at ~1 us an acquire of an L2 line
@@ -99,13 +98,10 @@ class Workspace:
 
 @triton.jit
 def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Epochs, PeerBuffers, rank, n_rows, n_cols, max_rows, eps,
-                                P, p_rows, p_row_bytes, p_bytes, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                                WORDS: tl.constexpr, PHASE: tl.constexpr, MAX_SPIN: tl.constexpr,
-                                PREFETCH: tl.constexpr):
+                                WORLD: tl.constexpr, BLOCK: tl.constexpr, WORDS: tl.constexpr, PHASE: tl.constexpr,
+                                MAX_SPIN: tl.constexpr):
     p = tl.program_id(0)
     programs = tl.num_programs(0)
-    if PREFETCH and PHASE != 2:  # the next matmul's weights into L2 while HBM waits with us (l2_prefetch.py)
-        prefetch_row_starts(P, p_rows, p_row_bytes, p_bytes, p, programs)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     words = tl.arange(0, WORDS)
@@ -193,13 +189,11 @@ def _stop(seen, Epochs, p):
 
 def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
                         workspace: Workspace, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        phases: tuple[int, ...] = (0,), max_spin: int = MAX_SPIN,
-                        prefetch: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        phases: tuple[int, ...] = (0,), max_spin: int = MAX_SPIN) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new residual) = RMSNorm(sum over ranks of x + residual) with the sum, as its output;
     x is this rank's partial sum [..., hidden]. Every rank of ``workspace`` must make the same calls.
     ``out``: where to write them (else new tensors). ``phases``: (0,) the whole kernel; (1,) or (2,) one
-    half of it, for one process playing every rank (the interpreter). ``max_spin``: polls before a trap.
-    ``prefetch``: (the next matmul's weight, bytes a row) to bring into L2 meanwhile (``l2_prefetch.py``)."""
+    half of it, for one process playing every rank (the interpreter). ``max_spin``: polls before a trap."""
     check(workspace.fits(x), f"x is {x.dtype} {tuple(x.shape)} (contiguous: {x.is_contiguous()}); the workspace "
           f"takes contiguous {workspace.dtype} rows of {workspace.hidden}, at most {workspace.max_rows}")
     check(weight.shape == (x.shape[-1],) and weight.dtype == x.dtype,
@@ -214,7 +208,7 @@ def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, resid
         _all_reduce_rms_norm_kernel[(workspace.programs,)](
             x, residual, weight, y, s, workspace.buffer, workspace.epochs, workspace.peer_buffers, workspace.rank, rows,
             x.shape[-1], workspace.max_rows, eps, WORLD=workspace.world, BLOCK=block,
-            WORDS=block * x.dtype.itemsize // 4, PHASE=phase, MAX_SPIN=max_spin, **prefetch_args(prefetch, weight))
+            WORDS=block * x.dtype.itemsize // 4, PHASE=phase, MAX_SPIN=max_spin)
         if INTERPRET and phase != 1 and workspace.epochs.min() < 0:
             raise RuntimeError("all_reduce_rms_norm: a peer never signalled (the ranks disagree on the calls)")
     return y, s

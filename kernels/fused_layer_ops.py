@@ -27,7 +27,6 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable, interpreter_on
-from minillm.kernels.l2_prefetch import prefetch_args, prefetch_row_starts
 
 INTERPRET = interpreter_on()
 
@@ -50,10 +49,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_cols, eps, P, p_rows, p_row_bytes,
-                     p_bytes, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
-    if PREFETCH:  # the next matmul's weights into L2 while this kernel leaves HBM idle (l2_prefetch.py)
-        prefetch_row_starts(P, p_rows, p_row_bytes, p_bytes, tl.program_id(0), tl.num_programs(0))
+def _rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -68,10 +65,8 @@ def _rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_co
     tl.store(Y + row * stride_y + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             prefetch: tuple[torch.Tensor, int] | None = None):
-    """Fused ``rms_norm_ref``: x (and residual) [..., hidden]; one kernel, one read of each input.
-    ``prefetch``: (the next matmul's weight, bytes a row) to bring into L2 meanwhile (``l2_prefetch.py``)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Fused ``rms_norm_ref``: x (and residual) [..., hidden]; one kernel, one read of each input."""
     _check_tensor("x", x)
     _check(weight.shape == (x.shape[-1],), f"weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},)")
     _check(weight.dtype == x.dtype, f"weight.dtype is {weight.dtype} but x.dtype is {x.dtype}; they must match")
@@ -85,7 +80,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         s = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, r, weight, y, s, rows.stride(0), r.stride(0), y.stride(0), s.stride(0),
                                        rows.shape[1], eps, HAS_RESIDUAL=residual is not None,
-                                       BLOCK=triton.next_power_of_2(rows.shape[1]), **prefetch_args(prefetch, weight))
+                                       BLOCK=triton.next_power_of_2(rows.shape[1]))
     y = y.view(x.shape)
     return y if residual is None else (y, s.view(x.shape))
 

@@ -12,7 +12,6 @@ preemption_mode="swap", the KV copies the scheduler decided (``batch.swaps``) ru
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -58,14 +57,6 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA device; use 'cpu'")
     return torch.device(device)
-
-
-def l2_prefetch_bytes() -> int:
-    """``MINILLM_L2_PREFETCH_MB`` (default 0: off), in bytes: what each norm kernel prefetches of the next weight."""
-    value = os.environ.get("MINILLM_L2_PREFETCH_MB", "0")
-    if not value.isdigit():
-        raise ValueError(f"MINILLM_L2_PREFETCH_MB={value!r}; expected a whole number of MiB (0: off)")
-    return int(value) * 2**20
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
@@ -189,8 +180,6 @@ class Engine:
             from minillm.kv.paged_triton import TritonPagedBatch  # imports triton: only when asked for
             make_attention = TritonPagedBatch
             self.model.enable_fused_kernels()  # the "triton" backend is all of minillm's kernels
-            if self.device.type == "cuda":  # the norms warm L2 with the next matmul's weights (l2_prefetch.py)
-                self.model.prefetch_in_norms(l2_prefetch_bytes())
         # CUDA graphs need the Triton kernels: the torch reference's shapes follow the context lengths.
         self.cuda_graphs = self.device.type == "cuda" and not c.enforce_eager and self.attention_backend == "triton"
         graphs = None

@@ -28,7 +28,7 @@ class SumThenNorm:
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() // x.shape[-1] <= self.max_rows
 
-    def __call__(self, x, weight, eps, residual, prefetch=None):
+    def __call__(self, x, weight, eps, residual):
         self.calls += 1
         dist.all_reduce(x)
         return rms_norm_ref(x, weight, eps, residual)
@@ -77,14 +77,3 @@ def test_a_row_parallel_linear_with_a_bias_is_refused():
     model.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(PRESETS["tiny"].hidden_size))
     with pytest.raises(ValueError, match="without a bias; this model has RowParallelLinear"):
         fuse_into_norms(model, SumThenNorm(max_rows=8))
-
-
-def test_each_norm_prefetches_the_weight_of_the_matmul_after_it():
-    model = LlamaForCausalLM(PRESETS["tiny"])
-    model.prefetch_in_norms(4096)
-    for layer in model.model.layers:
-        assert layer.input_layernorm.prefetch[0] is layer.self_attn.qkv_proj.weight
-        assert layer.post_attention_layernorm.prefetch[0] is layer.mlp.gate_up_proj.weight
-    assert model.model.norm.prefetch[0] is model.lm_head.weight
-    model.prefetch_in_norms(0)
-    assert model.model.norm.prefetch is None and model.model.layers[0].input_layernorm.prefetch is None

@@ -36,7 +36,6 @@ class RMSNorm(nn.Module):
     # Tensor parallelism with MINILLM_TP_ALLREDUCE=fused: x with a residual is a row-parallel linear's
     # unreduced output, and this sums it over the ranks in the norm's kernel (parallel/all_reduce.py).
     reduce_input = None
-    prefetch = None  # (the next matmul's weight, bytes a row) for the fused kernels to warm L2 with (prefetch_in_norms)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -46,9 +45,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with ``residual``: (norm(x + residual), x + residual) — the add fused in."""
         if residual is not None and self.reduce_input is not None and self.reduce_input.fits(x):
-            return self.reduce_input(x, self.weight, self.eps, residual, self.prefetch)
+            return self.reduce_input(x, self.weight, self.eps, residual)
         if self.fused_ops is not None:
-            return self.fused_ops.rms_norm(x, self.weight, self.eps, residual, self.prefetch)
+            return self.fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             return self.forward(x), x
@@ -204,21 +203,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused_ops = ops
-
-    def prefetch_in_norms(self, total_bytes: int) -> None:
-        """Have each norm's kernel bring about ``total_bytes`` of the next matmul's weight into L2 (the
-        first bytes of every row: ``kernels/l2_prefetch.py``): qkv_proj after input_layernorm, gate_up_proj
-        after post_attention_layernorm, lm_head after the final norm. Dense weights only; 0 turns it off."""
-        from minillm.kernels.l2_prefetch import prefetch_plan
-
-        def plan(linear):
-            weight = getattr(linear, "weight", None)  # (a quantized linear keeps its codes in buffers: none)
-            return None if total_bytes == 0 or not isinstance(weight, torch.Tensor) else prefetch_plan(weight, total_bytes)
-
-        for layer in self.model.layers:
-            layer.input_layernorm.prefetch = plan(layer.self_attn.qkv_proj)
-            layer.post_attention_layernorm.prefetch = plan(layer.mlp.gate_up_proj)
-        self.model.norm.prefetch = plan(self.lm_head)
 
     def checkpoint_tensor(self, name: str) -> torch.Tensor:
         """The tensor (a view) that holds Hugging Face checkpoint tensor ``name``:

@@ -110,9 +110,9 @@ class FusedAllReduceNorm:
     def fits(self, x: torch.Tensor) -> bool:
         return self.workspace.fits(x)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, prefetch=None):
-        """(RMSNorm(all-reduced x + residual), all-reduced x + residual); ``prefetch`` as RMSNorm's."""
-        return self.kernel(x, weight, eps, residual, self.workspace, prefetch=prefetch)
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor):
+        """(RMSNorm(all-reduced x + residual), all-reduced x + residual)."""
+        return self.kernel(x, weight, eps, residual, self.workspace)
 
 
 def fuse_into_norms(model, op: FusedAllReduceNorm | None) -> None:

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from minillm.kernels.fused_layer_ops import rms_norm, rms_norm_ref, rope, rope_ref, silu_and_mul, silu_and_mul_ref
-from minillm.kernels.l2_prefetch import prefetch_plan
 from minillm.model.llama import apply_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,22 +87,3 @@ def test_bad_inputs_are_refused_with_the_bad_value():
         rope(randn(3, 2, 16), randn(3, 8), randn(3, 8))
     with pytest.raises(ValueError, match="int64"):
         rms_norm(torch.ones(2, 8, dtype=torch.int64, device=DEVICE), randn(8), 1e-5)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_that_prefetches_the_next_weight_gives_the_same_result(dtype):
-    # On a GPU the bulk prefetches run (into L2 only); under the interpreter the plan's arguments still pass.
-    x, r, w = randn(1, 3, 96, dtype=dtype), randn(1, 3, 96, dtype=dtype, seed=2), randn(96, dtype=dtype, seed=1)
-    nxt = randn(300, 96, dtype=dtype, seed=4)
-    plain = rms_norm(x, w, 1e-6, residual=r)
-    warmed = rms_norm(x, w, 1e-6, residual=r, prefetch=prefetch_plan(nxt, 10_000))
-    assert all(torch.equal(a, b) for a, b in zip(plain, warmed))
-
-
-def test_prefetch_plan_spreads_the_bytes_over_row_starts_in_16_byte_units():
-    weight = torch.empty(300, 96, dtype=torch.float16)  # rows of 192 bytes
-    assert prefetch_plan(weight, 300 * 50) == (weight, 48)  # 50 bytes a row, down to 16-byte units
-    assert prefetch_plan(weight, 10**9)[1] == 192  # never past a row's end
-    assert prefetch_plan(weight, 0)[1] == 0
-    with pytest.raises(ValueError, match="not 16-byte aligned"):
-        prefetch_plan(torch.empty(4, 3, dtype=torch.float16), 64)

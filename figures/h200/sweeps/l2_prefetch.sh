@@ -1,3 +1,5 @@
+# Ran at commit 305280e; the prefetch it measures made decoding slower and was removed after this run
+# (figures/h200/sweeps/l2_prefetch.json says by how much). To rerun it, check out that commit.
 # Does warming L2 with the next matmul's weights inside the norm kernels pay (kernels/l2_prefetch.py)?
 # Batch-1 decode of llama2-7b (dummy) on one H200 and on two (fused all-reduce), MINILLM_L2_PREFETCH_MB
 # 0 / 16 / 32, all in one call on nvidia-h200-x2; plus the kernels' GPU tests. Writes $OUT.
