@@ -121,10 +121,13 @@ def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Epochs, PeerBuffers, rank
     if PHASE != 1:  # wait for every peer's rows, then sum in rank order, add the residual, normalise
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         for row in range(p, n_rows, programs):
+            r_ptrs = row * n_cols + cols
+            own = tl.load(X + r_ptrs, mask=mask, other=0.0)  # this GPU's loads first: they need no peer
+            residual = tl.load(R + r_ptrs, mask=mask, other=0.0)
             total = tl.zeros((BLOCK,), tl.float32)
             for q in tl.static_range(WORLD):
                 if q == rank:
-                    part = tl.load(X + row * n_cols + cols, mask=mask, other=0.0)
+                    part = own
                 else:  # volatile: each poll reads memory again (peers write it over NVLink)
                     ptrs = Buffer + ((parity * WORLD + q) * max_rows + row) * row_words + words
                     ll = tl.load(ptrs, mask=word_mask, other=0, volatile=True)
@@ -136,8 +139,7 @@ def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Epochs, PeerBuffers, rank
                         _stop(spins, Epochs, p)
                     part = _from_words(ll.to(tl.int32), X.dtype.element_ty, BLOCK)
                 total += part.to(tl.float32)
-            r_ptrs = row * n_cols + cols
-            s = total.to(X.dtype.element_ty) + tl.load(R + r_ptrs, mask=mask, other=0.0)  # rounded, as in torch
+            s = total.to(X.dtype.element_ty) + residual  # rounded, as in torch
             tl.store(S + r_ptrs, s, mask=mask)
             sf = s.to(tl.float32)
             inv_rms = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / n_cols + eps)

@@ -74,7 +74,8 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.workers: Workers | None = None  # this process's rank, with tensor or pipeline parallelism
-        all_reduce = tp_all_reduce.chosen(self.device) if config.tensor_parallel_size > 1 else "nccl"
+        size = config.tensor_parallel_size
+        all_reduce = tp_all_reduce.chosen(self.device, size) if size > 1 else "nccl"
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             self.workers = Workers.start(config, self.device)
             self.device = self.workers.device

@@ -32,18 +32,15 @@ def test_tp2_on_two_gpus_gives_the_one_gpu_tokens():
     assert greedy_tokens(tensor_parallel_size=2) == greedy_tokens()
 
 
-def test_tp2_with_the_symmetric_memory_all_reduce_gives_the_same_tokens(monkeypatch):
-    # Two ranks' sum is a + b in either order: the one-shot all-reduce must match NCCL's bit for bit.
+@pytest.mark.parametrize("all_reduce", ["symm_mem", "fused", "auto"])
+def test_tp2_with_each_all_reduce_gives_nccls_tokens(monkeypatch, all_reduce):
+    # Two ranks' sum is a + b in either order: the one-shot all-reduce must match NCCL's bit for bit, and
+    # so must the fused kernel, which adds the two partials in rank order in fp32 and rounds once.
+    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", "nccl")
     nccl = greedy_tokens(tensor_parallel_size=2)
-    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", "symm_mem")
+    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", all_reduce)
     assert greedy_tokens(tensor_parallel_size=2) == nccl
 
-
-def test_tp2_with_the_all_reduce_fused_into_the_norms_gives_the_same_tokens(monkeypatch):
-    # Its kernel adds the two partials in rank order in fp32 and rounds once: a + b, NCCL's bits.
-    nccl = greedy_tokens(tensor_parallel_size=2)
-    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", "fused")
-    assert greedy_tokens(tensor_parallel_size=2) == nccl
 
 
 def test_pp2_on_two_gpus_gives_the_one_gpu_tokens():

@@ -1,5 +1,5 @@
-"""The all-reduce of tensor parallelism: NCCL by default; a one-shot all-reduce over symmetric memory;
-or that all-reduce fused into the residual add and RMSNorm after it.
+"""The all-reduce of tensor parallelism: NCCL; a one-shot all-reduce over symmetric memory; or that
+all-reduce fused into the residual add and RMSNorm after it (the default on GPUs that reach each other).
 
 Why a second one: a decode step of Llama-2-7B all-reduces one [batch, 4096] activation twice per
 layer, 64 times per token, and at batch 1 that is 8 KB each: pure latency. NCCL's ring pays a few
@@ -9,17 +9,21 @@ Memory" in its docs) gives every rank a buffer the others can read over NVLink, 
 all-reduce is one kernel in which each rank reads every peer's buffer and sums: no ring steps,
 no protocol (the idea of vLLM's and TensorRT-LLM's custom all-reduce kernels).
 
-Opt-in: ``MINILLM_TP_ALLREDUCE=symm_mem`` (vLLM switches its own with an environment variable too).
+``MINILLM_TP_ALLREDUCE`` picks one (vLLM switches its own with an environment variable too).
+``symm_mem``:
 It needs CUDA GPUs with peer access (NVLink); activations larger than the buffer (one step's token
 budget) and other dtypes still go through NCCL. On two H200s it saved ~1.5 % of a batch-1 decode
 step (``figures/h200/tp_decode_profile.json``): torch's kernel pays for a barrier of its own, and
 the copy into the buffer is a kernel too.
 
-``MINILLM_TP_ALLREDUCE=fused`` goes further: every row-parallel output (o_proj, down_proj) is followed
-by ``x + residual`` and an RMSNorm, so the row-parallel linear leaves its output unreduced and the norm
-after it runs ``kernels/all_reduce_norm.py``: push to the peers, wait, sum, add, normalise, one kernel
-(:class:`FusedAllReduceNorm`, wired in by :func:`fuse_into_norms`). Decode batches up to ``max_rows``
-rows take it; longer steps (prefill chunks) keep NCCL and the plain norm.
+``fused`` goes further: every row-parallel output (o_proj, down_proj) is followed by ``x + residual``
+and an RMSNorm, so the row-parallel linear leaves its output unreduced and the norm after it runs
+``kernels/all_reduce_norm.py``: push to the peers, wait, sum, add, normalise, one kernel
+(:class:`FusedAllReduceNorm`, wired in by :func:`fuse_into_norms`). Decode batches up to ``MAX_ROWS``
+rows take it; longer steps (prefill chunks) keep NCCL and the plain norm. On two H200s it took TP=2's
+batch-1 decode from 1.28x to 1.48x one GPU's (``figures/h200/latency_tp_fused.json``), with NCCL's
+tokens, so ``auto`` (the default) picks it whenever every pair of the ranks' GPUs has peer access,
+and ``nccl`` elsewhere (and on CPUs, where the group's all-reduce is gloo's).
 """
 
 from __future__ import annotations
@@ -44,15 +48,25 @@ def all_reduce(x: torch.Tensor) -> None:
         dist.all_reduce(x)
 
 
-def chosen(device: torch.device) -> str:
-    """The all-reduce ``MINILLM_TP_ALLREDUCE`` asks for (default "nccl"), checked against ``device``."""
-    choice = os.environ.get(ENV, "nccl")
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV}={choice!r}; valid: {', '.join(CHOICES)}")
+def chosen(device: torch.device, size: int) -> str:
+    """The all-reduce ``MINILLM_TP_ALLREDUCE`` asks for, checked against ``device``, for ``size`` ranks
+    (GPUs 0 .. size - 1, one a rank); "auto" (the default): "fused" where their GPUs reach each other."""
+    choice = os.environ.get(ENV, "auto")
+    if choice not in ("auto", *CHOICES):
+        raise ValueError(f"{ENV}={choice!r}; valid: auto, {', '.join(CHOICES)}")
+    if choice == "auto":
+        return "fused" if device.type == "cuda" and _peers_reach_each_other(size) else "nccl"
     if choice != "nccl" and device.type != "cuda":
         raise ValueError(f"{ENV}={choice} needs CUDA GPUs (NVLink peers), but the ranks run on {device.type}; "
                          f"unset it (NCCL or gloo is used)")
     return choice
+
+
+def _peers_reach_each_other(size: int) -> bool:
+    """Whether GPUs 0 .. size - 1 can all read and write each other's memory (NVLink or PCIe peers)."""
+    if torch.cuda.device_count() < size:
+        return False  # (the engine then says how many GPUs it needs)
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(size) for b in range(size) if a != b)
 
 
 def _symmetric_empty(numel: int, dtype: torch.dtype, device: torch.device):
