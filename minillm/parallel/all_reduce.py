@@ -106,7 +106,10 @@ class FusedAllReduceNorm:
     """The workspace of ``kernels/all_reduce_norm.py`` on this rank: two slots a rank of ``max_rows`` rows
     of ``hidden`` in symmetric memory (as LL words: twice the bytes), and this rank's epochs."""
 
-    PROGRAMS = 16  # the kernel's grid: rows are dealt out over it; every call launches all of them
+    # The kernel's grid: rows are dealt out over it, and every call launches all of it (the epochs need
+    # that). 16: 2.25 us at batch 1 and 5.9 at 64 rows on one H200 without a peer; 64: 2.51 and 2.7
+    # (figures/h200/sweeps/all_reduce_norm_local.json). Batch-1 latency wins.
+    PROGRAMS = 16
     MAX_ROWS = 256  # the most rows it takes (the engine's decode batches); more go through NCCL and a norm
 
     def __init__(self, device: torch.device, max_rows: int, hidden: int, dtype: torch.dtype):
