@@ -14,8 +14,9 @@ the stores), with NCCL's "LL" (low-latency) protocol for the handshake:
 1. push: each program stores its rows of this rank's partial sum into every peer's buffer, in the
    slot of this rank, as 8-byte words that each hold 4 bytes of data and the call's *epoch*;
 2. wait: it reads its rows of each peer's slot in this GPU's memory until every word carries the
-   epoch. An 8-byte store lands whole (PTX: vector elements are single-copy atomic), so a word with
-   the epoch holds this call's data: no flag, no fence and no second trip over NVLink, which a
+   epoch. An aligned 8-byte store lands whole (NCCL's LL protocol relies on the same; it issues its
+   stores volatile, these are plain), so a word with the epoch holds this call's data: no flag, no
+   fence and no second trip over NVLink, which a
    separate flag written after a release fence costs (the first version of this kernel: 6.3 us a call
    on two H200s, ``figures/h200/latency_tp_fused.json``);
 3. reduce: sum the partials in rank order, so every rank computes the same bits; round to the dtype
@@ -26,11 +27,13 @@ The grid is always ``programs`` wide and every rank makes the same calls, so pro
 same on every rank. Slots alternate with the epoch's parity (double buffering): a peer can run at most
 one call ahead (it cannot finish call n + 1 before this rank pushes call n + 1, which it does only after
 its call n kernel has finished), so a peer never overwrites words that this rank has yet to read, and
-the words of the slot being read carry either this call's epoch or the one two calls back.
+the words of the slot being read carry either this call's epoch or the one two calls back. The wait is
+for *equality* with the epoch and the parity is its low bit, so the int32 count may wrap (after 2**32
+calls of a program: about a day of batch-1 decoding of Llama-2-7B at TP=2).
 
-A wait that outlasts ``MAX_SPIN`` polls (tens of seconds: a peer may be compiling a kernel) stops the
-kernel with a ``trap``, a CUDA error instead of a silent hang: ranks that disagree on the sequence of
-calls (as NCCL would hang too).
+A wait that outlasts ``MAX_SPIN`` polls (tens of minutes, as NCCL's timeout here: a peer may be
+compiling or autotuning a kernel) stops the kernel with a ``trap``, a CUDA error instead of a silent
+hang: ranks that disagree on the sequence of calls (where NCCL would hang too).
 
 Under the interpreter (CPU tests) one process plays every rank, which cannot spin while another rank
 is yet to run: ``PHASE=1`` runs step 1 for each rank, then ``PHASE=2`` steps 2-3 (``phases``).
@@ -49,7 +52,7 @@ from minillm.kernels.fused_layer_ops import rms_norm_ref
 from minillm.kernels.int_float import ASM
 
 INTERPRET = interpreter_on()
-MAX_SPIN = 1 << 25  # polls of a flag before the kernel traps: ~30 s at ~1 us an acquire of an L2 line
+MAX_SPIN = 1 << 30  # polls of a peer's row before the kernel traps: ~30 min at ~1-2 us a poll
 
 
 def all_reduce_rms_norm_ref(partials: list[torch.Tensor], weight: torch.Tensor, eps: float,
@@ -65,9 +68,10 @@ class Workspace:
     """One rank's view of the symmetric memory the kernel works in.
 
     buffer: this rank's int64 [2, world, max_rows, words] slots (parity, source rank) of rows of
-    ``dtype`` in LL words (``words`` = hidden * itemsize / 4), which peers write; epochs: [programs]
-    int32, this rank's own count of calls per program; peer_buffers: int64 [world], the address of
-    every rank's buffer as this process sees it (its own included, unused)."""
+    ``dtype`` in LL words (``words`` = hidden * itemsize / 4), which peers write; epochs: [programs + 1]
+    int32, this rank's own count of calls per program, then a word the interpreter sets when a wait
+    gives up; peer_buffers: int64 [world], the address of every rank's buffer as this process sees it
+    (its own included, unused)."""
 
     rank: int
     world: int
@@ -81,6 +85,11 @@ class Workspace:
     def buffer_shape(world: int, max_rows: int, hidden: int, dtype: torch.dtype) -> tuple[int, ...]:
         check(hidden * dtype.itemsize % 4 == 0, f"rows of {hidden} {dtype} are not whole 4-byte words")
         return 2, world, max_rows, hidden * dtype.itemsize // 4
+
+    @staticmethod
+    def zeroed_epochs(programs: int, device: torch.device) -> torch.Tensor:
+        """A fresh ``epochs``: no calls yet, not stopped."""
+        return torch.zeros(programs + 1, dtype=torch.int32, device=device)
 
     @property
     def max_rows(self) -> int:
@@ -105,8 +114,8 @@ def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Epochs, PeerBuffers, rank
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     words = tl.arange(0, WORDS)
-    epoch = tl.load(Epochs + p) + 1
-    parity = epoch % 2
+    epoch = tl.load(Epochs + p) + 1  # (wraps after 2**31: see the module docstring)
+    parity = epoch & 1
     row_words = n_cols * WORDS // BLOCK  # a row's words: hidden * itemsize / 4 (a whole number: checked)
     word_mask = words < row_words
     if PHASE != 2:  # push this rank's rows, stamped with the epoch, into every peer's slot for it
@@ -132,11 +141,11 @@ def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Epochs, PeerBuffers, rank
                     ptrs = Buffer + ((parity * WORLD + q) * max_rows + row) * row_words + words
                     ll = tl.load(ptrs, mask=word_mask, other=0, volatile=True)
                     spins = 0
-                    while (_oldest(ll, word_mask, epoch) < epoch) & (spins < MAX_SPIN):
+                    while (_arrived(ll, word_mask, epoch) == 0) & (spins < MAX_SPIN):
                         ll = tl.load(ptrs, mask=word_mask, other=0, volatile=True)
                         spins += 1
-                    if _oldest(ll, word_mask, epoch) < epoch:
-                        _stop(spins, Epochs, p)
+                    if _arrived(ll, word_mask, epoch) == 0:
+                        _stop(spins, Epochs + programs)
                     part = _from_words(ll.to(tl.int32), X.dtype.element_ty, BLOCK)
                 total += part.to(tl.float32)
             s = total.to(X.dtype.element_ty) + residual  # rounded, as in torch
@@ -145,14 +154,13 @@ def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Epochs, PeerBuffers, rank
             inv_rms = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / n_cols + eps)
             normed = (sf * inv_rms).to(X.dtype.element_ty)  # round, then multiply by the weight (transformers)
             tl.store(Y + r_ptrs, (normed.to(tl.float32) * w).to(Y.dtype.element_ty), mask=mask)
-        if tl.load(Epochs + p) >= 0:  # (-1: stopped)
-            tl.store(Epochs + p, epoch)
+        tl.store(Epochs + p, epoch)
 
 
 @triton.jit
-def _oldest(ll, word_mask, epoch):
-    """The smallest epoch stamped on the row's words (the masked ones count as current)."""
-    return tl.min(tl.where(word_mask, (ll >> 32).to(tl.int32), epoch), axis=0)
+def _arrived(ll, word_mask, epoch):
+    """1 if every word of the row (the masked ones aside) is stamped with ``epoch``, else 0."""
+    return tl.min(tl.where(word_mask, (ll >> 32).to(tl.int32) == epoch, True).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -180,13 +188,13 @@ def _from_words(words, dtype: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _stop(seen, Epochs, p):
-    """End the kernel with an error: a peer never raised its flag. The interpreter runs no PTX: there the
-    program leaves its epoch at -1, for the wrapper to raise on."""
+def _stop(spins, Stopped):
+    """End the kernel with an error: a peer's row never arrived. The interpreter runs no PTX: there the
+    program sets the workspace's stop word, for the wrapper to raise on."""
     if ASM:
-        tl.inline_asm_elementwise("trap;", "=r,r", [seen], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("trap;", "=r,r", [spins], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        tl.store(Epochs + p, -1)
+        tl.store(Stopped, 1)
 
 
 def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
@@ -211,6 +219,6 @@ def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, resid
             x, residual, weight, y, s, workspace.buffer, workspace.epochs, workspace.peer_buffers, workspace.rank, rows,
             x.shape[-1], workspace.max_rows, eps, WORLD=workspace.world, BLOCK=block,
             WORDS=block * x.dtype.itemsize // 4, PHASE=phase, MAX_SPIN=max_spin)
-        if INTERPRET and phase != 1 and workspace.epochs.min() < 0:
-            raise RuntimeError("all_reduce_rms_norm: a peer never signalled (the ranks disagree on the calls)")
+        if INTERPRET and phase != 1 and workspace.epochs[-1] != 0:
+            raise RuntimeError("all_reduce_rms_norm: a peer's rows never arrived (the ranks disagree on the calls)")
     return y, s

@@ -15,6 +15,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -92,7 +93,8 @@ class Engine:
             rows = min(config.max_num_seqs, tp_all_reduce.FusedAllReduceNorm.MAX_ROWS)
             fused = tp_all_reduce.FusedAllReduceNorm(self.device, rows, self.model_config.hidden_size, self.dtype)
             tp_all_reduce.fuse_into_norms(self.model, fused)
-            self.workers.on_shutdown(lambda: tp_all_reduce.fuse_into_norms(self.model, None))
+            # A partial, not a lambda: a closure over self would keep the engine alive (Workers.on_shutdown).
+            self.workers.on_shutdown(partial(tp_all_reduce.fuse_into_norms, self.model, None))
         self.model_source, self.quantization = loaded.source, loaded.quantization
         model_limit = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)

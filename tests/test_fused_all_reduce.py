@@ -17,6 +17,7 @@ from minillm.kernels.fused_layer_ops import rms_norm_ref
 from minillm.model.config import PRESETS
 from minillm.model.llama import LlamaForCausalLM
 from minillm.parallel.all_reduce import fuse_into_norms
+from minillm.parallel.workers import _free_port
 
 
 class SumThenNorm:
@@ -42,7 +43,7 @@ def causal_attention(layer_idx, q, k, v):
 
 @pytest.fixture
 def one_rank_group():
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -16,12 +16,14 @@ from minillm import LLM, SamplingParams
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
 
-def greedy_tokens(**kwargs) -> list[list[int]]:
+def greedy_tokens(dtype="float32", expect_fused=None, **kwargs) -> list[list[int]]:
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (5, 70, 300, 33)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    with LLM("llama2-7b", load_format="dummy", dtype="float32", batching="continuous", max_model_len=512,
+    with LLM("llama2-7b", load_format="dummy", dtype=dtype, batching="continuous", max_model_len=512,
              num_kv_blocks=256, max_num_seqs=8, **kwargs) as llm:
+        if expect_fused is not None:  # the path this run took: the final norm sums down_proj's output or not
+            assert (llm.engine.model.model.norm.reduce_input is not None) == expect_fused
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     gc.collect()
     torch.cuda.empty_cache()
@@ -32,14 +34,17 @@ def test_tp2_on_two_gpus_gives_the_one_gpu_tokens():
     assert greedy_tokens(tensor_parallel_size=2) == greedy_tokens()
 
 
-@pytest.mark.parametrize("all_reduce", ["symm_mem", "fused", "auto"])
-def test_tp2_with_each_all_reduce_gives_nccls_tokens(monkeypatch, all_reduce):
+@pytest.mark.parametrize("all_reduce, dtype", [("symm_mem", "float32"), ("fused", "float32"), ("auto", "float32"),
+                                               ("fused", "bfloat16")])
+def test_tp2_with_each_all_reduce_gives_nccls_tokens(monkeypatch, all_reduce, dtype):
     # Two ranks' sum is a + b in either order: the one-shot all-reduce must match NCCL's bit for bit, and
-    # so must the fused kernel, which adds the two partials in rank order in fp32 and rounds once.
+    # so must the fused kernel, which adds the two partials in fp32 and rounds once (exact for two 16-bit
+    # values: bf16 too, where near-ties would show any difference).
     monkeypatch.setenv("MINILLM_TP_ALLREDUCE", "nccl")
-    nccl = greedy_tokens(tensor_parallel_size=2)
+    nccl = greedy_tokens(dtype, expect_fused=False, tensor_parallel_size=2)
     monkeypatch.setenv("MINILLM_TP_ALLREDUCE", all_reduce)
-    assert greedy_tokens(tensor_parallel_size=2) == nccl
+    fused = all_reduce == "fused" or (all_reduce == "auto" and torch.cuda.can_device_access_peer(0, 1))
+    assert greedy_tokens(dtype, expect_fused=fused, tensor_parallel_size=2) == nccl
 
 
 

@@ -153,8 +153,8 @@ class DecoderLayer(nn.Module):
         ``fused_add_rms_norm`` does: one kernel fewer per layer, and the sum is rounded to the dtype
         before it is normalised exactly as transformers' ``x + mlp_out`` is. The first layer gets the
         embedding as x and no residual; every later one the previous layer's (mlp_out, residual).
-        Under tensor parallelism mlp_out is down_proj's all-reduced output, so a fused all-reduce +
-        add + norm could take it as it is."""
+        Under tensor parallelism mlp_out is down_proj's all-reduced output, or with the fused all-reduce
+        (``parallel/all_reduce.py``) its unreduced one, which the next norm sums."""
         if residual is None:
             normed, residual = self.input_layernorm(x), x
         else:

@@ -63,8 +63,9 @@ def chosen(device: torch.device, size: int) -> str:
 
 
 def _peers_reach_each_other(size: int) -> bool:
-    """Whether GPUs 0 .. size - 1 can all read and write each other's memory (NVLink or PCIe peers)."""
-    if torch.cuda.device_count() < size:
+    """Whether GPUs 0 .. size - 1 can all read and write each other's memory (NVLink or PCIe peers). Ranks
+    on several hosts (torchrun's LOCAL_WORLD_SIZE below the ranks) cannot."""
+    if torch.cuda.device_count() < size or int(os.environ.get("LOCAL_WORLD_SIZE", size)) < size:
         return False  # (the engine then says how many GPUs it needs)
     return all(torch.cuda.can_device_access_peer(a, b) for a in range(size) for b in range(size) if a != b)
 
@@ -121,7 +122,7 @@ class FusedAllReduceNorm:
         # Zeroed: every word stamped with epoch 0, older than the first call's (1).
         buffer, buffers = _symmetric_empty(math.prod(shape), torch.int64, device)
         self.workspace = Workspace(dist.get_rank(), world, self.PROGRAMS, dtype, buffer.view(shape),
-                                   torch.zeros(self.PROGRAMS, dtype=torch.int32, device=device),
+                                   Workspace.zeroed_epochs(self.PROGRAMS, device),
                                    torch.tensor(buffers, dtype=torch.int64, device=device))
 
     def fits(self, x: torch.Tensor) -> bool:

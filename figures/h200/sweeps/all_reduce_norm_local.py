@@ -17,7 +17,7 @@ buffer = torch.zeros(Workspace.buffer_shape(1, 256, hidden, dtype), dtype=torch.
 w = torch.randn(hidden, device=dev, generator=g).to(dtype)
 runs = {}
 for programs in (16, 64):  # the kernel's grid: rows are dealt out over it
-    ws = Workspace(0, 1, programs, dtype, buffer, torch.zeros(programs, dtype=torch.int32, device=dev),
+    ws = Workspace(0, 1, programs, dtype, buffer, Workspace.zeroed_epochs(programs, dev),
                    torch.tensor([buffer.data_ptr()], dtype=torch.int64, device=dev))
     for rows in (1, 64):
         x, r = (torch.randn(1, rows, hidden, device=dev, generator=g).to(dtype) for _ in range(2))
