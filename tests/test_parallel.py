@@ -109,7 +109,7 @@ def test_a_failing_release_hook_still_brings_the_group_down():
     assert [p.exitcode for p in workers] == [0]  # told to stop, not killed
 
 
-@pytest.mark.parametrize("value, message", [("ring", r"MINILLM_TP_ALLREDUCE='ring'; valid: auto, nccl, symm_mem, fused"),
+@pytest.mark.parametrize("value, message", [("ring", r"MINILLM_TP_ALLREDUCE='ring'; valid: nccl, symm_mem, fused"),
                                             ("symm_mem", "symm_mem needs CUDA GPUs .* run on cpu"),
                                             ("fused", "fused needs CUDA GPUs .* run on cpu")])
 def test_a_bad_all_reduce_choice_is_refused_before_any_process_starts(monkeypatch, value, message):
@@ -119,11 +119,13 @@ def test_a_bad_all_reduce_choice_is_refused_before_any_process_starts(monkeypatc
     assert not torch.distributed.is_initialized()
 
 
-def test_the_default_all_reduce_on_cpus_is_the_groups_own(monkeypatch):
-    from minillm.parallel.all_reduce import chosen
+def test_a_tensor_parallel_engine_after_a_fused_one_is_refused(monkeypatch):
+    import minillm.parallel.all_reduce as all_reduce
 
-    monkeypatch.delenv("MINILLM_TP_ALLREDUCE", raising=False)
-    assert chosen(torch.device("cpu"), 2) == "nccl"  # (gloo's, on a CPU)
+    monkeypatch.setattr(all_reduce, "_fused_engines", 1)  # as FusedAllReduceNorm leaves it, on GPUs
+    with pytest.raises(RuntimeError, match="run it in a new process"):
+        LLM("tiny", load_format="dummy", tensor_parallel_size=2, **CONTINUOUS)
+    assert not torch.distributed.is_initialized()
 
 
 TORCHRUN_SCRIPT = """

@@ -1,5 +1,5 @@
-"""The all-reduce of tensor parallelism: NCCL; a one-shot all-reduce over symmetric memory; or that
-all-reduce fused into the residual add and RMSNorm after it (the default on GPUs that reach each other).
+"""The all-reduce of tensor parallelism: NCCL by default; a one-shot all-reduce over symmetric memory;
+or that all-reduce fused into the residual add and RMSNorm after it.
 
 Why a second one: a decode step of Llama-2-7B all-reduces one [batch, 4096] activation twice per
 layer, 64 times per token, and at batch 1 that is 8 KB each: pure latency. NCCL's ring pays a few
@@ -22,8 +22,9 @@ and an RMSNorm, so the row-parallel linear leaves its output unreduced and the n
 (:class:`FusedAllReduceNorm`, wired in by :func:`fuse_into_norms`). Decode batches up to ``MAX_ROWS``
 rows take it; longer steps (prefill chunks) keep NCCL and the plain norm. On two H200s it took TP=2's
 batch-1 decode from 1.28x to 1.48x one GPU's (``figures/h200/latency_tp_fused.json``), with NCCL's
-tokens, so ``auto`` (the default) picks it whenever every pair of the ranks' GPUs has peer access,
-and ``nccl`` elsewhere (and on CPUs, where the group's all-reduce is gloo's).
+tokens. It stays opt-in for now: on the H200s, a second tensor-parallel engine built in the same
+process after a fused one had closed did not start (``tests/test_parallel_gpu.py`` stalled there; the
+cause is not found yet), so building one is refused with an error instead (:func:`check_fresh_process`).
 """
 
 from __future__ import annotations
@@ -49,17 +50,29 @@ def all_reduce(x: torch.Tensor) -> None:
 
 
 def chosen(device: torch.device, size: int) -> str:
-    """The all-reduce ``MINILLM_TP_ALLREDUCE`` asks for, checked against ``device``, for ``size`` ranks
-    (GPUs 0 .. size - 1, one a rank); "auto" (the default): "fused" where their GPUs reach each other."""
-    choice = os.environ.get(ENV, "auto")
-    if choice not in ("auto", *CHOICES):
-        raise ValueError(f"{ENV}={choice!r}; valid: auto, {', '.join(CHOICES)}")
-    if choice == "auto":
-        return "fused" if device.type == "cuda" and _peers_reach_each_other(size) else "nccl"
+    """The all-reduce ``MINILLM_TP_ALLREDUCE`` asks for (default "nccl"), checked against ``device`` and,
+    for the symmetric-memory ones, against ``size`` ranks' GPUs (0 .. size - 1, one a rank)."""
+    choice = os.environ.get(ENV, "nccl")
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV}={choice!r}; valid: {', '.join(CHOICES)}")
     if choice != "nccl" and device.type != "cuda":
         raise ValueError(f"{ENV}={choice} needs CUDA GPUs (NVLink peers), but the ranks run on {device.type}; "
                          f"unset it (NCCL or gloo is used)")
+    if choice != "nccl" and not _peers_reach_each_other(size):
+        raise ValueError(f"{ENV}={choice} needs GPUs 0..{size - 1} of one host to reach each other's memory "
+                         f"(peer access), and they do not; unset it (NCCL is used)")
     return choice
+
+
+_fused_engines = 0  # fused engines built in this process (check_fresh_process)
+
+
+def check_fresh_process() -> None:
+    """Refuse a parallel engine in a process that has built one with the fused all-reduce: on two H200s
+    the next one did not start (see the module docstring). An error, not a hang."""
+    if _fused_engines:
+        raise RuntimeError(f"this process already built a tensor-parallel engine with {ENV}=fused, and a parallel "
+                           f"engine after it has been seen to hang at start; run it in a new process")
 
 
 def _peers_reach_each_other(size: int) -> bool:
@@ -116,6 +129,8 @@ class FusedAllReduceNorm:
     def __init__(self, device: torch.device, max_rows: int, hidden: int, dtype: torch.dtype):
         from minillm.kernels.all_reduce_norm import Workspace, all_reduce_rms_norm
 
+        global _fused_engines
+        _fused_engines += 1
         self.kernel = all_reduce_rms_norm
         world = dist.get_world_size()
         shape = Workspace.buffer_shape(world, max_rows, hidden, dtype)
