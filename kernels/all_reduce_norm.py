@@ -16,9 +16,8 @@ the stores), with NCCL's "LL" (low-latency) protocol for the handshake:
 2. wait: it reads its rows of each peer's slot in this GPU's memory until every word carries the
    epoch. An aligned 8-byte store lands whole (NCCL's LL protocol relies on the same; it issues its
    stores volatile, these are plain), so a word with the epoch holds this call's data: no flag, no
-   fence and no second trip over NVLink, which a
-   separate flag written after a release fence costs (the first version of this kernel: 6.3 us a call
-   on two H200s, ``figures/h200/latency_tp_fused.json``);
+   fence and no second trip over NVLink, which a flag written after a release fence costs (the first
+   version of this kernel: 6.3 us a call on two H200s, ``figures/h200/latency_tp_fused.json``);
 3. reduce: sum the partials in rank order, so every rank computes the same bits; round to the dtype
    as an all-reduce's output is; then the residual add and the norm of ``fused_layer_ops.rms_norm``.
 
@@ -28,7 +27,7 @@ same on every rank. Slots alternate with the epoch's parity (double buffering): 
 one call ahead (it cannot finish call n + 1 before this rank pushes call n + 1, which it does only after
 its call n kernel has finished), so a peer never overwrites words that this rank has yet to read, and
 the words of the slot being read carry either this call's epoch or the one two calls back. The wait is
-for *equality* with the epoch and the parity is its low bit, so the int32 count may wrap (after 2**32
+for *equality* with the epoch and the parity is its low bit, so the int32 count may wrap (after 2**31
 calls of a program: about a day of batch-1 decoding of Llama-2-7B at TP=2).
 
 A wait that outlasts ``MAX_SPIN`` polls (tens of minutes, as NCCL's timeout here: a peer may be

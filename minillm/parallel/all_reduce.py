@@ -10,9 +10,8 @@ all-reduce is one kernel in which each rank reads every peer's buffer and sums: 
 no protocol (the idea of vLLM's and TensorRT-LLM's custom all-reduce kernels).
 
 ``MINILLM_TP_ALLREDUCE`` picks one (vLLM switches its own with an environment variable too).
-``symm_mem``:
-It needs CUDA GPUs with peer access (NVLink); activations larger than the buffer (one step's token
-budget) and other dtypes still go through NCCL. On two H200s it saved ~1.5 % of a batch-1 decode
+``symm_mem`` needs CUDA GPUs with peer access (NVLink); activations larger than the buffer (one step's
+token budget) and other dtypes still go through NCCL. On two H200s it saved ~1.5 % of a batch-1 decode
 step (``figures/h200/tp_decode_profile.json``): torch's kernel pays for a barrier of its own, and
 the copy into the buffer is a kernel too.
 

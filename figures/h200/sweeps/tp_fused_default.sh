@@ -1,6 +1,6 @@
-# The fused all-reduce as the default (MINILLM_TP_ALLREDUCE=auto) on nvidia-h200-x2: the two-GPU tests, then
-# batch-1 decode of llama2-7b (dummy) on one H200 and on two with the default, one after the other. Writes $OUT.
-# Run from the repository root: bash figures/h200/sweeps/tp_fused_default.sh
+# Ran at commit 5071f37, when MINILLM_TP_ALLREDUCE=auto (since removed) was the default and picked the fused
+# all-reduce, on nvidia-h200-x2: the two-GPU tests, then batch-1 decode of llama2-7b (dummy) on one H200 and on
+# two, one after the other. Writes $OUT. Run from the repository root: bash figures/h200/sweeps/tp_fused_default.sh
 ln -sfn ../kernels minillm/kernels; export PYTHONPATH=$PWD
 timeout 240 python3 -m pytest -q tests/test_parallel_gpu.py 2>&1 | tail -4 > $OUT/gpu_tests.log
 cat $OUT/gpu_tests.log
