@@ -119,13 +119,16 @@ def test_a_bad_all_reduce_choice_is_refused_before_any_process_starts(monkeypatc
     assert not torch.distributed.is_initialized()
 
 
-def test_a_tensor_parallel_engine_after_a_fused_one_is_refused(monkeypatch):
+def test_a_second_symmetric_memory_setup_in_a_process_is_refused_and_nccl_is_not(monkeypatch):
     import minillm.parallel.all_reduce as all_reduce
 
-    monkeypatch.setattr(all_reduce, "_fused_engines", 1)  # as FusedAllReduceNorm leaves it, on GPUs
-    with pytest.raises(RuntimeError, match="run it in a new process"):
-        LLM("tiny", load_format="dummy", tensor_parallel_size=2, **CONTINUOUS)
-    assert not torch.distributed.is_initialized()
+    monkeypatch.setattr(all_reduce, "_rendezvous_made", 1)  # as an earlier symm_mem or fused engine leaves it
+    for choice in ("symm_mem", "fused"):
+        with pytest.raises(RuntimeError, match=f"{choice}: this process already set up symmetric memory"):
+            all_reduce.check_fresh_process(choice)
+    all_reduce.check_fresh_process("nccl")
+    monkeypatch.setattr(all_reduce, "_rendezvous_made", 0)
+    all_reduce.check_fresh_process("fused")
 
 
 TORCHRUN_SCRIPT = """

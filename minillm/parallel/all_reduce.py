@@ -21,9 +21,14 @@ and an RMSNorm, so the row-parallel linear leaves its output unreduced and the n
 (:class:`FusedAllReduceNorm`, wired in by :func:`fuse_into_norms`). Decode batches up to ``MAX_ROWS``
 rows take it; longer steps (prefill chunks) keep NCCL and the plain norm. On two H200s it took TP=2's
 batch-1 decode from 1.28x to 1.48x one GPU's (``figures/h200/latency_tp_fused.json``), with NCCL's
-tokens. It stays opt-in for now: on the H200s, a second tensor-parallel engine built in the same
-process after a fused one had closed did not start (``tests/test_parallel_gpu.py`` stalled there; the
-cause is not found yet), so building one is refused with an error instead (:func:`check_fresh_process`).
+tokens. It stays opt-in for now: with it as the default, ``tests/test_parallel_gpu.py`` stalled on the
+H200s where a process that had built one fused engine built a second. The likely cause is PyTorch's
+(pytorch/pytorch#196082, fixed after torch 2.11): symmetric memory's rendezvous numbers its store keys
+by the rendezvous *this process* has made, and a second engine's new worker processes start again
+from zero, so the driver and its new workers look for different keys and wait forever. Session 8's
+two-GPU suite fits this: a symm_mem engine followed by NCCL and pipeline engines in one process passed.
+So a second symmetric-memory engine (``symm_mem`` or ``fused``) in a process that has made a
+rendezvous is refused with an error instead (:func:`check_fresh_process`).
 """
 
 from __future__ import annotations
@@ -63,15 +68,17 @@ def chosen(device: torch.device, size: int) -> str:
     return choice
 
 
-_fused_engines = 0  # fused engines built in this process (check_fresh_process)
+_rendezvous_made = 0  # symmetric-memory rendezvous this process has made (check_fresh_process)
 
 
-def check_fresh_process() -> None:
-    """Refuse a parallel engine in a process that has built one with the fused all-reduce: on two H200s
-    the next one did not start (see the module docstring). An error, not a hang."""
-    if _fused_engines:
-        raise RuntimeError(f"this process already built a tensor-parallel engine with {ENV}=fused, and a parallel "
-                           f"engine after it has been seen to hang at start; run it in a new process")
+def check_fresh_process(choice: str) -> None:
+    """Refuse a symmetric-memory all-reduce (``choice`` "symm_mem" or "fused") in a process that has made a
+    rendezvous already: with new worker processes it would wait forever (the module docstring says why)."""
+    if choice != "nccl" and _rendezvous_made:
+        raise RuntimeError(f"{ENV}={choice}: this process already set up symmetric memory for an earlier "
+                           f"tensor-parallel engine, and with torch {torch.__version__} a second setup with new "
+                           f"worker processes waits forever (pytorch/pytorch#196082); run it in a new process, "
+                           f"or unset {ENV} (NCCL)")
 
 
 def _peers_reach_each_other(size: int) -> bool:
@@ -90,9 +97,11 @@ def _symmetric_empty(numel: int, dtype: torch.dtype, device: torch.device):
     group = dist.group.WORLD.group_name
     if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch releases, harmless in newer
         symm_mem.enable_symm_mem_for_group(group)
+    global _rendezvous_made
     tensor = symm_mem.empty(numel, dtype=dtype, device=device).zero_()
     torch.cuda.synchronize(device)  # zeroed before any peer can learn where it is
     handle = symm_mem.rendezvous(tensor, group)  # collective: every rank maps the others' buffers
+    _rendezvous_made += 1
     # buffer_ptrs are the allocations' starts; a pooled tensor may sit at the same offset into each.
     offset = tensor.data_ptr() - handle.buffer_ptrs[handle.rank]
     return tensor, [ptr + offset for ptr in handle.buffer_ptrs]
@@ -128,8 +137,6 @@ class FusedAllReduceNorm:
     def __init__(self, device: torch.device, max_rows: int, hidden: int, dtype: torch.dtype):
         from minillm.kernels.all_reduce_norm import Workspace, all_reduce_rms_norm
 
-        global _fused_engines
-        _fused_engines += 1
         self.kernel = all_reduce_rms_norm
         world = dist.get_world_size()
         shape = Workspace.buffer_shape(world, max_rows, hidden, dtype)
