@@ -74,7 +74,6 @@ class Workspace:
 
     rank: int
     world: int
-    programs: int
     dtype: torch.dtype
     buffer: torch.Tensor
     epochs: torch.Tensor
@@ -89,6 +88,11 @@ class Workspace:
     def zeroed_epochs(programs: int, device: torch.device) -> torch.Tensor:
         """A fresh ``epochs``: no calls yet, not stopped."""
         return torch.zeros(programs + 1, dtype=torch.int32, device=device)
+
+    @property
+    def programs(self) -> int:
+        """The kernel's grid: one program per epoch counter."""
+        return self.epochs.numel() - 1
 
     @property
     def max_rows(self) -> int:

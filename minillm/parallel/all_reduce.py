@@ -22,7 +22,7 @@ and an RMSNorm, so the row-parallel linear leaves its output unreduced and the n
 rows take it; longer steps (prefill chunks) keep NCCL and the plain norm. On two H200s it took TP=2's
 batch-1 decode from 1.28x to 1.48x one GPU's (``figures/h200/latency_tp_fused.json``), with NCCL's
 tokens. It stays opt-in for now: with it as the default, ``tests/test_parallel_gpu.py`` stalled on the
-H200s where a process that had built one fused engine built a second. The likely cause is PyTorch's
+H200s where a process that had built a fused engine built a second symmetric-memory one. The likely cause is PyTorch's
 (pytorch/pytorch#196082, fixed after torch 2.11): symmetric memory's rendezvous numbers its store keys
 by the rendezvous *this process* has made, and a second engine's new worker processes start again
 from zero, so the driver and its new workers look for different keys and wait forever. Session 8's
@@ -142,7 +142,7 @@ class FusedAllReduceNorm:
         shape = Workspace.buffer_shape(world, max_rows, hidden, dtype)
         # Zeroed: every word stamped with epoch 0, older than the first call's (1).
         buffer, buffers = _symmetric_empty(math.prod(shape), torch.int64, device)
-        self.workspace = Workspace(dist.get_rank(), world, self.PROGRAMS, dtype, buffer.view(shape),
+        self.workspace = Workspace(dist.get_rank(), world, dtype, buffer.view(shape),
                                    Workspace.zeroed_epochs(self.PROGRAMS, device),
                                    torch.tensor(buffers, dtype=torch.int64, device=device))
 

@@ -24,7 +24,7 @@ def simulated_ranks(world: int, programs: int, max_rows: int, hidden: int, dtype
     shape = Workspace.buffer_shape(world, max_rows, hidden, dtype)
     buffers = [(torch.randint(0, 2**32, shape, generator=g) - 2**62).to(DEVICE) for _ in range(world)]
     peer_buffers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=DEVICE)
-    return [Workspace(rank, world, programs, dtype, buffers[rank], Workspace.zeroed_epochs(programs, DEVICE),
+    return [Workspace(rank, world, dtype, buffers[rank], Workspace.zeroed_epochs(programs, DEVICE),
                       peer_buffers) for rank in range(world)]
 
 

@@ -1,6 +1,6 @@
 """What the fused all-reduce + norm kernel costs on one GPU with no peer to wait for (world = 1: its loads,
-the norm, the stores and the epoch, but no push and no poll), next to the plain fused RMSNorm kernel and
-to NCCL-free torch ops, at batch 1 and 64, hidden 4096, bf16; CUDA-graph timing (minillm.bench.kernels.time_ms).
+the norm, the stores and the epoch, but no push and no poll), next to the plain fused RMSNorm kernel, at
+batch 1 and 64, hidden 4096, bf16, over grids of 16 and 64 programs; CUDA-graph timing (minillm.bench.kernels.time_ms).
 The difference from the 4.85 us a call that two H200s measured (figures/h200/latency_tp_fused.json) is what
 the NVLink round trip and the wait for the peer cost. Writes $OUT/all_reduce_norm_local.json.
 Usage: OUT=/tmp/out PYTHONPATH=$PWD python figures/h200/sweeps/all_reduce_norm_local.py"""
@@ -17,7 +17,7 @@ buffer = torch.zeros(Workspace.buffer_shape(1, 256, hidden, dtype), dtype=torch.
 w = torch.randn(hidden, device=dev, generator=g).to(dtype)
 runs = {}
 for programs in (16, 64):  # the kernel's grid: rows are dealt out over it
-    ws = Workspace(0, 1, programs, dtype, buffer, Workspace.zeroed_epochs(programs, dev),
+    ws = Workspace(0, 1, dtype, buffer, Workspace.zeroed_epochs(programs, dev),
                    torch.tensor([buffer.data_ptr()], dtype=torch.int64, device=dev))
     for rows in (1, 64):
         x, r = (torch.randn(1, rows, hidden, device=dev, generator=g).to(dtype) for _ in range(2))
