@@ -27,6 +27,7 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable, interpreter_on
+from minillm.kernels.pdl import let_next_start, supported as pdl_supported
 
 INTERPRET = interpreter_on()
 
@@ -50,7 +51,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    let_next_start(PDL)  # the GEMV after a norm may start warming L2 now (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -80,7 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         s = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, r, weight, y, s, rows.stride(0), r.stride(0), y.stride(0), s.stride(0),
                                        rows.shape[1], eps, HAS_RESIDUAL=residual is not None,
-                                       BLOCK=triton.next_power_of_2(rows.shape[1]))
+                                       BLOCK=triton.next_power_of_2(rows.shape[1]), PDL=pdl_supported(x.device))
     y = y.view(x.shape)
     return y if residual is None else (y, s.view(x.shape))
 
@@ -140,7 +142,8 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    let_next_start(PDL)  # down_proj's GEMV may start warming L2 now
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -159,5 +162,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     block = 64 if INTERPRET else 1024
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), out.stride(0), n,
-                                                                 BLOCK=block)
+                                                                 BLOCK=block, PDL=pdl_supported(gate_up.device))
     return out.view(*gate_up.shape[:-1], n)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.model.config import ModelConfig
+from minillm.model.dense import Linear, gemv_choice
 
 
 class AttentionContext(Protocol):
@@ -97,8 +98,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.qkv_proj = nn.Linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.qkv_proj = Linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -129,8 +130,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
         if self.fused_ops is not None:
@@ -182,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         self.post_init()
 
@@ -196,13 +197,18 @@ class LlamaForCausalLM(nn.Module):
 
     def enable_fused_kernels(self, enabled: bool = True) -> None:
         """Run RMSNorm (+ residual add), RoPE and SiLU-and-multiply as Triton kernels
-        (``kernels/fused_layer_ops.py``) instead of chains of small torch ops."""
-        ops = None
+        (``kernels/fused_layer_ops.py``) instead of chains of small torch ops, and one-row products of the
+        dense linears as minillm's GEMV (``dense.py``; MINILLM_GEMV=cublas keeps cuBLAS for them)."""
+        ops = gemv = None
         if enabled:
             from minillm.kernels import fused_layer_ops as ops  # imports triton: only when asked for
+            if gemv_choice() == "triton":
+                from minillm.kernels import gemv
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused_ops = ops
+            if hasattr(module, "gemv"):  # dense.Linear and the tensor-parallel layers built on dense.product
+                module.gemv = gemv
 
     def checkpoint_tensor(self, name: str) -> torch.Tensor:
         """The tensor (a view) that holds Hugging Face checkpoint tensor ``name``:

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.model.config import ModelConfig
+from minillm.model.dense import product
 from minillm.parallel.all_reduce import all_reduce
 from minillm.quant import rtn
 from minillm.quant.linear import QuantLinear
@@ -237,6 +238,7 @@ class RowParallelLinear(nn.Module):
     heads or MLP slice), W_r is this rank's columns of W, and an all-reduce sums the partials."""
 
     reduced_by_next_norm = None  # see _reduced
+    gemv = None  # see dense.product
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -244,7 +246,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _reduced(self, F.linear(x, self.weight))
+        return _reduced(self, product(x, self.weight, self.gemv))
 
 
 class RowParallelQuantLinear(QuantLinear):
@@ -294,13 +296,15 @@ class VocabParallelLMHead(nn.Module):
     """Logits of vocabulary slice [start, end), all-gathered into full logits on every rank.
     all_gather wants equal sizes, so a short last slice is padded and the padding cut off."""
 
+    gemv = None  # see dense.product
+
     def __init__(self, start: int, end: int, vocab_size: int, size: int, hidden_size: int):
         super().__init__()
         self.vocab_size, self.per_rank, self.size = vocab_size, -(-vocab_size // size), size
         self.weight = nn.Parameter(torch.empty(end - start, hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = product(hidden, self.weight, self.gemv)
         local = F.pad(local, (0, self.per_rank - local.shape[-1])).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.size)]
         dist.all_gather(parts, local)

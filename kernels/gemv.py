@@ -1,0 +1,135 @@
+"""Dense GEMV: y = x @ W^T for one row of x and an ``nn.Linear`` weight W [N, K], in Triton.
+
+Why it exists: at batch-1 decode every linear is a GEMV, and its time is the weight's bytes over the
+bandwidth the kernel keeps in flight. cuBLAS picks tiles 64 outputs wide for these shapes, which
+leaves SMs idle where N is small: with tensor parallelism over two GPUs, Llama-2-7B's o_proj
+(N = 4096, K = 2048) is 64 tiles on 132 SMs, and its qkv_proj (N = 6144) 96; the H200 profile of
+TP=2 decode shows those GEMVs at ~3.0 TB/s where the whole-model ones run at 3.6-4.0
+(``figures/h200/latency_tp_fused.json``). This kernel splits both N and K so that every shape gets a
+few hundred programs, each streaming contiguous runs of its weight rows; the last program of a
+column tile sums the K-splits' partials (``split_k.py``). Which of cuBLAS and this kernel a linear
+uses is decided per weight shape by timing both (``minillm/gemv_choice.py``).
+
+One program: BLOCK_N rows of W and one K-split; it loads [BLOCK_N, BLOCK_K] tiles (each row's
+BLOCK_K inputs are contiguous: 16-byte loads), multiplies by x's tile in fp32 and sums over K once,
+after the loop. fp32 accumulation, as cuBLAS; the result may differ from it in the last bit of a
+16-bit y (another summation order).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from minillm.kernels import pdl
+from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
+from minillm.kernels.pdl import prefetch_to_l2, wait_for_previous
+from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
+
+INTERPRET = interpreter_on()
+# Candidates for the H200 (figures/h200/sweeps/gemv_bf16.json); a shape's best is found by the autotuner.
+CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk), num_warps=w, num_stages=s)
+           for bn, bk, sk, w, s in [(16, 256, 1, 4, 3), (16, 256, 2, 4, 3), (16, 512, 2, 4, 2), (32, 256, 2, 4, 3),
+                                    (8, 512, 2, 4, 3), (16, 256, 4, 4, 3), (32, 128, 4, 4, 3), (8, 256, 4, 2, 3)]]
+_INTERPRETER = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)
+# With PDL, what a GEMV's programs ask L2 for before they wait for x, in all (MINILLM_GEMV_PREFETCH_MB).
+PREFETCH_BYTES = int(float(os.environ.get("MINILLM_GEMV_PREFETCH_MB", "8")) * 2**20)
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T in fp32, rounded to x's dtype."""
+    return (x.float() @ weight.float().t()).to(x.dtype)
+
+
+@triton.jit
+def _gemv_kernel(X, W, Y, Partials, Counters, N, K, stride_wn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
+                 PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start, end = split_range(K, BLOCK_K, SPLIT_K)
+    rows = W + n.to(tl.int64)[:, None] * stride_wn
+    if PDL:  # launched early (pdl.py): warm L2 with the first lines of this program's rows, then wait for x
+        if PREFETCH_LINES > 0:
+            line = tl.arange(0, PREFETCH_LINES) * (1024 // W.dtype.element_ty.primitive_bitwidth)  # 128 B apart
+            first = W + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn  # clamped: never past the weight
+            prefetch_to_l2(first + tl.minimum(start + line, end - 1)[None, :])
+        wait_for_previous(PDL)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN:  # every tile whole: no masks (the common case, and the fast one)
+            w = tl.load(rows + k[None, :], eviction_policy="evict_first")
+            x = tl.load(X + k)
+        else:
+            w = tl.load(rows + k[None, :], mask=(n < N)[:, None] & (k < end)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(X + k, mask=k < end, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    m = tl.arange(0, 1)
+    finish(tl.sum(acc, axis=1)[None, :], Y, Partials, Counters, m, n, (n < N)[None, :], 1, N, 0,
+           tl.program_id(0), SPLIT_K)
+
+
+def _prefetch_lines(a: dict) -> int:
+    """128-byte lines per weight row to bring into L2 before the wait: PREFETCH_BYTES over the grid's
+    rows (a power of two, at most a K-split's length). Beyond L2's share, lines would evict each other."""
+    if not a["PDL"]:
+        return 0
+    per_row = PREFETCH_BYTES // (a["N"] * a["SPLIT_K"] * 128)
+    split_lines = triton.cdiv(triton.cdiv(a["K"], a["SPLIT_K"]) * a["W"].element_size(), 128)
+    lines = min(per_row, split_lines)
+    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
+
+
+_plain = triton.heuristics({
+    "EVEN": lambda a: a["N"] % a["BLOCK_N"] == 0 and a["K"] % (a["BLOCK_K"] * a["SPLIT_K"]) == 0,
+    "PREFETCH_LINES": _prefetch_lines})(_gemv_kernel)
+_tuned = triton.autotune(CONFIGS, key=["N", "K"])(_plain)
+_MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in CONFIGS)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] or [K] @ weight[N, K]^T -> [1, N] or [N] in x's dtype, written to ``out`` if given.
+    ``config`` pins the tiles (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); None autotunes
+    per (N, K) on CUDA."""
+    check(x.dtype in FLOAT_DTYPES, f"x.dtype is {x.dtype}; expected one of {FLOAT_DTYPES}")
+    check(weight.dtype == x.dtype, f"weight.dtype is {weight.dtype}; expected x's dtype {x.dtype}")
+    check(weight.dim() == 2 and weight.stride(1) == 1,
+          f"weight must be a 2-d [N, K] tensor contiguous along K; got shape {tuple(weight.shape)}, "
+          f"strides {weight.stride()}")
+    n, k = weight.shape
+    check(k > 0 and x.shape[-1] == k and x.numel() == k,
+          f"x has shape {tuple(x.shape)}; expected one row of K = {k} inputs ([{k}] or [1, {k}]), K > 0")
+    check(x.device == weight.device, f"x is on {x.device} but weight is on {weight.device}")
+    check_runnable("x", x)
+    check(triton.cdiv(n, 8) <= MAX_TILES, f"N = {n} needs more than {MAX_TILES} split-K tile counters")
+    xs = x.reshape(k).contiguous()
+    shape = (*x.shape[:-1], n)
+    y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+    check(y.shape == shape and y.dtype == x.dtype and y.device == x.device and y.is_contiguous(),
+          f"out is {y.dtype} {tuple(y.shape)} on {y.device}; expected contiguous {x.dtype} {shape} on {x.device}")
+    if n == 0:
+        return y
+    if config is None and INTERPRET:
+        config = _INTERPRETER
+    splits = config["SPLIT_K"] if config else _MAX_SPLIT_K
+    partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
+    args = (xs, weight, y, partials, tile_counters(x.device), n, k, weight.stride(0))
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+    early = pdl.supported(x.device)
+    launch = {"PDL": True, "launch_pdl": True} if early else {"PDL": False}
+    if config is None:
+        _tuned[grid](*args, **launch)
+    else:
+        _plain[grid(config)](*args, **config, **launch)
+    return y
+
+
+def tuned_config() -> dict | None:
+    """The config the autotuner picked last (for the benchmarks' records)."""
+    best = getattr(_tuned, "best_config", None)
+    return None if best is None else {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}

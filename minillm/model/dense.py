@@ -1,0 +1,48 @@
+"""The model's dense (unquantized) linear layers, whose one-row products may run minillm's GEMV kernel.
+
+Why it exists: at batch-1 decode every linear layer is a matrix-vector product whose time is its
+weight's bytes over the bandwidth it reaches. On an H200, ``kernels/gemv.py`` beats cuBLAS on every
+Llama-2-7B projection, whole or halved by tensor parallelism, by 5-16 %
+(``figures/h200/sweeps/gemv_bf16.json``), and on Hopper it starts while the kernel ahead of it still
+runs (``kernels/pdl.py``). So ``LlamaForCausalLM.enable_fused_kernels`` points every layer's ``gemv``
+at that kernel, unless MINILLM_GEMV=cublas asks to keep cuBLAS (to compare the two). A product takes
+it only where it can: one row of 16-bit x on a GPU, and no bias (Qwen2's qkv bias keeps cuBLAS, which
+adds it before rounding, as transformers does). Everything else is ``F.linear``, as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GEMV_CHOICES = ("triton", "cublas")
+
+
+def gemv_choice() -> str:
+    """MINILLM_GEMV: "triton" (the default) or "cublas" — who computes one-row products on a GPU."""
+    choice = os.environ.get("MINILLM_GEMV", "triton")
+    if choice not in GEMV_CHOICES:
+        raise ValueError(f"MINILLM_GEMV is {choice!r}; expected one of {GEMV_CHOICES}")
+    return choice
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, gemv) -> torch.Tensor:
+    """x @ weight^T: by ``gemv`` (the ``kernels.gemv`` module, or None) where x is one 16-bit row on a GPU."""
+    if (gemv is not None and x.is_cuda and x.numel() == weight.shape[1] and x.dtype == weight.dtype
+            and x.dtype in (torch.float16, torch.bfloat16)):
+        return gemv.gemv(x.reshape(1, -1), weight).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` with ``product``'s choice of kernel (bias-free layers only)."""
+
+    gemv = None  # kernels.gemv once enable_fused_kernels() is called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return F.linear(x, self.weight, self.bias)
+        return product(x, self.weight, self.gemv)

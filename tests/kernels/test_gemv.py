@@ -1,0 +1,111 @@
+"""The dense GEMV (kernels/gemv.py) against its fp32 reference: ragged N and K, one and several K-splits,
+fp32/fp16 (bf16 on a GPU), into a poisoned output; its input checks; on a GPU also the autotuned launch
+inside a CUDA graph (with PDL on Hopper) and the model's routing of one-row products to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.kernels import gemv as gemv_module
+from minillm.kernels.gemv import gemv, gemv_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2),
+       torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) + 0.25).to(dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, split", [(48, 128, 2), (37, 96, 2), (16, 64, 1), (70, 200, 3), (5, 33, 4)])
+def test_gemv_matches_reference(dtype, n, k, split):
+    """Whole tiles (no masks) and ragged ones, K-splits whose last program sums the partials, and a
+    split longer than its share of K (empty programs still arrive)."""
+    x, w = randn(1, k, dtype=dtype), randn(n, k, dtype=dtype, seed=1)
+    out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
+    config = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split)
+    y = gemv(x, w, config=config, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(y, gemv_ref(x, w), **TOL[dtype])
+    torch.testing.assert_close(gemv(x[0], w, config=config), y[0], atol=0, rtol=0)  # [K] -> [N], same bits
+
+
+def test_gemv_reads_a_strided_weight():
+    """Rows of a bigger matrix (a stride over N): the GEMV reads only the view's columns."""
+    big = randn(24, 160)
+    w, x = big[:, :96], randn(1, 96, seed=2)
+    torch.testing.assert_close(gemv(x, w, config=dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)), gemv_ref(x, w),
+                               **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("x_shape, w_shape, dtype, message", [
+    ((2, 64), (16, 64), torch.float32, "one row"),
+    ((1, 48), (16, 64), torch.float32, "one row"),
+    ((1, 64), (16, 64), torch.int32, "x.dtype"),
+])
+def test_gemv_rejects_bad_inputs(x_shape, w_shape, dtype, message):
+    x = torch.ones(x_shape, device=DEVICE).to(dtype)
+    with pytest.raises(ValueError, match=message):
+        gemv(x, randn(*w_shape))
+
+
+def test_gemv_rejects_a_weight_of_another_dtype_or_layout():
+    x = randn(1, 64)
+    with pytest.raises(ValueError, match="weight.dtype"):
+        gemv(x, randn(16, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous along K"):
+        gemv(x, randn(64, 16).t())
+    with pytest.raises(ValueError, match="out is"):
+        gemv(x, randn(16, 64), out=torch.empty(1, 15, device=DEVICE))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the autotuned launch, CUDA graphs and PDL need a GPU")
+@pytest.mark.parametrize("n, k", [(4096, 2048), (6144, 4096), (1000, 5504)])
+def test_gemv_autotuned_in_a_cuda_graph(n, k):
+    """The engine's way: autotuned (PDL and the L2 warm-up on Hopper) and replayed from a graph, after a
+    norm kernel that lets it start early and writes its x."""
+    from minillm.kernels.fused_layer_ops import rms_norm
+    h, nw, w = randn(1, k, dtype=torch.bfloat16), randn(k, dtype=torch.bfloat16, seed=3), \
+        randn(n, k, dtype=torch.bfloat16, seed=1)
+    x = rms_norm(h, nw, 1e-5)
+    gemv(x, w)  # autotunes outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x = rms_norm(h, nw, 1e-5)
+        y = gemv(x, w)
+    for seed in range(3):  # new inputs each replay: the GEMV must read the norm's new output
+        h.copy_(randn(1, k, dtype=torch.bfloat16, seed=10 + seed))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(y, gemv_ref(rms_norm(h, nw, 1e-5), w), **TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="one-row products take the GEMV on a GPU only")
+def test_model_routes_one_row_products_to_the_gemv(monkeypatch):
+    """enable_fused_kernels() sends a bias-free dense layer's one-row product to the GEMV, and more rows,
+    or MINILLM_GEMV=cublas, to F.linear."""
+    from minillm.model.dense import Linear
+    from minillm.model.config import ModelConfig
+    from minillm.model.llama import LlamaForCausalLM
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=16)
+    model = LlamaForCausalLM(config).to(DEVICE, torch.bfloat16)
+    model.enable_fused_kernels()
+    layer = next(m for m in model.modules() if isinstance(m, Linear) and m.bias is None)
+    x = randn(1, 1, layer.in_features, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), **TOL[torch.bfloat16])
+    assert len(calls) == 1
+    layer(randn(1, 3, layer.in_features, dtype=torch.bfloat16))
+    assert len(calls) == 1
+    monkeypatch.setenv("MINILLM_GEMV", "cublas")
+    model.enable_fused_kernels()
+    layer(x)
+    assert len(calls) == 1 and layer.gemv is None
