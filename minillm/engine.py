@@ -77,7 +77,6 @@ class Engine:
         self.workers: Workers | None = None  # this process's rank, with tensor or pipeline parallelism
         size = config.tensor_parallel_size
         all_reduce = tp_all_reduce.chosen(self.device, size) if size > 1 else "nccl"
-        tp_all_reduce.check_fresh_process(all_reduce)  # before any process starts
         if size > 1 or config.pipeline_parallel_size > 1:
             self.workers = Workers.start(config, self.device)
             self.device = self.workers.device

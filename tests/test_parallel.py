@@ -119,16 +119,59 @@ def test_a_bad_all_reduce_choice_is_refused_before_any_process_starts(monkeypatc
     assert not torch.distributed.is_initialized()
 
 
-def test_a_second_symmetric_memory_setup_in_a_process_is_refused_and_nccl_is_not(monkeypatch):
-    import minillm.parallel.all_reduce as all_reduce
+def test_without_a_choice_a_cpu_engine_all_reduces_with_the_process_group(monkeypatch):
+    from minillm.parallel.all_reduce import ENV, chosen
 
-    monkeypatch.setattr(all_reduce, "_rendezvous_made", 1)  # as an earlier symm_mem or fused engine leaves it
-    for choice in ("symm_mem", "fused"):
-        with pytest.raises(RuntimeError, match=f"{choice}: this process already set up symmetric memory"):
-            all_reduce.check_fresh_process(choice)
-    all_reduce.check_fresh_process("nccl")
-    monkeypatch.setattr(all_reduce, "_rendezvous_made", 0)
-    all_reduce.check_fresh_process("fused")
+    monkeypatch.delenv(ENV, raising=False)
+    assert chosen(torch.device("cpu"), 2) == "nccl"  # gloo's all-reduce; "fused" needs GPUs that reach each other
+
+
+CATCH_UP_SCRIPT = """
+import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import minillm.parallel.all_reduce as all_reduce
+
+class Rendezvous:
+    # symm_mem's two calls that _catch_up makes (it needs CUDA): which group each rendezvous went to
+    def __init__(self):
+        self.groups = []
+    def empty(self, numel, dtype, device):
+        return torch.zeros(numel, dtype=dtype, device=device)
+    def rendezvous(self, tensor, group_name):
+        self.groups.append(group_name)
+
+def run(rank, address, made):
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2)
+    all_reduce._rendezvous_made = made[rank]
+    symm_mem = Rendezvous()
+    all_reduce._catch_up(symm_mem, torch.device("cpu"))
+    alone = all(g != dist.group.WORLD.group_name for g in symm_mem.groups)
+    print("RANK", rank, "count", all_reduce._rendezvous_made, "made", len(symm_mem.groups), "alone", alone, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    address, made = f"tcp://127.0.0.1:{sys.argv[1]}", [int(n) for n in sys.argv[2:]]
+    worker = mp.get_context("spawn").Process(target=run, args=(1, address, made))
+    worker.start()
+    run(0, address, made)
+    worker.join()
+"""
+
+
+@pytest.mark.parametrize("made", [(3, 1), (0, 2), (2, 2)])
+def test_a_rank_behind_catches_up_on_the_rendezvous_count_alone(tmp_path, made):
+    """A driver that set up symmetric memory for an earlier engine has made more rendezvous than its new
+    workers, and the next rendezvous's store keys are numbered by that count: whoever is behind makes the
+    missing ones on a group of its own, so that every rank's next one has the same number."""
+    from minillm.parallel.workers import _free_port
+
+    script = tmp_path / "catch_up.py"
+    script.write_text(CATCH_UP_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(_free_port()), *map(str, made)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("RANK"))
+    assert lines == [f"RANK {rank} count {max(made)} made {max(made) - made[rank]} alone True" for rank in (0, 1)]
 
 
 TORCHRUN_SCRIPT = """

@@ -9,7 +9,8 @@ Memory" in its docs) gives every rank a buffer the others can read over NVLink, 
 all-reduce is one kernel in which each rank reads every peer's buffer and sums: no ring steps,
 no protocol (the idea of vLLM's and TensorRT-LLM's custom all-reduce kernels).
 
-``MINILLM_TP_ALLREDUCE`` picks one (vLLM switches its own with an environment variable too).
+``MINILLM_TP_ALLREDUCE`` picks one (vLLM switches its own with an environment variable too); unset, it is
+``fused`` where every rank's GPU reaches the others' memory, and NCCL (gloo on a CPU) otherwise.
 ``symm_mem`` needs CUDA GPUs with peer access (NVLink); activations larger than the buffer (one step's
 token budget) and other dtypes still go through NCCL. On two H200s it saved ~1.5 % of a batch-1 decode
 step (``figures/h200/tp_decode_profile.json``): torch's kernel pays for a barrier of its own, and
@@ -21,14 +22,15 @@ and an RMSNorm, so the row-parallel linear leaves its output unreduced and the n
 (:class:`FusedAllReduceNorm`, wired in by :func:`fuse_into_norms`). Decode batches up to ``MAX_ROWS``
 rows take it; longer steps (prefill chunks) keep NCCL and the plain norm. On two H200s it took TP=2's
 batch-1 decode from 1.28x to 1.48x one GPU's (``figures/h200/latency_tp_fused.json``), with NCCL's
-tokens. It stays opt-in for now: with it as the default, ``tests/test_parallel_gpu.py`` stalled on the
-H200s where a process that had built a fused engine built a second symmetric-memory one. The likely cause is PyTorch's
-(pytorch/pytorch#196082, fixed after torch 2.11): symmetric memory's rendezvous numbers its store keys
-by the rendezvous *this process* has made, and a second engine's new worker processes start again
-from zero, so the driver and its new workers look for different keys and wait forever. Session 8's
-two-GPU suite fits this: a symm_mem engine followed by NCCL and pipeline engines in one process passed.
-So a second symmetric-memory engine (``symm_mem`` or ``fused``) in a process that has made a
-rendezvous is refused with an error instead (:func:`check_fresh_process`).
+tokens.
+
+A second symmetric-memory engine in one process: symmetric memory's rendezvous numbers the keys it
+exchanges through the store by how many exchanges *this process* has made (PyTorch's static
+sequence counter; pytorch/pytorch#196082 is the same mismatch between subgroups). The driver keeps its
+count from one engine to the next, but a new engine's worker processes start from zero, so they and
+the driver would wait on different keys forever (the two-GPU suite stalled so in session 10). So before
+each rendezvous the ranks agree on the highest count of rendezvous made, and a rank that is behind
+makes the missing ones alone, on a group of its own (:func:`_catch_up`).
 """
 
 from __future__ import annotations
@@ -54,9 +56,12 @@ def all_reduce(x: torch.Tensor) -> None:
 
 
 def chosen(device: torch.device, size: int) -> str:
-    """The all-reduce ``MINILLM_TP_ALLREDUCE`` asks for (default "nccl"), checked against ``device`` and,
-    for the symmetric-memory ones, against ``size`` ranks' GPUs (0 .. size - 1, one a rank)."""
-    choice = os.environ.get(ENV, "nccl")
+    """The all-reduce ``MINILLM_TP_ALLREDUCE`` asks for, checked against ``device`` and, for the
+    symmetric-memory ones, against ``size`` ranks' GPUs (0 .. size - 1, one a rank). Unset: "fused"
+    on GPUs that reach each other's memory, "nccl" otherwise."""
+    if ENV not in os.environ:
+        return "fused" if device.type == "cuda" and _peers_reach_each_other(size) else "nccl"
+    choice = os.environ[ENV]
     if choice not in CHOICES:
         raise ValueError(f"{ENV}={choice!r}; valid: {', '.join(CHOICES)}")
     if choice != "nccl" and device.type != "cuda":
@@ -68,17 +73,25 @@ def chosen(device: torch.device, size: int) -> str:
     return choice
 
 
-_rendezvous_made = 0  # symmetric-memory rendezvous this process has made (check_fresh_process)
+_rendezvous_made = 0  # symmetric-memory rendezvous this process has made (_catch_up)
 
 
-def check_fresh_process(choice: str) -> None:
-    """Refuse a symmetric-memory all-reduce (``choice`` "symm_mem" or "fused") in a process that has made a
-    rendezvous already: with new worker processes it would wait forever (the module docstring says why)."""
-    if choice != "nccl" and _rendezvous_made:
-        raise RuntimeError(f"{ENV}={choice}: this process already set up symmetric memory for an earlier "
-                           f"tensor-parallel engine, and with torch {torch.__version__} a second setup with new "
-                           f"worker processes waits forever (pytorch/pytorch#196082); run it in a new process, "
-                           f"or unset {ENV} (NCCL)")
+def _catch_up(symm_mem, device: torch.device) -> None:
+    """Bring this rank's count of rendezvous up to the highest of the ranks' (collective): the store keys
+    of the next one are numbered by that count (the module docstring says why). A rank behind (a new
+    worker of a driver that set up an earlier engine) makes the missing rendezvous alone, each on a
+    one-element buffer over a group of its own."""
+    global _rendezvous_made
+    highest = torch.tensor([_rendezvous_made], dtype=torch.int64, device=device)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    behind = int(highest.item()) - _rendezvous_made
+    if behind:
+        alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)  # only this rank calls it
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(alone.group_name)
+        for _ in range(behind):
+            symm_mem.rendezvous(symm_mem.empty(1, dtype=torch.int64, device=device), alone.group_name)
+            _rendezvous_made += 1
 
 
 def _peers_reach_each_other(size: int) -> bool:
@@ -98,6 +111,7 @@ def _symmetric_empty(numel: int, dtype: torch.dtype, device: torch.device):
     if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch releases, harmless in newer
         symm_mem.enable_symm_mem_for_group(group)
     global _rendezvous_made
+    _catch_up(symm_mem, device)
     tensor = symm_mem.empty(numel, dtype=dtype, device=device).zero_()
     torch.cuda.synchronize(device)  # zeroed before any peer can learn where it is
     handle = symm_mem.rendezvous(tensor, group)  # collective: every rank maps the others' buffers
