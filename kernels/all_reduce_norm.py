@@ -49,7 +49,7 @@ import triton.language as tl
 from minillm.kernels.checks import check, interpreter_on
 from minillm.kernels.fused_layer_ops import rms_norm_ref
 from minillm.kernels.int_float import ASM
-from minillm.kernels.pdl import launch_options, start_early
+from minillm.kernels.pdl import let_next_start, supported as pdl_supported
 
 INTERPRET = interpreter_on()
 MAX_SPIN = 1 << 30  # polls of a peer's row before the kernel traps: ~30 min at ~1-2 us a poll
@@ -113,7 +113,7 @@ class Workspace:
 def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Epochs, PeerBuffers, rank, n_rows, n_cols, max_rows, eps,
                                 WORLD: tl.constexpr, BLOCK: tl.constexpr, WORDS: tl.constexpr, PHASE: tl.constexpr,
                                 MAX_SPIN: tl.constexpr, PDL: tl.constexpr):
-    start_early(PDL)  # the next GEMV may warm L2 while this waits for its peers (pdl.py)
+    let_next_start(PDL)  # the next GEMV may warm L2 while this waits for its peers (pdl.py)
     p = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
@@ -223,7 +223,7 @@ def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, resid
         _all_reduce_rms_norm_kernel[(workspace.programs,)](
             x, residual, weight, y, s, workspace.buffer, workspace.epochs, workspace.peer_buffers, workspace.rank, rows,
             x.shape[-1], workspace.max_rows, eps, WORLD=workspace.world, BLOCK=block,
-            WORDS=block * x.dtype.itemsize // 4, PHASE=phase, MAX_SPIN=max_spin, **launch_options(x.device))
+            WORDS=block * x.dtype.itemsize // 4, PHASE=phase, MAX_SPIN=max_spin, PDL=pdl_supported(x.device))
         if INTERPRET and phase != 1 and workspace.epochs[-1] != 0:
             raise RuntimeError("all_reduce_rms_norm: a peer's rows never arrived (the ranks disagree on the calls)")
     return y, s

@@ -27,7 +27,7 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable, interpreter_on
-from minillm.kernels.pdl import launch_options, start_early
+from minillm.kernels.pdl import let_next_start, supported as pdl_supported
 
 INTERPRET = interpreter_on()
 
@@ -52,7 +52,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    start_early(PDL)  # the GEMV after a norm may start warming L2 now (pdl.py)
+    let_next_start(PDL)  # the GEMV after a norm may start warming L2 now (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -82,7 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         s = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, r, weight, y, s, rows.stride(0), r.stride(0), y.stride(0), s.stride(0),
                                        rows.shape[1], eps, HAS_RESIDUAL=residual is not None,
-                                       BLOCK=triton.next_power_of_2(rows.shape[1]), **launch_options(x.device))
+                                       BLOCK=triton.next_power_of_2(rows.shape[1]), PDL=pdl_supported(x.device))
     y = y.view(x.shape)
     return y if residual is None else (y, s.view(x.shape))
 
@@ -99,8 +99,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 @triton.jit
 def _rope_kernel(X, Cos, Sin, Y, stride_xt, stride_xh, stride_yt, stride_yh, stride_c, num_heads,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    start_early(PDL)
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, HALF)[None, :]
@@ -129,7 +128,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
     _check(out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1,
            f"out is {out.dtype} {tuple(out.shape)}; expected {x.dtype} {tuple(x.shape)} with a contiguous last dim")
     _rope_kernel[(tokens,)](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-                            heads, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads), **launch_options(x.device))
+                            heads, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads))
     return out
 
 
@@ -144,7 +143,7 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    start_early(PDL)  # down_proj's GEMV may start warming L2 now
+    let_next_start(PDL)  # down_proj's GEMV may start warming L2 now
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -163,5 +162,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     block = 64 if INTERPRET else 1024
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), out.stride(0), n,
-                                                                 BLOCK=block, **launch_options(gate_up.device))
+                                                                 BLOCK=block, PDL=pdl_supported(gate_up.device))
     return out.view(*gate_up.shape[:-1], n)

@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minillm.kernels import pdl
 from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
-from minillm.kernels.pdl import launch_options, let_next_start, prefetch_to_l2, wait_for_previous
+from minillm.kernels.pdl import prefetch_to_l2, wait_for_previous
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
 
 INTERPRET = interpreter_on()
@@ -50,7 +51,6 @@ def _gemv_kernel(X, W, Y, Partials, Counters, N, K, stride_wn,
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     start, end = split_range(K, BLOCK_K, SPLIT_K)
     rows = W + n.to(tl.int64)[:, None] * stride_wn
-    let_next_start(PDL)
     if PDL:  # launched early (pdl.py): warm L2 with the first lines of this program's rows, then wait for x
         if PREFETCH_LINES > 0:
             line = tl.arange(0, PREFETCH_LINES) * (1024 // W.dtype.element_ty.primitive_bitwidth)  # 128 B apart
@@ -120,7 +120,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     args = (xs, weight, y, partials, tile_counters(x.device), n, k, weight.stride(0))
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-    launch = launch_options(x.device)
+    early = pdl.supported(x.device)
+    launch = {"PDL": True, "launch_pdl": True} if early else {"PDL": False}
     if config is None:
         _tuned[grid](*args, **launch)
     else:

@@ -30,7 +30,6 @@ from minillm.kernels.checks import FLOAT_DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable
 from minillm.kernels.int_float import round_half_even
-from minillm.kernels.pdl import launch_options, start_early
 from minillm.kv.quant import CODE_MAX, STORAGE_DTYPES
 
 # Pools store_kv quantizes into -> their largest code (quantize_kv's).
@@ -67,8 +66,7 @@ def _quantize_row(X, t, stride, slot, Pool, ScalePool, top, inv_top, HEADS: tl.c
 @triton.jit
 def _store_quantized_kv_kernel(K, V, KPool, VPool, KScale, VScale, Slots, stride_k, stride_v, top, inv_top,
                                HEADS: tl.constexpr, DIM: tl.constexpr, HEADS_P2: tl.constexpr,
-                               DIM_P2: tl.constexpr, PDL: tl.constexpr):
-    start_early(PDL)
+                               DIM_P2: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t)
     _quantize_row(K, t, stride_k, slot, KPool, KScale, top, inv_top, HEADS, DIM, HEADS_P2, DIM_P2)
@@ -76,9 +74,7 @@ def _store_quantized_kv_kernel(K, V, KPool, VPool, KScale, VScale, Slots, stride
 
 
 @triton.jit
-def _store_kv_kernel(K, V, KPool, VPool, Slots, stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
-    start_early(PDL)
+def _store_kv_kernel(K, V, KPool, VPool, Slots, stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t)
     cols = tl.arange(0, BLOCK)
@@ -123,9 +119,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
         top = QUANTIZED_POOLS[k_pool.dtype]
         _store_quantized_kv_kernel[(k.shape[0],)](
             k, v, k_pool, v_pool, k_scale, v_scale, slot_mapping, k.stride(0), v.stride(0), top, 1.0 / top,
-            HEADS=heads, DIM=dim, HEADS_P2=triton.next_power_of_2(heads), DIM_P2=triton.next_power_of_2(dim),
-            **launch_options(k.device))
+            HEADS=heads, DIM=dim, HEADS_P2=triton.next_power_of_2(heads), DIM_P2=triton.next_power_of_2(dim))
         return
     row = k.shape[1] * k.shape[2]
     _store_kv_kernel[(k.shape[0],)](k, v, k_pool, v_pool, slot_mapping, k.stride(0), v.stride(0),
-                                    ROW=row, BLOCK=triton.next_power_of_2(row), **launch_options(k.device))
+                                    ROW=row, BLOCK=triton.next_power_of_2(row))

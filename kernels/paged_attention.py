@@ -54,7 +54,6 @@ from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequan
                                         kv_quant_mode, per_token_codes, per_token_query, per_token_scales,
                                         reads_int8_words, scale_heads, scale_strides, tile_channels)
 from minillm.kernels.int_float import int8_words_to_fp16
-from minillm.kernels.pdl import launch_options, start_early
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE, merge_by_kernel,
                                          merge_splits)
@@ -173,7 +172,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
-                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1, PDL: tl.constexpr = False):
+                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
     KV_QUANT: how K/V are stored (``kv_dequant.py``). INT8_WORDS: an int8 cache for a 16-bit q, read
     as int32 words of four codes, each word turned into four fp16s in the registers it was loaded into
@@ -183,9 +182,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     The scale arguments come late and the merge's (Out, Counters) last, so that without them the
     kernel compiles to the instructions it had before.
     MERGE: NO_MERGE writes the output to O; otherwise O and Lse get the split's partial, and with
-    MERGE_LAST_SPLIT the last program of (b, kv_head) to finish merges all splits into Out.
-    PDL: launched early, it waits for the kernel ahead first (``pdl.py``)."""
-    start_early(PDL)
+    MERGE_LAST_SPLIT the last program of (b, kv_head) to finish merges all splits into Out."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ContextLens + b)
     # Splits are whole tiles long (only a sequence's last tile is partial); from the length on the
@@ -445,7 +442,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=reads_int8_words(q, k_cache, v_cache),
-        SCALE_HEADS=scale_heads(kv_heads, k_scale), **launch, **launch_options(q.device))
+        SCALE_HEADS=scale_heads(kv_heads, k_scale), **launch)
     if mode == MERGE_KERNEL:
         merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d)
     return out

@@ -16,12 +16,6 @@ before it touches until after ``wait_for_previous`` (weights aside, which nothin
 such kernel waits before it ends, so completion still follows stream order. ``let_next_start`` in
 the kernel ahead changes only when the next one may be scheduled, never what it sees.
 
-Every kernel of a decode step's chain does it (norms, the all-reduce + norm, RoPE, the KV store, paged
-decode attention and its merge, SiLU-and-multiply, the GEMV): each lets the next one be scheduled as it
-starts and then waits, so a kernel's launch overlaps the one ahead; only the GEMV has work (its L2
-warm-up) to do before its wait. A kernel that ends before it waits would break the chain: a later
-kernel's wait covers only the kernel right ahead of it. So the wait comes first, unconditionally.
-
 Under Triton's interpreter, and on GPUs before Hopper, the flag is off and these calls do nothing.
 MINILLM_PDL=0 turns it off too (to measure what it buys).
 """
@@ -45,21 +39,6 @@ def supported(device: torch.device) -> bool:
     off = os.environ.get("MINILLM_PDL", "1").lower() in ("0", "false", "off", "no")
     return (device.type == "cuda" and not interpreter_on() and not off
             and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def launch_options(device: torch.device) -> dict:
-    """Keyword arguments for launching a kernel with a PDL constexpr: PDL=True and launch_pdl=True where
-    ``supported``, else PDL=False. Such a kernel must start with ``start_early(PDL)`` (or make no access
-    before ``wait_for_previous(PDL)`` but reads of weights)."""
-    return {"PDL": True, "launch_pdl": True} if supported(device) else {"PDL": False}
-
-
-@triton.jit
-def start_early(PDL: tl.constexpr):
-    """The first statement of a kernel launched with PDL whose every access may touch what the kernel
-    ahead reads or writes: let the next kernel be scheduled, then wait for the one ahead to finish."""
-    let_next_start(PDL)
-    wait_for_previous(PDL)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.pdl import launch_options, start_early
+from minillm.kernels.pdl import let_next_start, supported as pdl_supported
 
 # Who merges the splits (the MERGE constexpr of paged_attention._split_kernel): nobody (one split writes
 # the output), a second kernel (_merge_kernel), or the last split program of each (sequence, KV head).
@@ -52,7 +52,7 @@ def _merge_kernel(O_part, Lse, Out, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Stage 2 (merge="kernel"): program (b, h) merges the num_splits partials of one query head."""
-    start_early(PDL)  # o_proj's GEMV may start warming L2 now (pdl.py)
+    let_next_start(PDL)  # o_proj's GEMV may start warming L2 now (pdl.py)
     b = tl.program_id(0)
     row = tl.arange(0, 1)  # one row, for merge_splits's [rows, BLOCK_D] tiles; its mask folds to true
     head = tl.program_id(1) + row
@@ -72,4 +72,4 @@ def merge_by_kernel(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
     batch, heads = out.shape[:2]
     _merge_kernel[(batch, heads)](
         partial, lse, out, num_splits, *partial_strides, *lse_strides, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, **launch_options(out.device), **({"num_warps": 1} if out.is_cuda else {}))
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl_supported(out.device), **({"num_warps": 1} if out.is_cuda else {}))
