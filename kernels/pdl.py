@@ -16,6 +16,10 @@ before it touches until after ``wait_for_previous`` (weights aside, which nothin
 such kernel waits before it ends, so completion still follows stream order. ``let_next_start`` in
 the kernel ahead changes only when the next one may be scheduled, never what it sees.
 
+Only the GEMV is launched early: it is the one kernel with work to do before its wait. Launching every
+kernel of the chain early (each letting the next start, then waiting) was measured on two H200s and
+made batch-1 decode slower, one GPU 251.9 -> 240.4 tok/s (``figures/h200/sweeps/pdl_chain.json``).
+
 Under Triton's interpreter, and on GPUs before Hopper, the flag is off and these calls do nothing.
 MINILLM_PDL=0 turns it off too (to measure what it buys).
 """
