@@ -7,8 +7,13 @@ leaves SMs idle where N is small: with tensor parallelism over two GPUs, Llama-2
 TP=2 decode shows those GEMVs at ~3.0 TB/s where the whole-model ones run at 3.6-4.0
 (``figures/h200/latency_tp_fused.json``). This kernel splits both N and K so that every shape gets a
 few hundred programs, each streaming contiguous runs of its weight rows; the last program of a
-column tile sums the K-splits' partials (``split_k.py``). Which of cuBLAS and this kernel a linear
-uses is decided per weight shape by timing both (``minillm/gemv_choice.py``).
+column tile sums the K-splits' partials (``split_k.py``). ``minillm/model/dense.py`` sends the model's
+one-row products here on every GPU (MINILLM_GEMV=cublas keeps cuBLAS).
+
+The tiles are a fixed function of the shape (``default_config``), not a timing: the tiles set the
+summation order, so a config picked by an autotuner could round differently from one run, or one
+rank's new worker process, to the next, and flip near-tied greedy tokens. The rule keeps the H200
+sweep's winner, or a config within 3 % of it, for each of Llama-2-7B's projections, whole and halved.
 
 One program: BLOCK_N rows of W and one K-split; it loads [BLOCK_N, BLOCK_K] tiles (each row's
 BLOCK_K inputs are contiguous: 16-byte loads), multiplies by x's tile in fp32 and sums over K once,
@@ -30,11 +35,20 @@ from minillm.kernels.pdl import prefetch_to_l2, wait_for_previous
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
 
 INTERPRET = interpreter_on()
-# Candidates for the H200 (figures/h200/sweeps/gemv_bf16.json); a shape's best is found by the autotuner.
-CONFIGS = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk), num_warps=w, num_stages=s)
-           for bn, bk, sk, w, s in [(16, 256, 1, 4, 3), (16, 256, 2, 4, 3), (16, 512, 2, 4, 2), (32, 256, 2, 4, 3),
-                                    (8, 512, 2, 4, 3), (16, 256, 4, 4, 3), (32, 128, 4, 4, 3), (8, 256, 4, 2, 3)]]
 _INTERPRETER = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)
+_MIN_PROGRAMS = 132  # one per SM of an H200: with fewer, K is split too (a small N's few rows would idle the GPU)
+
+
+def default_config(n: int, k: int) -> dict:
+    """The tiles for an N x K weight on a GPU: from the H200 sweep (figures/h200/sweeps/gemv_bf16.json), 16 rows a
+    program and 8 warps up to N = 12288 (qkv, o, down; TP=2's shards), 4 rows and one warp above (gate_up, the LM
+    head), 512 inputs a tile; K split in two, four or eight where the rows alone make too few programs."""
+    config = dict(BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=8, num_stages=3) if n <= 12288 else \
+        dict(BLOCK_N=4, BLOCK_K=512, SPLIT_K=1, num_warps=1, num_stages=2)
+    while (triton.cdiv(n, config["BLOCK_N"]) * config["SPLIT_K"] < _MIN_PROGRAMS and config["SPLIT_K"] < 8
+           and k >= 2 * config["SPLIT_K"] * config["BLOCK_K"]):
+        config["SPLIT_K"] *= 2
+    return config
 # With PDL, what a GEMV's programs ask L2 for before they wait for x, in all (MINILLM_GEMV_PREFETCH_MB).
 PREFETCH_BYTES = int(float(os.environ.get("MINILLM_GEMV_PREFETCH_MB", "8")) * 2**20)
 
@@ -87,15 +101,20 @@ def _prefetch_lines(a: dict) -> int:
 _plain = triton.heuristics({
     "EVEN": lambda a: a["N"] % a["BLOCK_N"] == 0 and a["K"] % (a["BLOCK_K"] * a["SPLIT_K"]) == 0,
     "PREFETCH_LINES": _prefetch_lines})(_gemv_kernel)
-_tuned = triton.autotune(CONFIGS, key=["N", "K"])(_plain)
-_MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in CONFIGS)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory ranges (start to one past their last element) intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    span = lambda t: sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1  # noqa: E731
+    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + span(b) * b.element_size() and b0 < a0 + span(a) * a.element_size()
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] or [K] @ weight[N, K]^T -> [1, N] or [N] in x's dtype, written to ``out`` if given.
-    ``config`` pins the tiles (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); None autotunes
-    per (N, K) on CUDA."""
+    ``config`` pins the tiles (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); None takes
+    ``default_config`` (a small pinned one under the interpreter)."""
     check(x.dtype in FLOAT_DTYPES, f"x.dtype is {x.dtype}; expected one of {FLOAT_DTYPES}")
     check(weight.dtype == x.dtype, f"weight.dtype is {weight.dtype}; expected x's dtype {x.dtype}")
     check(weight.dim() == 2 and weight.stride(1) == 1,
@@ -106,30 +125,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
           f"x has shape {tuple(x.shape)}; expected one row of K = {k} inputs ([{k}] or [1, {k}]), K > 0")
     check(x.device == weight.device, f"x is on {x.device} but weight is on {weight.device}")
     check_runnable("x", x)
-    check(triton.cdiv(n, 8) <= MAX_TILES, f"N = {n} needs more than {MAX_TILES} split-K tile counters")
     xs = x.reshape(k).contiguous()
     shape = (*x.shape[:-1], n)
     y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
     check(y.shape == shape and y.dtype == x.dtype and y.device == x.device and y.is_contiguous(),
           f"out is {y.dtype} {tuple(y.shape)} on {y.device}; expected contiguous {x.dtype} {shape} on {x.device}")
+    check(out is None or not (_overlap(y, x) or _overlap(y, weight)), "out overlaps x or weight; the kernel reads "
+          "them while it writes out")
     if n == 0:
         return y
-    if config is None and INTERPRET:
-        config = _INTERPRETER
-    splits = config["SPLIT_K"] if config else _MAX_SPLIT_K
+    config = config or (_INTERPRETER if INTERPRET else default_config(n, k))
+    splits = config["SPLIT_K"]
+    check(splits == 1 or triton.cdiv(n, config["BLOCK_N"]) <= MAX_TILES,
+          f"N = {n} in tiles of {config['BLOCK_N']} rows needs more than {MAX_TILES} split-K tile counters")
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     args = (xs, weight, y, partials, tile_counters(x.device), n, k, weight.stride(0))
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
     early = pdl.supported(x.device)
-    launch = {"PDL": True, "launch_pdl": True} if early else {"PDL": False}
-    if config is None:
-        _tuned[grid](*args, **launch)
-    else:
-        _plain[grid(config)](*args, **config, **launch)
+    _plain[grid(config)](*args, **config, **({"PDL": True, "launch_pdl": True} if early else {"PDL": False}))
     return y
-
-
-def tuned_config() -> dict | None:
-    """The config the autotuner picked last (for the benchmarks' records)."""
-    best = getattr(_tuned, "best_config", None)
-    return None if best is None else {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}

@@ -12,8 +12,10 @@ its writes are visible, before they read x. CUDA graphs keep these launches' ove
 CUTLASS's example 63 prefetches a GEMM's weights the same way).
 
 The rules that keep it correct: a kernel launched with PDL reads and writes nothing that a kernel
-before it touches until after ``wait_for_previous`` (weights aside, which nothing writes), and every
-such kernel waits before it ends, so completion still follows stream order. ``let_next_start`` in
+before it touches until after ``wait_for_previous`` (weights aside, which no kernel of a step writes;
+with CPU offload, ``minillm/offload.py`` refills a layer's staging buffers only after that layer's last
+GEMV has finished, and the copy in is joined before the layer's first kernel, a norm launched as usual),
+and every such kernel waits before it ends, so completion still follows stream order. ``let_next_start`` in
 the kernel ahead changes only when the next one may be scheduled, never what it sees.
 
 Only the GEMV is launched early: it is the one kernel with work to do before its wait. Launching every

@@ -1,5 +1,6 @@
 """Split-K with a serial fix-up: the reduction dim of a matmul split over several programs, the last
-one to finish summing their partials. Used by the quantized matmuls (``quant_matmul.py``).
+one to finish summing their partials. Used by the dense GEMV (``gemv.py``) and the quantized matmuls
+(``quant_matmul.py``).
 
 Why: a memory-bound matmul at small M is limited by how many bytes are in flight, and N / BLOCK_N
 programs alone leave most of the 132 SMs of an H200 idle when N = 4096. So K is also split over
@@ -70,7 +71,7 @@ def tile_counters(device: torch.device) -> torch.Tensor:
     """The device's split-K arrival counters, zeroed once; the kernels leave them at zero."""
     if device not in COUNTERS:
         check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
-              "the first split-K kernel on a device (a quantized matmul, or paged decode attention with "
-              "merge='last_split') allocates its counters; run one before capturing a CUDA graph (warm-up does)")
+              "the first split-K kernel on a device (the dense GEMV, a quantized matmul, or paged decode attention "
+              "with merge='last_split') allocates its counters; run one before capturing a CUDA graph (warm-up does)")
         COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
     return COUNTERS[device]

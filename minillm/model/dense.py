@@ -31,8 +31,8 @@ def gemv_choice() -> str:
 
 def product(x: torch.Tensor, weight: torch.Tensor, gemv) -> torch.Tensor:
     """x @ weight^T: by ``gemv`` (the ``kernels.gemv`` module, or None) where x is one 16-bit row on a GPU."""
-    if (gemv is not None and x.is_cuda and x.numel() == weight.shape[1] and x.dtype == weight.dtype
-            and x.dtype in (torch.float16, torch.bfloat16)):
+    if (gemv is not None and x.is_cuda and x.shape[-1] == x.numel() == weight.shape[1] and weight.stride(1) == 1
+            and x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16)):
         return gemv.gemv(x.reshape(1, -1), weight).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 

@@ -1,5 +1,5 @@
-"""The all-reduce of tensor parallelism: NCCL by default; a one-shot all-reduce over symmetric memory;
-or that all-reduce fused into the residual add and RMSNorm after it.
+"""The all-reduce of tensor parallelism: NCCL (gloo on a CPU); a one-shot all-reduce over symmetric memory;
+or that all-reduce fused into the residual add and RMSNorm after it (the default on GPUs that are peers).
 
 Why a second one: a decode step of Llama-2-7B all-reduces one [batch, 4096] activation twice per
 layer, 64 times per token, and at batch 1 that is 8 KB each: pure latency. NCCL's ring pays a few
@@ -30,7 +30,11 @@ sequence counter; pytorch/pytorch#196082 is the same mismatch between subgroups)
 count from one engine to the next, but a new engine's worker processes start from zero, so they and
 the driver would wait on different keys forever (the two-GPU suite stalled so in session 10). So before
 each rendezvous the ranks agree on the highest count of rendezvous made, and a rank that is behind
-makes the missing ones alone, on a group of its own (:func:`_catch_up`).
+makes the missing ones alone, on a group of its own (:func:`_catch_up`). That rests on each rendezvous
+advancing the count alike whatever its group's size, true where it was tested (two H200s, no multicast,
+torch 2.11: the two-GPU suite builds three symmetric-memory engines in one process); where it is not,
+the driver would wait at its next rendezvous until the collective timeout. Starting every rank, the
+driver's too, in a new process would remove the question.
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ def _catch_up(symm_mem, device: torch.device) -> None:
         for _ in range(behind):
             symm_mem.rendezvous(symm_mem.empty(1, dtype=torch.int64, device=device), alone.group_name)
             _rendezvous_made += 1
+        # Gone again: torch names later local groups by how many groups a process knows, which must agree.
+        dist.destroy_process_group(alone)
 
 
 def _peers_reach_each_other(size: int) -> bool:

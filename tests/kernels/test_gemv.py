@@ -1,6 +1,7 @@
 """The dense GEMV (kernels/gemv.py) against its fp32 reference: ragged N and K, one and several K-splits,
-fp32/fp16 (bf16 on a GPU), into a poisoned output; its input checks; on a GPU also the autotuned launch
-inside a CUDA graph (with PDL on Hopper) and the model's routing of one-row products to it."""
+fp32/fp16 (bf16 on a GPU), into a poisoned output; its input checks; the default tiles per shape; on a GPU
+also the default launch inside a CUDA graph (with PDL on Hopper) and the model's routing of one-row
+products to it."""
 
 from __future__ import annotations
 
@@ -64,16 +65,39 @@ def test_gemv_rejects_a_weight_of_another_dtype_or_layout():
         gemv(x, randn(16, 64), out=torch.empty(1, 15, device=DEVICE))
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the autotuned launch, CUDA graphs and PDL need a GPU")
-@pytest.mark.parametrize("n, k", [(4096, 2048), (6144, 4096), (1000, 5504)])
-def test_gemv_autotuned_in_a_cuda_graph(n, k):
-    """The engine's way: autotuned (PDL and the L2 warm-up on Hopper) and replayed from a graph, after a
+def test_default_tiles_are_the_sweeps_winners_and_split_k_only_for_few_rows():
+    """The H200 sweep's best configs for Llama-2-7B's shapes (figures/h200/sweeps/gemv_bf16.json); a narrow
+    weight gets K-splits so that it has a program per SM, a short K none."""
+    narrow = dict(BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=8, num_stages=3)
+    wide = dict(BLOCK_N=4, BLOCK_K=512, SPLIT_K=1, num_warps=1, num_stages=2)
+    for n, k in [(4096, 2048), (6144, 4096), (4096, 5504), (11008, 4096), (12288, 4096), (4096, 11008)]:
+        assert gemv_module.default_config(n, k) == narrow
+    for n, k in [(22016, 4096), (32000, 4096), (16000, 4096)]:
+        assert gemv_module.default_config(n, k) == wide
+    assert gemv_module.default_config(2048, 4096)["SPLIT_K"] == 2  # 128 programs of rows -> 256
+    assert gemv_module.default_config(1024, 4096)["SPLIT_K"] == 4  # 64 -> 128 -> 256
+    assert gemv_module.default_config(576, 4096)["SPLIT_K"] == 4  # 36 -> 72 -> 144
+    assert gemv_module.default_config(576, 576)["SPLIT_K"] == 1  # K is one tile: nothing to split
+
+
+def test_gemv_refuses_an_out_that_overlaps_its_inputs():
+    x, w = randn(1, 64), randn(64, 64, seed=1)
+    with pytest.raises(ValueError, match="overlaps"):
+        gemv(x, w, out=x)
+    with pytest.raises(ValueError, match="overlaps"):
+        gemv(x, w, out=w[3:4])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the default launch, CUDA graphs and PDL need a GPU")
+@pytest.mark.parametrize("n, k", [(4096, 2048), (6144, 4096), (1000, 5504), (22016, 4096)])
+def test_gemv_in_a_cuda_graph(n, k):
+    """The engine's way: default tiles (PDL and the L2 warm-up on Hopper) and replayed from a graph, after a
     norm kernel that lets it start early and writes its x."""
     from minillm.kernels.fused_layer_ops import rms_norm
     h, nw, w = randn(1, k, dtype=torch.bfloat16), randn(k, dtype=torch.bfloat16, seed=3), \
         randn(n, k, dtype=torch.bfloat16, seed=1)
     x = rms_norm(h, nw, 1e-5)
-    gemv(x, w)  # autotunes outside the capture
+    gemv(x, w)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         x = rms_norm(h, nw, 1e-5)
