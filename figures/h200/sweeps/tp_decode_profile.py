@@ -48,7 +48,7 @@ if __name__ == "__main__":
     r["tpot_ms"] = (r["t256"] - r["t1"]) / 255 * 1e3
     w = llm.engine.workers
     r["replay_ms"] = replay_ms(llm.engine.runner, 200) if w is None else w.run_everywhere(llm.engine.runner, replay_ms, 200)
-    r["allreduce"] = os.environ.get("MINILLM_TP_ALLREDUCE", "nccl"); r["tp"] = tp
+    r["allreduce"] = os.environ.get("MINILLM_TP_ALLREDUCE", "default"); r["tp"] = tp
     print(r, flush=True)
     r["kernels"] = profile_replays(llm.engine.runner) if w is None else w.run_everywhere(llm.engine.runner, profile_replays)
     print("total us/replay", sum(k[2] for k in r["kernels"]), "kernels/replay", sum(k[1] for k in r["kernels"]))
