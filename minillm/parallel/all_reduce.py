@@ -96,8 +96,8 @@ def _catch_up(symm_mem, device: torch.device) -> None:
         for _ in range(behind):
             symm_mem.rendezvous(symm_mem.empty(1, dtype=torch.int64, device=device), alone.group_name)
             _rendezvous_made += 1
-        # Gone again: torch names later local groups by how many groups a process knows, which must agree.
-        dist.destroy_process_group(alone)
+        # ``alone`` is kept: only a new worker is ever behind, and it ends with its engine. (It makes this rank
+        # know one group more than the others, which would matter to a later hashed group name; minillm makes none.)
 
 
 def _peers_reach_each_other(size: int) -> bool:
