@@ -139,21 +139,22 @@ class Rendezvous:
     def rendezvous(self, tensor, group_name):
         self.groups.append(group_name)
 
-def run(rank, address, made):
+def run(rank, address, made, out):
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2)
     all_reduce._rendezvous_made = made[rank]
     symm_mem = Rendezvous()
     all_reduce._catch_up(symm_mem, torch.device("cpu"))
     alone = all(g != dist.group.WORLD.group_name for g in symm_mem.groups)
-    print("RANK", rank, "count", all_reduce._rendezvous_made, "made", len(symm_mem.groups), "alone", alone, flush=True)
+    with open(f"{out}/rank{rank}.txt", "w") as f:  # a file each: two processes' prints may interleave
+        f.write(f"RANK {rank} count {all_reduce._rendezvous_made} made {len(symm_mem.groups)} alone {alone}")
     dist.barrier()
     dist.destroy_process_group()
 
 if __name__ == "__main__":
-    address, made = f"tcp://127.0.0.1:{sys.argv[1]}", [int(n) for n in sys.argv[2:]]
-    worker = mp.get_context("spawn").Process(target=run, args=(1, address, made))
+    address, out, made = f"tcp://127.0.0.1:{sys.argv[1]}", sys.argv[2], [int(n) for n in sys.argv[3:]]
+    worker = mp.get_context("spawn").Process(target=run, args=(1, address, made, out))
     worker.start()
-    run(0, address, made)
+    run(0, address, made, out)
     worker.join()
 """
 
@@ -167,10 +168,10 @@ def test_a_rank_behind_catches_up_on_the_rendezvous_count_alone(tmp_path, made):
 
     script = tmp_path / "catch_up.py"
     script.write_text(CATCH_UP_SCRIPT)
-    run = subprocess.run([sys.executable, str(script), str(_free_port()), *map(str, made)], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run([sys.executable, str(script), str(_free_port()), str(tmp_path), *map(str, made)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
-    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("RANK"))
+    lines = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
     assert lines == [f"RANK {rank} count {max(made)} made {max(made) - made[rank]} alone True" for rank in (0, 1)]
 
 
