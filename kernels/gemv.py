@@ -29,14 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels import pdl
 from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
-from minillm.kernels.pdl import prefetch_to_l2, wait_for_previous
+from minillm.kernels.pdl import prefetch_to_l2, supported as pdl_supported, wait_for_previous
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
 
 INTERPRET = interpreter_on()
 _INTERPRETER = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)
 _MIN_PROGRAMS = 132  # one per SM of an H200: with fewer, K is split too (a small N's few rows would idle the GPU)
+# With PDL, what a GEMV's programs ask L2 for before they wait for x, in all (MINILLM_GEMV_PREFETCH_MB).
+PREFETCH_BYTES = int(float(os.environ.get("MINILLM_GEMV_PREFETCH_MB", "8")) * 2**20)
 
 
 def default_config(n: int, k: int) -> dict:
@@ -49,8 +50,6 @@ def default_config(n: int, k: int) -> dict:
            and k >= 2 * config["SPLIT_K"] * config["BLOCK_K"]):
         config["SPLIT_K"] *= 2
     return config
-# With PDL, what a GEMV's programs ask L2 for before they wait for x, in all (MINILLM_GEMV_PREFETCH_MB).
-PREFETCH_BYTES = int(float(os.environ.get("MINILLM_GEMV_PREFETCH_MB", "8")) * 2**20)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -140,7 +139,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
           f"N = {n} in tiles of {config['BLOCK_N']} rows needs more than {MAX_TILES} split-K tile counters")
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     args = (xs, weight, y, partials, tile_counters(x.device), n, k, weight.stride(0))
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-    early = pdl.supported(x.device)
-    _plain[grid(config)](*args, **config, **({"PDL": True, "launch_pdl": True} if early else {"PDL": False}))
+    early = {"PDL": True, "launch_pdl": True} if pdl_supported(x.device) else {"PDL": False}
+    _plain[(triton.cdiv(n, config["BLOCK_N"]), splits)](*args, **config, **early)
     return y
