@@ -23,21 +23,17 @@ after the loop. fp32 accumulation, as cuBLAS; the result may differ from it in t
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
-from minillm.kernels.pdl import prefetch_to_l2, supported as pdl_supported, wait_for_previous
+from minillm.kernels.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
 
 INTERPRET = interpreter_on()
 _INTERPRETER = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)
 _MIN_PROGRAMS = 132  # one per SM of an H200: with fewer, K is split too (a small N's few rows would idle the GPU)
-# With PDL, what a GEMV's programs ask L2 for before they wait for x, in all (MINILLM_GEMV_PREFETCH_MB).
-PREFETCH_BYTES = int(float(os.environ.get("MINILLM_GEMV_PREFETCH_MB", "8")) * 2**20)
 
 
 def default_config(n: int, k: int) -> dict:
@@ -87,14 +83,12 @@ def _gemv_kernel(X, W, Y, Partials, Counters, N, K, stride_wn,
 
 
 def _prefetch_lines(a: dict) -> int:
-    """128-byte lines per weight row to bring into L2 before the wait: PREFETCH_BYTES over the grid's
-    rows (a power of two, at most a K-split's length). Beyond L2's share, lines would evict each other."""
+    """128-byte lines per weight row to bring into L2 before the wait: pdl.PREFETCH_BYTES over the grid's
+    rows (a power of two, at most a K-split's length)."""
     if not a["PDL"]:
         return 0
-    per_row = PREFETCH_BYTES // (a["N"] * a["SPLIT_K"] * 128)
     split_lines = triton.cdiv(triton.cdiv(a["K"], a["SPLIT_K"]) * a["W"].element_size(), 128)
-    lines = min(per_row, split_lines)
-    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
+    return prefetch_pieces(a["N"] * a["SPLIT_K"], 128, split_lines)
 
 
 _plain = triton.heuristics({

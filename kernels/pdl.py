@@ -38,6 +38,18 @@ import triton.language as tl
 from minillm.kernels.checks import interpreter_on
 
 
+# What a GEMV's programs ask L2 for before they wait for x, in all (MINILLM_GEMV_PREFETCH_MB): dense (gemv.py) and W4A16
+# (quant_matmul.py). Beyond L2's share, lines would evict each other before they are read.
+PREFETCH_BYTES = int(float(os.environ.get("MINILLM_GEMV_PREFETCH_MB", "8")) * 2**20)
+
+
+def prefetch_pieces(count: int, piece_bytes: int, most: int) -> int:
+    """How many pieces of ``piece_bytes`` each of ``count`` programs (or rows) may prefetch within PREFETCH_BYTES:
+    a power of two, at most ``most``; 0 if not even one fits."""
+    pieces = min(PREFETCH_BYTES // max(1, count * piece_bytes), most)
+    return 0 if pieces < 1 else 1 << (pieces.bit_length() - 1)
+
+
 @functools.cache
 def supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` use PDL: CUDA with compute capability 9.0 or later, not under the

@@ -67,9 +67,10 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES, check, check_operand, check_runnable, interpreter_on
 from minillm.kernels.int4_dequantize import check_int4_layout, w4a16_dequantize
 from minillm.kernels.int_float import int8_to_float
+from minillm.kernels.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
 from minillm.kernels.w4_dot_pairs import dequant_tile_pairs
-from minillm.kernels.w4_gemv_pairs import gemv_pairs
+from minillm.kernels.w4_gemv_pairs import gemv_pairs, gemv_pairs_tiles
 from minillm.kernels.w4_sixteenths import ONE_BITS, dequant_tile, int4_tile, nibble
 # The layout's helpers live in a Triton-free file; re-exported so that one import serves.
 from minillm.kernels.quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
@@ -106,6 +107,12 @@ _W4_GEMV = _configs([(64, 16, 1, 4, 3), (128, 16, 1, 4, 3), (64, 16, 2, 4, 3), (
     triton.Config(dict(BLOCK_N=128, BLOCK_KP=4, SPLIT_K=32, HFMA2=True, RUN=2), num_warps=1, num_stages=1),
     triton.Config(dict(BLOCK_N=512, BLOCK_KP=8, SPLIT_K=32, HFMA2=True, RUN=2), num_warps=2, num_stages=1),
     triton.Config(dict(BLOCK_N=512, BLOCK_KP=8, SPLIT_K=64, HFMA2=True, RUN=1), num_warps=2, num_stages=1),
+    # The HFMA2 math on 2-d tiles, the next tile loaded ahead (TILES, w4_gemv_pairs.gemv_pairs_tiles): the H200
+    # sweep's winners (figures/h200/sweeps/w4a16_gemv_tiles.json): 11.7 us on 4096 x 11008 and 12.6 us on
+    # 11008 x 4096, where the configs above take 11.7 and 13.1 in the same run.
+    triton.Config(dict(BLOCK_N=128, BLOCK_KP=8, SPLIT_K=16, HFMA2=True, RUN=1, TILES=True), num_warps=1, num_stages=1),
+    triton.Config(dict(BLOCK_N=128, BLOCK_KP=8, SPLIT_K=32, HFMA2=True, RUN=1, TILES=True), num_warps=1, num_stages=1),
+    triton.Config(dict(BLOCK_N=128, BLOCK_KP=16, SPLIT_K=32, HFMA2=True, RUN=1, TILES=True), num_warps=1, num_stages=1),
 ]
 _W8_GEMV = _configs([(128, 32, 1, 4, 3), (256, 16, 1, 4, 3), (128, 32, 4, 4, 3), (256, 32, 2, 8, 3),
                      (256, 16, 4, 4, 3), (128, 32, 8, 4, 3), (256, 64, 4, 8, 3)], ("BLOCK_N", "BLOCK_K", "SPLIT_K"))
@@ -158,17 +165,30 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
                     QW, S, Z, group_size, one_bits, stride_q, stride_s, stride_z,
                     BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, SPLIT_K: tl.constexpr,
                     PREFETCH: tl.constexpr = False, HFMA2: tl.constexpr = False, RUN: tl.constexpr = 2,
-                    ONE_GROUP: tl.constexpr = False, EVEN_N: tl.constexpr = False):
+                    ONE_GROUP: tl.constexpr = False, EVEN_N: tl.constexpr = False, TILES: tl.constexpr = False,
+                    GROUP_TILES: tl.constexpr = 0, PDL: tl.constexpr = False, PREFETCH_ROWS: tl.constexpr = 0):
     """Program (row m and column tile, split): one row of x, BLOCK_N columns, a split of the K // 8 packed rows.
     PREFETCH: the next tile's weight loads are issued in this tile's iteration, masked off past the
     end (Triton's pipeliner leaves this loop's loads alone: plain LDGs in the sm_90 SASS, each
     tile waiting out its own memory latency). HFMA2: the body is ``w4_gemv_pairs.gemv_pairs``, two
     weights per instruction in x's 16-bit dtype, summed in 16 bits over runs of RUN packed rows
-    (ONE_GROUP, EVEN_N: see there). The autotuner's list holds the configs of each that won an H200 sweep."""
+    (ONE_GROUP, EVEN_N: see there). TILES (with HFMA2): the same math on 2-d tiles for programs of many warps,
+    the next tile loaded ahead (``gemv_pairs_tiles``). The autotuner's list holds the configs of each that won an
+    H200 sweep. PDL: launched early (``pdl.py``), the program asks L2 for its first PREFETCH_ROWS packed rows, then
+    waits for the kernel ahead (which writes x) before it reads anything else."""
     m = tl.program_id(0) % M  # the M programs of a column tile run side by side and share its weights in L2
     n = tl.program_id(0) // M * BLOCK_N + tl.arange(0, BLOCK_N)
     start, end = split_range(K // 8, BLOCK_KP, SPLIT_K)
-    if HFMA2:
+    if PDL:
+        if PREFETCH_ROWS > 0:  # one address per 128-byte line (32 columns) of each row, clamped to the weight
+            lines = tl.minimum(tl.program_id(0) // M * BLOCK_N + tl.arange(0, triton.cdiv(BLOCK_N, 32)) * 32, N - 1)
+            rows = tl.minimum(start + tl.arange(0, PREFETCH_ROWS), tl.maximum(end - 1, 0))
+            prefetch_to_l2(QW + rows[:, None] * stride_q + lines[None, :])
+        wait_for_previous(PDL)
+    if TILES:
+        y = gemv_pairs_tiles(X + m * stride_xm, QW, S, Z, start, end, n, N, stride_q, stride_s, stride_z,
+                             BLOCK_N, BLOCK_KP, GROUP_TILES, EVEN_N)
+    elif HFMA2:
         y = gemv_pairs(X + m * stride_xm, QW, S, Z, start, end, n, N, group_size, stride_q, stride_s, stride_z,
                        BLOCK_N, BLOCK_KP, RUN, ONE_GROUP, EVEN_N)
     else:
@@ -294,14 +314,21 @@ _w4_dot = triton.heuristics({"ONE_GROUP": lambda a: a["group_size"] % a["BLOCK_K
 # HFMA2 only: a tile of BLOCK_KP packed rows inside one group loads one scale and zero; N % BLOCK_N == 0, no mask.
 _w4_gemv = triton.heuristics({
     "ONE_GROUP": lambda a: a["group_size"] % (8 * a["BLOCK_KP"]) == 0 or a["group_size"] >= a["K"],
-    "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})(_w4_gemv_kernel)
+    "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
+    # TILES: tiles a group (the launcher checks they divide it), 0 for one group over all of K
+    "GROUP_TILES": lambda a: a["group_size"] // (8 * a["BLOCK_KP"]) if a["group_size"] < a["K"] else 0,
+    # PDL: packed rows per program to warm L2 with, pdl.PREFETCH_BYTES over the grid (at most a split's rows)
+    "PREFETCH_ROWS": lambda a: prefetch_pieces(a["M"] * triton.cdiv(a["N"], a["BLOCK_N"]) * a["SPLIT_K"],
+                                               4 * a["BLOCK_N"], triton.cdiv(a["K"] // 8, a["SPLIT_K"]))
+    if a.get("PDL") else 0})(_w4_gemv_kernel)
 
 
 def _hfma2_runs_fit(config: dict, group: int, k: int) -> bool:
     """HFMA2's runs of RUN packed rows: 1, 2 or 4 of them (longer 16-bit sums lose accuracy), dividing the
-    tile and staying inside a group."""
+    tile and staying inside a group; with TILES, whole tiles inside a group (their scale is loaded once)."""
     run = config.get("RUN", 2)
-    return run in (1, 2, 4) and config["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k)
+    rows = config["BLOCK_KP"] if config.get("TILES") else run
+    return run in (1, 2, 4) and config["BLOCK_KP"] % run == 0 and (group % (8 * rows) == 0 or group >= k)
 
 
 def _fit_gemv_variants(configs, named_args, **kwargs):
@@ -359,7 +386,9 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
           f"a split-K launch with N = {n}, M = {rows} needs more than {MAX_TILES} tile counters")
     args = (x, y, partials, tile_counters(x.device), rows, n, x.shape[1], x.stride(0), y.stride(0), *weights)
     if path == "gemv":
-        consts = {}
+        # W4A16's GEMV starts early on Hopper (pdl.py): it is what the decode step of an INT4 model mostly runs.
+        early = fmt == "w4" and pdl_supported(x.device)
+        consts = {"PDL": True, "launch_pdl": True} if early else {"PDL": False} if fmt == "w4" else {}
         grid = lambda meta: (rows * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
     else:
         # The autotuner's key: tile choices are made per power-of-two bucket of M, not per M, so a
@@ -424,7 +453,11 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
               f"config {config} asks for HFMA2, a GEMV variant, but path {path!r} at M = {rows} is not the GEMV")
         check(x.dtype != torch.float32, "HFMA2 computes in x's 16-bit dtype; x is float32")
         check(_hfma2_runs_fit(config, group, k),
-              f"RUN = {run} must be 1, 2 or 4 (longer 16-bit runs lose accuracy) and divide BLOCK_KP and group_size / 8")
+              f"RUN = {run} must be 1, 2 or 4 (longer 16-bit runs lose accuracy) and divide BLOCK_KP and group_size / 8"
+              + (f"; with TILES, BLOCK_KP = {config['BLOCK_KP']} must divide group_size / 8 = {group // 8}"
+                 if config.get("TILES") else ""))
+    check(not config or not config.get("TILES") or config.get("HFMA2"),
+          f"config {config} asks for TILES, a layout of the HFMA2 body: it needs HFMA2=True too")
     if config and config.get("PAIRS"):
         rows = x.numel() // k
         check(path == "dot" or (path is None and GEMV_MAX_M < rows),

@@ -182,3 +182,87 @@ def gemv_pairs(X, QW, S, Z, start, end, n, N, group_size, stride_q, stride_s, st
         acc += _tile(XW, QW, S, Z, full_end, end, n, N, group_size, stride_q, stride_s, stride_z, BF16,
                      BLOCK_N, BLOCK_KP, RUN, ONE_GROUP, True, EVEN_N)
     return acc
+
+
+@triton.jit
+def _x_pairs(XW, r, row_ok, BF16: tl.constexpr):
+    """The inputs of packed rows r [BLOCK_KP, 1] as the four pairs (x_j, x_j+4), j = 0..3, each an int32 of two
+    16-bit floats, and their sum in fp32 ([BLOCK_KP, 1] each). Rows past the end (row_ok False) read as zeros.
+    Four loads of [BLOCK_KP, 1], not one of [BLOCK_KP, 4] split apart: this shape broadcasts against the weight
+    tile in the layout it was loaded in, where a split's result went through shared memory to get there."""
+    w0 = tl.load(XW + 4 * r, mask=row_ok, other=0)  # inputs 8r, 8r + 1
+    w1 = tl.load(XW + 4 * r + 1, mask=row_ok, other=0)
+    w2 = tl.load(XW + 4 * r + 2, mask=row_ok, other=0)
+    w3 = tl.load(XW + 4 * r + 3, mask=row_ok, other=0)
+    pairs = (_join_halves(w0, w2, False), _join_halves(w0, w2, True), _join_halves(w1, w3, False),
+             _join_halves(w1, w3, True))
+    sum2 = _fma2(pairs[0], 0x3F803F80 if BF16 else 0x3C003C00, 0, BF16)  # x * 1.0, pairwise, in 16 bits
+    for j in tl.static_range(1, 4):
+        sum2 = _fma2(pairs[j], 0x3F803F80 if BF16 else 0x3C003C00, sum2, BF16)
+    lo, hi = _halves(sum2, BF16)
+    return pairs, lo + hi
+
+
+@triton.jit
+def _tile_2d(acc, packed, pairs, x_sum, scale, z, BF16: tl.constexpr):
+    """acc [1, BLOCK_N] fp32 += sum over one tile of packed rows (inside one group) of x (q - z) s: per packed int32,
+    a shift, four LOP3s and four HFMA2s make the 8 products' two 16-bit sums (module docstring), and one FADD adds
+    them to the column's fp32 sum over the tile's rows; the scale and zero point come once per column and tile.
+    The sum over rows stays inside each thread where the tile is BLOCK_N = 128 num_warps wide (warps along N)."""
+    acc2 = tl.zeros(packed.shape, tl.int32)
+    shifted = packed >> 8
+    if not BF16:
+        neg_zero = _fma2(z * 0x10001 - 2147450880, 0x74007400, 0, BF16)
+    for j in tl.static_range(4):
+        src = packed if j < 2 else shifted
+        v = src & (0x000F000F if j % 2 == 0 else 0x00F000F0)
+        if BF16:
+            x_big = _fma2(pairs[j], 0x72007200 if j % 2 == 0 else 0x70007000, 0, BF16)  # x 2**101 or 2**97
+            acc2 = _fma2(x_big, v, acc2, BF16)
+        else:
+            acc2 = _fma2(pairs[j], _fma2(v, 0x74007400 if j % 2 == 0 else 0x64006400, neg_zero, BF16), acc2, BF16)
+    lo, hi = _halves(acc2, BF16)
+    part = tl.sum(lo + hi, axis=0, keep_dims=True)
+    if BF16:  # sum x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
+        return acc + part * (scale * 4294967296.0) - tl.sum(x_sum, axis=0, keep_dims=True) * (int8_to_float(z) * scale)
+    else:
+        return acc + part * (scale * 1024.0)
+
+
+@triton.jit
+def _group_params(S, Z, r, n, stride_s, stride_z, BLOCK_KP: tl.constexpr, GROUP_TILES: tl.constexpr):
+    """Scale (fp32) and zero point (int32) per column n ([1, BLOCK_N]: the weight tile's layout, broadcast, so no
+    conversion through shared memory) of the group holding tile row r (a multiple of BLOCK_KP)."""
+    g = (r // BLOCK_KP) // GROUP_TILES if GROUP_TILES else 0  # constexpr divisors: shifts, no integer division
+    scale = tl.load(S + g * stride_s + n).to(tl.float32)
+    return scale, (tl.load(Z + g * stride_z + n // 8) >> ((n % 8) * 4)) & 15
+
+
+@triton.jit
+def gemv_pairs_tiles(X, QW, S, Z, start, end, n, N, stride_q, stride_s, stride_z, BLOCK_N: tl.constexpr,
+                     BLOCK_KP: tl.constexpr, GROUP_TILES: tl.constexpr, EVEN_N: tl.constexpr):
+    """``gemv_pairs`` for many warps: the tile [BLOCK_KP, BLOCK_N] of packed weights is one 2-d load, spread over
+    all of the program's threads, and the next tile's load is issued before this one is computed (Triton leaves
+    this loop's loads unpipelined), so a program keeps two tiles of bytes in flight. Each tile's rows are summed
+    into a [1, BLOCK_N] fp32 accumulator (``_tile_2d``).
+    Tiles lie inside one group: GROUP_TILES tiles a group, or 0 for one group over all of K. No load is masked:
+    rows past ``end`` re-read row end - 1 and columns past N column N - 1, and x is 0 for those rows, so they
+    add nothing (masks cost a predicate per row and tile; the launcher keeps y's stores to n < N). -> [BLOCK_N] fp32."""
+    BF16: tl.constexpr = X.dtype.element_ty == tl.bfloat16
+    XW = X.to(tl.pointer_type(tl.int32), bitcast=True)
+    rows = tl.arange(0, BLOCK_KP)
+    cols = n if EVEN_N else tl.minimum(n, N - 1)
+    last = end - 1  # >= 0: an empty split has start >= end = K // 8
+    acc = tl.zeros((1, BLOCK_N), tl.float32)
+    packed = tl.load(QW + tl.minimum(start + rows, last)[:, None] * stride_q + cols[None, :])
+    scale, z = _group_params(S, Z, tl.minimum(start, last), cols[None, :], stride_s, stride_z, BLOCK_KP, GROUP_TILES)
+    for r0 in range(start, end, BLOCK_KP):
+        # The next tile's weights, scales and zeros first (past the end: clamped re-reads), then this tile's math.
+        r_next = tl.minimum(r0 + BLOCK_KP, last)
+        packed_next = tl.load(QW + tl.minimum(r0 + BLOCK_KP + rows, last)[:, None] * stride_q + cols[None, :])
+        scale_next, z_next = _group_params(S, Z, r_next // BLOCK_KP * BLOCK_KP, cols[None, :], stride_s, stride_z, BLOCK_KP,
+                                           GROUP_TILES)
+        pairs, x_sum = _x_pairs(XW, (r0 + rows)[:, None], (r0 + rows < end)[:, None], BF16)
+        acc = _tile_2d(acc, packed, pairs, x_sum, scale, z, BF16)
+        packed, scale, z = packed_next, scale_next, z_next
+    return tl.sum(acc, axis=0)  # [BLOCK_N]

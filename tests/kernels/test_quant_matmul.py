@@ -230,14 +230,36 @@ def test_hfma2_gemv_matches_reference(dtype, k, n, group_size, config):
     assert counters_are_clean()
 
 
+@pytest.mark.parametrize("dtype", HFMA2_DTYPES)
+@pytest.mark.parametrize("k, n, group_size, config", [
+    # N = 40 over tiles of 32 columns (a masked tile); 72 packed rows = 4.5 tiles of 16, the last group half long
+    (576, 40, 128, dict(BLOCK_N=32, BLOCK_KP=16, SPLIT_K=1)),
+    # groups of 64 inputs, one per tile; split-K over 3 (splits of 3, 3 and 3 tiles)
+    (576, 40, 64, dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=3)),
+    # groups of 32 inputs in tiles of 4 rows, N a multiple of BLOCK_N
+    (576, 64, 32, dict(BLOCK_N=32, BLOCK_KP=4, SPLIT_K=2)),
+    # one group (-1) over K = 200: 25 packed rows, uneven splits, short tiles at both split ends
+    (200, 40, -1, dict(BLOCK_N=16, BLOCK_KP=4, SPLIT_K=2)),
+])
+def test_hfma2_tiles_gemv_matches_reference(dtype, k, n, group_size, config):
+    """The HFMA2 math on 2-d tiles with the next tile loaded ahead (w4_gemv_pairs.gemv_pairs_tiles)."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group_size, dtype, seed=k + n + 1)
+    y = w4a16_matmul(x, qweight, scales, zeros, group_size, path="gemv",
+                     config={**config, "HFMA2": True, "RUN": 1, "TILES": True}, out=poisoned((1, n), dtype))
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, group_size), dtype)
+    assert counters_are_clean()
+
+
 @pytest.mark.parametrize("dtype, magnitude", [(torch.float16, 3000.0), (torch.bfloat16, 1e6), (torch.bfloat16, 1e-6)])
 def test_hfma2_gemv_keeps_large_and_small_activations(dtype, magnitude):
     """fp16 sums of x (q - z) overflow past 65504 unless scaled down (|x| 3000 makes 45000 a product);
     bf16 scales x up by 2**101, which must neither overflow at 1e6 nor lose 1e-6 to subnormals."""
     x, qweight, scales, zeros, _, _ = int4_problem(1, 256, 32, 64, dtype, seed=3)
     x = (x.float() * magnitude).to(dtype)
-    y = w4a16_matmul(x, qweight, scales, zeros, 64, config=dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=1, HFMA2=True))
-    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, 64), dtype)
+    for tiles in (False, True):
+        y = w4a16_matmul(x, qweight, scales, zeros, 64,
+                         config=dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=1, HFMA2=True, TILES=tiles))
+        assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, 64), dtype)
 
 
 def test_hfma2_gemv_reads_a_misaligned_x():
@@ -258,6 +280,10 @@ def test_hfma2_gemv_refuses_what_it_cannot_do():
         (lambda: w4a16_matmul(x, qweight, scales, zeros, 32, config=gemv), "not the GEMV"),  # M = 2 takes the dot
         (lambda: w4a16_matmul(x[:1], qweight, scales, zeros, 32, config={**gemv, "RUN": 3}), "RUN = 3"),
         (lambda: w4a16_matmul(x[:1], qweight, scales, zeros, 32, config={**gemv, "BLOCK_KP": 8, "RUN": 8}), "RUN = 8"),
+        (lambda: w4a16_matmul(x[:1], qweight, scales, zeros, 32, config={**gemv, "BLOCK_KP": 8, "TILES": True}),
+         "BLOCK_KP = 8 must divide group_size / 8 = 4"),
+        (lambda: w4a16_matmul(x[:1], qweight, scales, zeros, 32, config={**gemv, "HFMA2": False, "TILES": True}),
+         "needs HFMA2=True"),
     ]:
         with pytest.raises(ValueError, match=message):
             call()
@@ -389,6 +415,8 @@ def test_gemv_autotuning_offers_hfma2_only_where_it_can_run():
     # Groups of 8 inputs (one packed row) fit only runs of one row; a single group (K) fits every run.
     assert {c.kwargs["RUN"] for c in fit(x16, 8) if c.kwargs.get("HFMA2")} == {1}
     assert fit(x16, 4096) == configs
+    # TILES needs whole tiles inside a group: groups of 64 inputs (8 packed rows) keep tiles of 8 rows, not 16.
+    assert {c.kwargs["BLOCK_KP"] for c in fit(x16, 64) if c.kwargs.get("TILES")} == {8}
     # A GEMV forced on many rows gets no split-K: _launch sizes partials only up to _SPLIT_MAX_M rows.
     many = fit(x16, 128, m=quant_matmul._SPLIT_MAX_M + 1)
     assert many and all(c.kwargs["SPLIT_K"] == 1 for c in many)
@@ -401,7 +429,13 @@ ADDED_GEMV = [c for c in quant_matmul._W4_GEMV if c.kwargs.get("HFMA2") or c.kwa
 @pytest.mark.parametrize("config", ADDED_GEMV, ids=str)
 def test_every_added_gemv_config_computes_the_reference(config, dtype, group_size):
     """The configs the H200 sweep added, pinned as the autotuner would launch them (N = 256: whole tiles);
-    groups of 32 give the tiles of 4 or 8 packed rows a scale per run, groups of 128 one per tile."""
+    groups of 32 give the tiles of 4 or 8 packed rows a scale per run, groups of 128 one per tile. A TILES config
+    whose tiles do not fit in a group is one the autotuner must drop, not run."""
+    if not quant_matmul._hfma2_runs_fit(config.kwargs, group_size, 512):
+        x = torch.randn(1, 512, dtype=dtype)
+        kept = quant_matmul._fit_gemv_variants([config], {"X": x, "group_size": group_size, "K": 512, "M": 1})
+        assert config.kwargs.get("TILES") and kept == []
+        return
     x, qweight, scales, zeros, _, _ = int4_problem(1, 512, 256, group_size, dtype, seed=3)
     y = w4a16_matmul(x, qweight, scales, zeros, group_size, path="gemv", config=_pinned(config),
                      out=poisoned((1, 256), dtype))

@@ -8,4 +8,5 @@ ncu --version > $OUT/ncu.log 2>&1
 ncu -i $OUT/kernels.ncu-rep --page details > $OUT/ncu_details.txt 2>&1
 ncu -i $OUT/kernels.ncu-rep --page raw --csv > $OUT/ncu_raw.csv 2>&1
 gzip -f $OUT/ncu_raw.csv $OUT/kernels.ncu-rep
+python3 figures/h200/sweeps/ncu_summary.py $OUT/ncu_raw.csv.gz > $OUT/ncu_summary.json
 tail -3 $OUT/ncu.log; grep -c "Section: GPU Speed Of Light" $OUT/ncu_details.txt

@@ -1,12 +1,14 @@
 """The W4A16 GEMV (M=1, bf16, group 128) on the H200: the fp32 body's best configs and the autotuner's choice against
 the HFMA2 variant (kernels/w4_gemv_pairs.py) over a sampled grid, and bf16 torch.matmul, on Llama-2-7B's shapes.
-Each shape gets BUDGET_S / 4 seconds (compiles included), hand-picked configs first. Writes $OUT/w4_gemv_sweep.json
+Each shape gets BUDGET_S / 4 seconds (compiles included), hand-picked configs first; FAMILIES=fp32,hfma2,tiles (the
+default: all) picks the bodies, TILES being the HFMA2 math on 2-d tiles of many-warp programs. Writes $OUT/w4_gemv_sweep.json
 (committed wrapped as figures/h200/sweeps/w4a16_gemv.json). Without CUDA: a tiny shape under the interpreter, to
 check the script runs (TRITON_INTERPRET=1). Usage: BUDGET_S=480 OUT=/tmp/out python figures/h200/sweeps/w4a16_gemv.py;
 SHAPES=4096x11008,11008x4096 limits the shapes (K x N); SAMPLES (default 40): HFMA2 configs drawn from the grid."""
 import itertools, json, os, random, time
 import torch
 from minillm.bench.kernels import time_ms
+from minillm.kernels.gemv import gemv
 from minillm.kernels.quant_matmul import autotuned_config, pack_int4, pack_int4_along_n, w4a16_matmul, w4a16_matmul_ref
 
 OUT = os.environ.get("OUT", "/tmp/out"); os.makedirs(OUT, exist_ok=True); G = 128
@@ -31,9 +33,16 @@ grid = [dict(BLOCK_N=bn, BLOCK_KP=kp, SPLIT_K=sk, RUN=run, num_warps=w)
 samples = int(os.environ.get("SAMPLES", "40"))
 random.seed(0); HFMA2 = PICKED + [c for c in random.sample(grid, min(samples, len(grid))) if c not in PICKED]
 HFMA2 = [dict(c, HFMA2=True, num_stages=1) for c in HFMA2]
+# TILES: the HFMA2 math on 2-d tiles of many-warp programs, the next tile loaded ahead (gemv_pairs_tiles). BLOCK_N =
+# 128 num_warps puts every warp along N (4 columns a thread), the layout the per-column scales load in.
+TILES = [dict(BLOCK_N=bn, BLOCK_KP=kp, SPLIT_K=sk, num_warps=w, HFMA2=True, RUN=1, TILES=True, num_stages=1)
+         for (bn, kp, w), sk in itertools.product([(128, 8, 1), (256, 8, 2), (512, 8, 4), (128, 16, 1), (64, 8, 1),
+                                                   (512, 16, 4), (1024, 8, 8)], (8, 12, 16, 24, 32))]
+FAMILIES = os.environ.get("FAMILIES", "fp32,hfma2,tiles").split(",")
 if not GPU:
     FP32 = [dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=2)]
     HFMA2 = [dict(FP32[0], HFMA2=True, RUN=2)]
+    TILES = [dict(FP32[0], HFMA2=True, RUN=1, TILES=True)]
 gen = torch.Generator(device=dev).manual_seed(0)
 rows, budget = [], float(os.environ.get("BUDGET_S", "480")) / len(SHAPES)
 for k, n in SHAPES:
@@ -46,6 +55,12 @@ for k, n in SHAPES:
     x = torch.randn(1, k, device=dev, generator=gen).to(dtype)
     ref = w4a16_matmul_ref(x, *sets[0], G).float()
     cyc = itertools.cycle(dense); torch_ms = time_ms(lambda: torch.matmul(x, next(cyc)), dev)
+    # The same bytes as the INT4 weight, read by a bf16 GEMV (N / 4 rows): how fast this GPU reads that much in one
+    # GEMV, minillm's (kernels/gemv.py) and cuBLAS's: the floor a W4A16 kernel of this size can hope for.
+    same = [torch.randn(n // 4, k, device=dev, generator=gen).to(dtype) for _ in range(copies)]
+    cyc = itertools.cycle(same); same_gemv_ms = time_ms(lambda: gemv(x, next(cyc)), dev)
+    cyc = itertools.cycle(same); same_cublas_ms = time_ms(lambda: torch.nn.functional.linear(x, next(cyc)), dev)
+    del same
 
     def measure(config):
         cyc = itertools.cycle(sets)
@@ -53,8 +68,8 @@ for k, n in SHAPES:
         y = w4a16_matmul(x, *sets[0], G, path="gemv", config=config).float()
         return t, ((y - ref).abs().max() / ref.abs().max()).item()
     tuned_ms, tuned_err = measure(None) if GPU else (float("nan"), None)
-    results = {"fp32": [], "hfma2": []}
-    for name, configs in (("fp32", FP32), ("hfma2", HFMA2)):
+    results = {name: [] for name in FAMILIES}
+    for name, configs in [(name, {"fp32": FP32, "hfma2": HFMA2, "tiles": TILES}[name]) for name in FAMILIES]:
         for c in configs:
             if time.time() > deadline and results[name]:
                 break
@@ -65,11 +80,13 @@ for k, n in SHAPES:
         results[name].sort(key=lambda r: r[0])
     weight_bytes = k * n // 2 + groups * n * 2 + groups * n // 2
     best = {name: r[0] for name, r in results.items()}
-    rows.append(dict(k=k, n=n, torch_ms=torch_ms, autotuned=dict(ms=tuned_ms, err=tuned_err,
+    rows.append(dict(k=k, n=n, torch_ms=torch_ms, same_bytes_bf16=dict(shape=[n // 4, k], gemv_ms=same_gemv_ms,
+                                                                     cublas_ms=same_cublas_ms), autotuned=dict(ms=tuned_ms, err=tuned_err,
                                                                  config=autotuned_config("w4", "gemv")),
                      weight_bytes=weight_bytes, measured={name: len(r) for name, r in results.items()},
                      **{f"{name}_top": r[:8] for name, r in results.items()}))
-    print(f"K={k} N={n}: torch {torch_ms * 1e3:.1f}us, autotuned fp32 {tuned_ms * 1e3:.1f}us; " + "; ".join(
+    print(f"K={k} N={n}: torch {torch_ms * 1e3:.1f}us, same bytes in bf16: gemv {same_gemv_ms * 1e3:.1f}us cuBLAS "
+          f"{same_cublas_ms * 1e3:.1f}us; autotuned {tuned_ms * 1e3:.1f}us; " + "; ".join(
         f"best {name} {b[0] * 1e3:.1f}us = {torch_ms / b[0]:.2f}x torch, {weight_bytes / b[0] / 1e9:.2f} TB/s, "
         f"err {b[1]}, {b[2]}" for name, b in best.items()), flush=True)
     json.dump(rows, open(f"{OUT}/w4_gemv_sweep.json", "w"), indent=1)
