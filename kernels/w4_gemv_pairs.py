@@ -20,6 +20,10 @@ Frantar et al., https://arxiv.org/abs/2408.11743). Here without their 0x4300/0x6
 - fp16 lacks the range for that: one more HFMA2 per pair makes (q - z) 2**-10 exactly (2.3 per
   weight in all at RUN = 2); the 2**-10 keeps the 16-bit sums of any fp16 x finite.
 
+Two entry points: ``gemv_pairs`` (1D loads row by row, 16-bit sums over runs of RUN rows) and ``gemv_pairs_tiles``
+(one 2-d load per tile for programs of several warps, the next tile loaded ahead, one row's 8 products summed in
+16 bits and the rest in fp32; RUN = 1's accuracy).
+
 Accuracy: products and sums are rounded to 16 bits within a run of RUN packed rows (4 RUN products
 per half), then summed in fp32. bf16's 8-bit mantissa up to doubles the fp32 GEMV's distance from
 the reference at RUN <= 2 (1.0e-2 of max |y| against 5.2e-3 at K = 11008; RUN = 4 adds the error of
