@@ -23,9 +23,9 @@ Paths, chosen by M (the number of tokens):
   (The weight stays fp32 where the reference rounds it to x's dtype: 16-bit y may differ in a bit.)
   With HFMA2=True the body works in x's 16-bit dtype two weights per instruction (``w4_gemv_pairs.py``):
   1.7 to 2.1 instructions per weight in the sm_90 SASS instead of 5.5; the autotuner has both bodies. With
-  TILES=True too, that math runs on 2-d tiles with the next tile's load issued ahead (``gemv_pairs_tiles``): more
-  warps per SM and more bytes in flight, which is what the H200's counters said the GEMV lacked
-  (``figures/h200/sweeps/ncu_kernels.json``). On Hopper the W4A16 GEMV is launched with PDL (``pdl.py``): its
+  TILES=True too, that math runs on 2-d tiles with the next tile's load issued ahead (``gemv_pairs_tiles``):
+  more bytes in flight a warp and fewer registers, which is what the H200's counters said the GEMV lacked (4.9 warps
+  per SM waiting on loads, ``figures/h200/sweeps/ncu_kernels.json``). On Hopper the W4A16 GEMV is launched with PDL (``pdl.py``): its
   programs start while the kernel ahead finishes and ask L2 for their first packed rows before they wait for x.
   At M = 1 a tensor-core dot would be 1/16 useful work plus a shared-memory round trip. The M
   programs of a column tile are neighbours in the grid, so rows after the first find its weights
@@ -176,7 +176,7 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
     end (Triton's pipeliner leaves this loop's loads alone: plain LDGs in the sm_90 SASS, each
     tile waiting out its own memory latency). HFMA2: the body is ``w4_gemv_pairs.gemv_pairs``, two
     weights per instruction in x's 16-bit dtype, summed in 16 bits over runs of RUN packed rows
-    (ONE_GROUP, EVEN_N: see there). TILES (with HFMA2): the same math on 2-d tiles for programs of many warps,
+    (ONE_GROUP, EVEN_N: see there). TILES (with HFMA2): the same math on 2-d tiles,
     the next tile loaded ahead (``gemv_pairs_tiles``). The autotuner's list holds the configs of each that won an
     H200 sweep. PDL: launched early (``pdl.py``), the program asks L2 for its first PREFETCH_ROWS packed rows, then
     waits for the kernel ahead (which writes x) before it reads anything else."""
@@ -319,25 +319,37 @@ _w4_dot = triton.heuristics({"ONE_GROUP": lambda a: a["group_size"] % a["BLOCK_K
 _w4_gemv = triton.heuristics({
     "ONE_GROUP": lambda a: a["group_size"] % (8 * a["BLOCK_KP"]) == 0 or a["group_size"] >= a["K"],
     "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
-    # TILES: tiles a group (the launcher checks they divide it), 0 for one group over all of K
-    "GROUP_TILES": lambda a: a["group_size"] // (8 * a["BLOCK_KP"]) if a["group_size"] < a["K"] else 0,
+    "GROUP_TILES": lambda a: _group_tiles(a),
     # PDL: packed rows per program to warm L2 with, pdl.PREFETCH_BYTES over the grid (at most a split's rows)
     "PREFETCH_ROWS": lambda a: prefetch_pieces(a["M"] * triton.cdiv(a["N"], a["BLOCK_N"]) * a["SPLIT_K"],
                                                4 * a["BLOCK_N"], triton.cdiv(a["K"] // 8, a["SPLIT_K"]))
     if a.get("PDL") else 0})(_w4_gemv_kernel)
 
 
+def _group_tiles(a: dict) -> int:
+    """TILES: tiles per group, or 0 for one group over all of K. A config whose tiles do not divide the group is
+    refused here too, not only by ``w4a16_matmul`` and the autotuner's pruning: the kernel would sum across groups."""
+    if a["group_size"] >= a["K"]:
+        return 0
+    if a.get("TILES") and a["group_size"] % (8 * a["BLOCK_KP"]):
+        raise ValueError(f"TILES with BLOCK_KP = {a['BLOCK_KP']} needs group_size / 8 = {a['group_size'] // 8} to be a "
+                         "multiple of it")
+    return a["group_size"] // (8 * a["BLOCK_KP"])
+
+
 def _hfma2_runs_fit(config: dict, group: int, k: int) -> bool:
     """HFMA2's runs of RUN packed rows: 1, 2 or 4 of them (longer 16-bit sums lose accuracy), dividing the
-    tile and staying inside a group; with TILES, whole tiles inside a group (their scale is loaded once)."""
+    tile and staying inside a group; with TILES (which sums one row in 16 bits and ignores RUN), whole tiles inside
+    a group (their scale is loaded once)."""
+    if config.get("TILES"):
+        return group % (8 * config["BLOCK_KP"]) == 0 or group >= k
     run = config.get("RUN", 2)
-    rows = config["BLOCK_KP"] if config.get("TILES") else run
-    return run in (1, 2, 4) and config["BLOCK_KP"] % run == 0 and (group % (8 * rows) == 0 or group >= k)
+    return run in (1, 2, 4) and config["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k)
 
 
 def _fit_gemv_variants(configs, named_args, **kwargs):
-    """HFMA2 configs only where they run: 16-bit x, and runs of RUN packed rows that divide the tile and
-    stay inside a group (``w4a16_matmul`` checks the same of a pinned config). Split-K only up to
+    """HFMA2 configs only where they run: 16-bit x, and runs of RUN packed rows (TILES: whole tiles) that divide
+    the tile and stay inside a group (``w4a16_matmul`` checks the same of a pinned config). Split-K only up to
     _SPLIT_MAX_M rows, the most ``_launch`` sizes partials for (path="gemv" can be forced at any M)."""
     args = {**named_args, **kwargs}
     hfma2_runs = args["X"].dtype != torch.float32
@@ -441,7 +453,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     BLOCK_N, BLOCK_K (inputs per tile) and SPLIT_K for the dot (all powers of two, at least 16), and
     optionally SWAP_AB=True (the dot computes y^T = W^T x^T; see the module docstring) and PAIRS=True
     (16-bit x: the tile dequantized two weights per instruction, ``w4_dot_pairs.py``); for the GEMV,
-    HFMA2=True with RUN = 1, 2 (default) or 4 (16-bit math; ``w4_gemv_pairs.py``) or PREFETCH=True.
+    HFMA2=True with RUN = 1, 2 (default) or 4 (16-bit math; ``w4_gemv_pairs.py``), HFMA2=True with TILES=True
+    (the same math on 2-d tiles; BLOCK_KP must divide group_size / 8), or PREFETCH=True.
     ``out`` [..., N], contiguous, receives y if given.
     """
     check(qweight.dim() == 2, f"qweight must be int32 [K // 8, N], got shape {tuple(qweight.shape)}")
@@ -457,9 +470,9 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
               f"config {config} asks for HFMA2, a GEMV variant, but path {path!r} at M = {rows} is not the GEMV")
         check(x.dtype != torch.float32, "HFMA2 computes in x's 16-bit dtype; x is float32")
         check(_hfma2_runs_fit(config, group, k),
-              f"RUN = {run} must be 1, 2 or 4 (longer 16-bit runs lose accuracy) and divide BLOCK_KP and group_size / 8"
-              + (f"; with TILES, BLOCK_KP = {config['BLOCK_KP']} must divide group_size / 8 = {group // 8}"
-                 if config.get("TILES") else ""))
+              f"with TILES, BLOCK_KP = {config['BLOCK_KP']} must divide group_size / 8 = {group // 8}"
+              if config.get("TILES") else
+              f"RUN = {run} must be 1, 2 or 4 (longer 16-bit runs lose accuracy) and divide BLOCK_KP and group_size / 8")
     check(not config or not config.get("TILES") or config.get("HFMA2"),
           f"config {config} asks for TILES, a layout of the HFMA2 body: it needs HFMA2=True too")
     if config and config.get("PAIRS"):

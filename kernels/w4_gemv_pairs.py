@@ -21,7 +21,7 @@ Frantar et al., https://arxiv.org/abs/2408.11743). Here without their 0x4300/0x6
   weight in all at RUN = 2); the 2**-10 keeps the 16-bit sums of any fp16 x finite.
 
 Two entry points: ``gemv_pairs`` (1D loads row by row, 16-bit sums over runs of RUN rows) and ``gemv_pairs_tiles``
-(one 2-d load per tile for programs of several warps, the next tile loaded ahead, one row's 8 products summed in
+(one 2-d load per tile, spread over all the program's threads, the next tile loaded ahead, one row's 8 products summed in
 16 bits and the rest in fp32; RUN = 1's accuracy).
 
 Accuracy: products and sums are rounded to 16 bits within a run of RUN packed rows (4 RUN products
@@ -210,7 +210,7 @@ def _x_pairs(XW, r, row_ok, BF16: tl.constexpr):
 @triton.jit
 def _tile_2d(acc, packed, pairs, x_sum, scale, z, BF16: tl.constexpr):
     """acc [1, BLOCK_N] fp32 += sum over one tile of packed rows (inside one group) of x (q - z) s: per packed int32,
-    a shift, four LOP3s and four HFMA2s make the 8 products' two 16-bit sums (module docstring), and one FADD adds
+    a shift, four LOP3s and four HFMA2s (eight in fp16) make the 8 products' two 16-bit sums (module docstring), and one FADD adds
     them to the column's fp32 sum over the tile's rows; the scale and zero point come once per column and tile.
     The sum over rows stays inside each thread where the tile is BLOCK_N = 128 num_warps wide (warps along N)."""
     acc2 = tl.zeros(packed.shape, tl.int32)
@@ -237,7 +237,7 @@ def _tile_2d(acc, packed, pairs, x_sum, scale, z, BF16: tl.constexpr):
 def _group_params(S, Z, r, n, stride_s, stride_z, BLOCK_KP: tl.constexpr, GROUP_TILES: tl.constexpr):
     """Scale (fp32) and zero point (int32) per column n ([1, BLOCK_N]: the weight tile's layout, broadcast, so no
     conversion through shared memory) of the group holding tile row r (a multiple of BLOCK_KP)."""
-    g = (r // BLOCK_KP) // GROUP_TILES if GROUP_TILES else 0  # constexpr divisors: shifts, no integer division
+    g = (r // BLOCK_KP) // GROUP_TILES if GROUP_TILES else 0  # constexpr divisors: no run-time integer division
     scale = tl.load(S + g * stride_s + n).to(tl.float32)
     return scale, (tl.load(Z + g * stride_z + n // 8) >> ((n % 8) * 4)) & 15
 
@@ -245,13 +245,13 @@ def _group_params(S, Z, r, n, stride_s, stride_z, BLOCK_KP: tl.constexpr, GROUP_
 @triton.jit
 def gemv_pairs_tiles(X, QW, S, Z, start, end, n, N, stride_q, stride_s, stride_z, BLOCK_N: tl.constexpr,
                      BLOCK_KP: tl.constexpr, GROUP_TILES: tl.constexpr, EVEN_N: tl.constexpr):
-    """``gemv_pairs`` for many warps: the tile [BLOCK_KP, BLOCK_N] of packed weights is one 2-d load, spread over
+    """``gemv_pairs`` in 2-d tiles: the tile [BLOCK_KP, BLOCK_N] of packed weights is one 2-d load, spread over
     all of the program's threads, and the next tile's load is issued before this one is computed (Triton leaves
     this loop's loads unpipelined), so a program keeps two tiles of bytes in flight. Each tile's rows are summed
     into a [1, BLOCK_N] fp32 accumulator (``_tile_2d``).
     Tiles lie inside one group: GROUP_TILES tiles a group, or 0 for one group over all of K. No load is masked:
     rows past ``end`` re-read row end - 1 and columns past N column N - 1, and x is 0 for those rows, so they
-    add nothing (masks cost a predicate per row and tile; the launcher keeps y's stores to n < N). -> [BLOCK_N] fp32."""
+    add nothing (masks cost a predicate per row and tile; ``split_k.finish`` stores y only where n < N). -> [BLOCK_N] fp32."""
     BF16: tl.constexpr = X.dtype.element_ty == tl.bfloat16
     XW = X.to(tl.pointer_type(tl.int32), bitcast=True)
     rows = tl.arange(0, BLOCK_KP)

@@ -230,24 +230,82 @@ def test_hfma2_gemv_matches_reference(dtype, k, n, group_size, config):
     assert counters_are_clean()
 
 
+class OutOfBounds:
+    """Records every address a kernel loads under the interpreter that lies in none of the given tensors (nor in the
+    split-K partials and counters): the interpreter reads past a tensor's end without complaint, so a kernel that
+    clamps instead of masking (gemv_pairs_tiles) needs this to show a clamp that is off by one."""
+
+    def __init__(self, monkeypatch, *tensors):
+        import numpy as np
+        import triton.runtime.interpreter as interpreter
+        self.ranges, self.outside = [], []
+        for t in tensors:
+            self.allow(t)
+        real_empty, real_load = torch.empty, interpreter.InterpreterBuilder.create_masked_load
+
+        def empty(*args, **kwargs):  # the launcher's partials
+            return self.allow(real_empty(*args, **kwargs))
+
+        def load(builder, ptrs, mask, *rest):
+            size = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+            for address in np.unique(ptrs.data.astype(np.uint64)[mask.data.astype(bool)]):
+                if not any(lo <= int(address) and int(address) + size <= hi for lo, hi in self.ranges):
+                    self.outside.append(int(address))
+            return real_load(builder, ptrs, mask, *rest)
+        monkeypatch.setattr(torch, "empty", empty)
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", load)
+        self.allow(split_k.tile_counters(torch.device(DEVICE)))
+
+    def allow(self, t: torch.Tensor) -> torch.Tensor:
+        self.ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+        return t
+
+
 @pytest.mark.parametrize("dtype", HFMA2_DTYPES)
 @pytest.mark.parametrize("k, n, group_size, config", [
-    # N = 40 over tiles of 32 columns (a masked tile); 72 packed rows = 4.5 tiles of 16, the last group half long
+    # N = 40 over tiles of 32 columns (the second one clamped); 72 packed rows = 4.5 tiles of 16, the last group half long
     (576, 40, 128, dict(BLOCK_N=32, BLOCK_KP=16, SPLIT_K=1)),
     # groups of 64 inputs, one per tile; split-K over 3 (splits of 3, 3 and 3 tiles)
     (576, 40, 64, dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=3)),
+    # groups of 128 inputs, two tiles each; 8 splits of 9 rows rounded up to 2 tiles: the last split is empty
+    (576, 40, 128, dict(BLOCK_N=16, BLOCK_KP=8, SPLIT_K=8)),
     # groups of 32 inputs in tiles of 4 rows, N a multiple of BLOCK_N
     (576, 64, 32, dict(BLOCK_N=32, BLOCK_KP=4, SPLIT_K=2)),
-    # one group (-1) over K = 200: 25 packed rows, uneven splits, short tiles at both split ends
+    # one group (-1) over K = 200: 25 packed rows, splits of 16 and 9 rows, the second ending in a short tile
     (200, 40, -1, dict(BLOCK_N=16, BLOCK_KP=4, SPLIT_K=2)),
+    # groups of 24 inputs: 3 tiles of one row each (a divisor that is no power of two)
+    (72, 16, 24, dict(BLOCK_N=16, BLOCK_KP=1, SPLIT_K=2)),
 ])
-def test_hfma2_tiles_gemv_matches_reference(dtype, k, n, group_size, config):
-    """The HFMA2 math on 2-d tiles with the next tile loaded ahead (w4_gemv_pairs.gemv_pairs_tiles)."""
+def test_hfma2_tiles_gemv_matches_reference(dtype, k, n, group_size, config, monkeypatch):
+    """The HFMA2 math on 2-d tiles with the next tile loaded ahead (w4_gemv_pairs.gemv_pairs_tiles), which clamps
+    rows and columns instead of masking them: every load must stay inside its operands."""
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group_size, dtype, seed=k + n + 1)
+    out = poisoned((1, n), dtype)
+    bounds = OutOfBounds(monkeypatch, x, qweight, scales, zeros, out)
     y = w4a16_matmul(x, qweight, scales, zeros, group_size, path="gemv",
-                     config={**config, "HFMA2": True, "RUN": 1, "TILES": True}, out=poisoned((1, n), dtype))
+                     config={**config, "HFMA2": True, "RUN": 1, "TILES": True}, out=out)
+    assert bounds.outside == []
     assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, group_size), dtype)
     assert counters_are_clean()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="PDL and CUDA graphs need a GPU")
+def test_autotuned_gemv_in_a_cuda_graph_after_a_norm():
+    """The decode step's way: a norm that lets the next kernel start early writes x, and the W4A16 GEMV (launched
+    with PDL on Hopper, warming L2 before it waits) reads it, replayed from a graph with new inputs each time."""
+    from minillm.kernels.fused_layer_ops import rms_norm
+    x0, qweight, scales, zeros, _, _ = int4_problem(1, 4096, 1024, 128, torch.bfloat16, seed=7)
+    weight = torch.rand(4096, dtype=torch.bfloat16, device=DEVICE) + 0.5
+    h = x0.clone()
+    w4a16_matmul(rms_norm(h, weight, 1e-5), qweight, scales, zeros, 128)  # autotunes outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w4a16_matmul(rms_norm(h, weight, 1e-5), qweight, scales, zeros, 128)
+    for seed in range(3):
+        h.copy_(int4_problem(1, 4096, 8, 128, torch.bfloat16, seed=20 + seed)[0])
+        y.fill_(float("nan"))
+        graph.replay()
+        assert_matches(y, w4a16_matmul_ref(rms_norm(h, weight, 1e-5), qweight, scales, zeros, 128), torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype, magnitude", [(torch.float16, 3000.0), (torch.bfloat16, 1e6), (torch.bfloat16, 1e-6)])
@@ -425,7 +483,7 @@ def test_gemv_autotuning_offers_hfma2_only_where_it_can_run():
 ADDED_GEMV = [c for c in quant_matmul._W4_GEMV if c.kwargs.get("HFMA2") or c.kwargs.get("PREFETCH")]
 
 
-@pytest.mark.parametrize("dtype, group_size", [(torch.float16, 128), (torch.bfloat16, 32)])
+@pytest.mark.parametrize("dtype, group_size", [(torch.float16, 128), (torch.bfloat16, 32), (torch.bfloat16, 128)])
 @pytest.mark.parametrize("config", ADDED_GEMV, ids=str)
 def test_every_added_gemv_config_computes_the_reference(config, dtype, group_size):
     """The configs the H200 sweep added, pinned as the autotuner would launch them (N = 256: whole tiles);

@@ -1,7 +1,7 @@
 """The W4A16 GEMV (M=1, bf16, group 128) on the H200: the fp32 body's best configs and the autotuner's choice against
 the HFMA2 variant (kernels/w4_gemv_pairs.py) over a sampled grid, and bf16 torch.matmul, on Llama-2-7B's shapes.
 Each shape gets BUDGET_S / 4 seconds (compiles included), hand-picked configs first; FAMILIES=fp32,hfma2,tiles (the
-default: all) picks the bodies, TILES being the HFMA2 math on 2-d tiles of many-warp programs. Writes $OUT/w4_gemv_sweep.json
+default: all) picks the bodies, TILES being the HFMA2 math on 2-d tiles, the next loaded ahead. Writes $OUT/w4_gemv_sweep.json
 (committed wrapped as figures/h200/sweeps/w4a16_gemv.json). Without CUDA: a tiny shape under the interpreter, to
 check the script runs (TRITON_INTERPRET=1). Usage: BUDGET_S=480 OUT=/tmp/out python figures/h200/sweeps/w4a16_gemv.py;
 SHAPES=4096x11008,11008x4096 limits the shapes (K x N); SAMPLES (default 40): HFMA2 configs drawn from the grid."""
@@ -33,12 +33,14 @@ grid = [dict(BLOCK_N=bn, BLOCK_KP=kp, SPLIT_K=sk, RUN=run, num_warps=w)
 samples = int(os.environ.get("SAMPLES", "40"))
 random.seed(0); HFMA2 = PICKED + [c for c in random.sample(grid, min(samples, len(grid))) if c not in PICKED]
 HFMA2 = [dict(c, HFMA2=True, num_stages=1) for c in HFMA2]
-# TILES: the HFMA2 math on 2-d tiles of many-warp programs, the next tile loaded ahead (gemv_pairs_tiles). BLOCK_N =
+# TILES: the HFMA2 math on 2-d tiles, the next tile loaded ahead (gemv_pairs_tiles). BLOCK_N =
 # 128 num_warps puts every warp along N (4 columns a thread), the layout the per-column scales load in.
 TILES = [dict(BLOCK_N=bn, BLOCK_KP=kp, SPLIT_K=sk, num_warps=w, HFMA2=True, RUN=1, TILES=True, num_stages=1)
          for (bn, kp, w), sk in itertools.product([(128, 8, 1), (256, 8, 2), (512, 8, 4), (128, 16, 1), (64, 8, 1),
                                                    (512, 16, 4), (1024, 8, 8)], (8, 12, 16, 24, 32))]
 FAMILIES = os.environ.get("FAMILIES", "fp32,hfma2,tiles").split(",")
+if not set(FAMILIES) <= {"fp32", "hfma2", "tiles"}:
+    raise SystemExit(f"FAMILIES={','.join(FAMILIES)}: each must be one of fp32, hfma2, tiles")
 if not GPU:
     FP32 = [dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=2)]
     HFMA2 = [dict(FP32[0], HFMA2=True, RUN=2)]
@@ -79,7 +81,7 @@ for k, n in SHAPES:
                 results[name].append((float("inf"), None, {**c, "error": str(e)[:160]}))
         results[name].sort(key=lambda r: r[0])
     weight_bytes = k * n // 2 + groups * n * 2 + groups * n // 2
-    best = {name: r[0] for name, r in results.items()}
+    best = {name: r[0] for name, r in results.items() if r}
     rows.append(dict(k=k, n=n, torch_ms=torch_ms, same_bytes_bf16=dict(shape=[n // 4, k], gemv_ms=same_gemv_ms,
                                                                      cublas_ms=same_cublas_ms), autotuned=dict(ms=tuned_ms, err=tuned_err,
                                                                  config=autotuned_config("w4", "gemv")),
