@@ -4,21 +4,19 @@ comes before the wait for the kernel ahead (ACQBULK, griddepcontrol.wait) and ev
 nothing the kernel ahead writes (x) is read early. The GPU tests check the outputs; this checks the order, which
 a GPU run may get right by luck. Compiling needs Triton's real backend: a subprocess without TRITON_INTERPRET."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from minillm.bench.sass import run_compile_script
+
 SCRIPT = textwrap.dedent('''
     import json
-    from minillm.bench.sass import _disassemble, compile_sm90
+    from minillm.bench.sass import compile_sm90, opcodes
     from minillm.kernels import gemv, quant_matmul
 
     def order(kernel):
-        ops = [op for _, op, _ in _disassemble(kernel)[0]]
+        ops = opcodes(kernel)
         wait = [i for i, op in enumerate(ops) if op.startswith("ACQBULK")]
         return dict(waits=len(wait), wait_at=wait[0] if wait else None,
                     prefetches=[i for i, op in enumerate(ops) if op.startswith("CCTL") and ".PF" in op],
@@ -46,12 +44,7 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    script = tmp_path_factory.mktemp("pdl") / "compile_gemvs.py"  # @triton.jit needs its source in a file
-    script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_compile_script(SCRIPT, tmp_path_factory.mktemp("pdl"))
 
 
 @pytest.mark.parametrize("kernel", ["w4_tiles", "w4_hfma2", "w4_fp32", "dense"])

@@ -2,13 +2,11 @@
 Compiling needs Triton's real backend, so this runs in a subprocess without TRITON_INTERPRET (tests/conftest.py
 sets it for the kernel tests)."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from minillm.bench.sass import run_compile_script
 
 SCRIPT = textwrap.dedent('''
     import json, sys
@@ -56,12 +54,7 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    script = tmp_path_factory.mktemp("sass") / "compile_kernels.py"  # @triton.jit needs its source in a file
-    script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_compile_script(SCRIPT, tmp_path_factory.mktemp("sass"))
 
 
 def test_main_loop_holds_the_loops_fmas_and_loads(result):

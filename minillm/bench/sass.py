@@ -52,6 +52,27 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, aligned: set[s
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def opcodes(kernel) -> list[str]:
+    """Every SASS instruction's opcode (with its modifiers), in code order."""
+    return [op for _, op, _ in _disassemble(kernel)[0]]
+
+
+def run_compile_script(source: str, directory) -> dict:
+    """Run ``source`` (a script that compiles kernels with this module and prints JSON as its last line) in a new
+    Python without TRITON_INTERPRET, which the kernel tests set and ``compile_sm90`` refuses; returns that JSON. The
+    script goes to a file in ``directory``: @triton.jit needs its functions' source in one."""
+    import json
+    import pathlib
+    import sys
+    script = pathlib.Path(directory) / "compile_kernels.py"
+    script.write_text(source)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"{script} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _disassemble(kernel):
     """(address, opcode, operands) of every SASS instruction of ``kernel``, and its resource usage line."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
