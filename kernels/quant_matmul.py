@@ -24,9 +24,10 @@ Paths, chosen by M (the number of tokens):
   With HFMA2=True the body works in x's 16-bit dtype two weights per instruction (``w4_gemv_pairs.py``):
   1.7 to 2.1 instructions per weight in the sm_90 SASS instead of 5.5; the autotuner has both bodies. With
   TILES=True too, that math runs on 2-d tiles with the next tile's load issued ahead (``gemv_pairs_tiles``):
-  more bytes in flight a warp and fewer registers, which is what the H200's counters said the GEMV lacked (4.9 warps
-  per SM waiting on loads, ``figures/h200/sweeps/ncu_kernels.json``). On Hopper the W4A16 GEMV is launched with PDL (``pdl.py``): its
-  programs start while the kernel ahead finishes and ask L2 for their first packed rows before they wait for x.
+  more bytes in flight a warp and fewer registers, which is what the H200's counters said the GEMV lacked
+  (4.9 warps per SM waiting on loads, ``figures/h200/sweeps/ncu_kernels.json``). On Hopper the W4A16 GEMV is
+  launched with PDL (``pdl.py``): its programs start while the kernel ahead finishes and ask L2 for their first
+  packed rows before they wait for x.
   At M = 1 a tensor-core dot would be 1/16 useful work plus a shared-memory round trip. The M
   programs of a column tile are neighbours in the grid, so rows after the first find its weights
   in L2; but each dequantizes them again, which is why larger M goes to the dot.

@@ -21,8 +21,8 @@ Frantar et al., https://arxiv.org/abs/2408.11743). Here without their 0x4300/0x6
   weight in all at RUN = 2); the 2**-10 keeps the 16-bit sums of any fp16 x finite.
 
 Two entry points: ``gemv_pairs`` (1D loads row by row, 16-bit sums over runs of RUN rows) and ``gemv_pairs_tiles``
-(one 2-d load per tile, spread over all the program's threads, the next tile loaded ahead, one row's 8 products summed in
-16 bits and the rest in fp32; RUN = 1's accuracy).
+(one 2-d load per tile, spread over all the program's threads, the next tile loaded ahead, one row's 8 products
+summed in 16 bits and the rest in fp32; RUN = 1's accuracy).
 
 Accuracy: products and sums are rounded to 16 bits within a run of RUN packed rows (4 RUN products
 per half), then summed in fp32. bf16's 8-bit mantissa up to doubles the fp32 GEMV's distance from
@@ -210,8 +210,8 @@ def _x_pairs(XW, r, row_ok, BF16: tl.constexpr):
 @triton.jit
 def _tile_2d(acc, packed, pairs, x_sum, scale, z, BF16: tl.constexpr):
     """acc [1, BLOCK_N] fp32 += sum over one tile of packed rows (inside one group) of x (q - z) s: per packed int32,
-    a shift, four LOP3s and four HFMA2s (eight in fp16) make the 8 products' two 16-bit sums (module docstring), and one FADD adds
-    them to the column's fp32 sum over the tile's rows; the scale and zero point come once per column and tile.
+    a shift, four LOP3s and four HFMA2s (eight in fp16) make the 8 products' two 16-bit sums (module docstring),
+    and one FADD adds them to the column's fp32 sum over the tile's rows; the scale and zero point come once per column and tile.
     The sum over rows stays inside each thread where the tile is BLOCK_N = 128 num_warps wide (warps along N)."""
     acc2 = tl.zeros(packed.shape, tl.int32)
     shifted = packed >> 8
