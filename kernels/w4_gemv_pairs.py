@@ -200,8 +200,8 @@ def _x_pairs(XW, r, row_ok, BF16: tl.constexpr):
     w3 = tl.load(XW + 4 * r + 3, mask=row_ok, other=0)
     pairs = (_join_halves(w0, w2, False), _join_halves(w0, w2, True), _join_halves(w1, w3, False),
              _join_halves(w1, w3, True))
-    sum2 = _fma2(pairs[0], 0x3F803F80 if BF16 else 0x3C003C00, 0, BF16)  # x * 1.0, pairwise, in 16 bits
-    for j in tl.static_range(1, 4):
+    sum2 = 0
+    for j in tl.static_range(4):  # + x * 1.0, pairwise, in 16 bits
         sum2 = _fma2(pairs[j], 0x3F803F80 if BF16 else 0x3C003C00, sum2, BF16)
     lo, hi = _halves(sum2, BF16)
     return pairs, lo + hi
@@ -211,8 +211,9 @@ def _x_pairs(XW, r, row_ok, BF16: tl.constexpr):
 def _tile_2d(acc, packed, pairs, x_sum, scale, z, BF16: tl.constexpr):
     """acc [1, BLOCK_N] fp32 += sum over one tile of packed rows (inside one group) of x (q - z) s: per packed int32,
     a shift, four LOP3s and four HFMA2s (eight in fp16) make the 8 products' two 16-bit sums (module docstring),
-    and one FADD adds them to the column's fp32 sum over the tile's rows; the scale and zero point come once per column and tile.
-    The sum over rows stays inside each thread where the tile is BLOCK_N = 128 num_warps wide (warps along N)."""
+    and one FADD adds them to the column's fp32 sum over the tile's rows; the scale and zero point come once per
+    column and tile. The sum over rows stays inside each thread where the tile is BLOCK_N = 128 num_warps wide
+    (warps along N)."""
     acc2 = tl.zeros(packed.shape, tl.int32)
     shifted = packed >> 8
     if not BF16:
@@ -236,7 +237,7 @@ def _tile_2d(acc, packed, pairs, x_sum, scale, z, BF16: tl.constexpr):
 @triton.jit
 def _group_params(S, Z, r, n, stride_s, stride_z, BLOCK_KP: tl.constexpr, GROUP_TILES: tl.constexpr):
     """Scale (fp32) and zero point (int32) per column n ([1, BLOCK_N]: the weight tile's layout, broadcast, so no
-    conversion through shared memory) of the group holding tile row r (a multiple of BLOCK_KP)."""
+    conversion through shared memory) of the group holding packed row r."""
     g = (r // BLOCK_KP) // GROUP_TILES if GROUP_TILES else 0  # constexpr divisors: no run-time integer division
     scale = tl.load(S + g * stride_s + n).to(tl.float32)
     return scale, (tl.load(Z + g * stride_z + n // 8) >> ((n % 8) * 4)) & 15
@@ -251,7 +252,8 @@ def gemv_pairs_tiles(X, QW, S, Z, start, end, n, N, stride_q, stride_s, stride_z
     into a [1, BLOCK_N] fp32 accumulator (``_tile_2d``).
     Tiles lie inside one group: GROUP_TILES tiles a group, or 0 for one group over all of K. No load is masked:
     rows past ``end`` re-read row end - 1 and columns past N column N - 1, and x is 0 for those rows, so they
-    add nothing (masks cost a predicate per row and tile; ``split_k.finish`` stores y only where n < N). -> [BLOCK_N] fp32."""
+    add nothing (masks cost a predicate per row and tile; ``split_k.finish`` stores y only where n < N).
+    -> [BLOCK_N] fp32."""
     BF16: tl.constexpr = X.dtype.element_ty == tl.bfloat16
     XW = X.to(tl.pointer_type(tl.int32), bitcast=True)
     rows = tl.arange(0, BLOCK_KP)
@@ -262,10 +264,9 @@ def gemv_pairs_tiles(X, QW, S, Z, start, end, n, N, stride_q, stride_s, stride_z
     scale, z = _group_params(S, Z, tl.minimum(start, last), cols[None, :], stride_s, stride_z, BLOCK_KP, GROUP_TILES)
     for r0 in range(start, end, BLOCK_KP):
         # The next tile's weights, scales and zeros first (past the end: clamped re-reads), then this tile's math.
-        r_next = tl.minimum(r0 + BLOCK_KP, last)
         packed_next = tl.load(QW + tl.minimum(r0 + BLOCK_KP + rows, last)[:, None] * stride_q + cols[None, :])
-        scale_next, z_next = _group_params(S, Z, r_next // BLOCK_KP * BLOCK_KP, cols[None, :], stride_s, stride_z, BLOCK_KP,
-                                           GROUP_TILES)
+        scale_next, z_next = _group_params(S, Z, tl.minimum(r0 + BLOCK_KP, last), cols[None, :], stride_s, stride_z,
+                                           BLOCK_KP, GROUP_TILES)
         pairs, x_sum = _x_pairs(XW, (r0 + rows)[:, None], (r0 + rows < end)[:, None], BF16)
         acc = _tile_2d(acc, packed, pairs, x_sum, scale, z, BF16)
         packed, scale, z = packed_next, scale_next, z_next
