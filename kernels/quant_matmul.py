@@ -56,8 +56,8 @@ the fp32 bodies read a nibble q as the float 1 + q / 16 (``w4_sixteenths.py``) a
 variants as pairs of 16-bit floats (``w4_gemv_pairs.py``, ``w4_dot_pairs.py``); an int8 v becomes a
 float by an integer add and a float subtract (``int_float.int8_to_float``).
 
-On CUDA the tile sizes and SPLIT_K are autotuned per (N, K, bucket of M) for the dot and per (N, K, M,
-group size) for the GEMV; under Triton's CPU interpreter one small pinned config runs (with SPLIT_K = 2,
+On CUDA the tile sizes and SPLIT_K are autotuned (the lists: ``quant_matmul_configs.py``) per (N, K, bucket
+of M) for the dot and per (N, K, M, group size) for the GEMV; under Triton's CPU interpreter one small pinned config runs (with SPLIT_K = 2,
 so the fix-up path is what is tested). The GEMV's autotuner may pick the HFMA2 body for 16-bit x: its
 error is up to twice the fp32 body's (16-bit sums over short runs; ``w4_gemv_pairs.py``), well inside
 what 4-bit weights cost, and it needs |x| < 2**27 in bf16.
@@ -72,6 +72,8 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES, check, check_operand, check_runnable, interpreter_on
 from minillm.kernels.int4_dequantize import check_int4_layout, w4a16_dequantize
 from minillm.kernels.int_float import int8_to_float
+# The autotuner's lists and the pinned configs (data from H200 sweeps) live in a file of their own.
+from minillm.kernels.quant_matmul_configs import _GPU_FP32_DOT, _INTERPRETER, _W4_DOT, _W4_GEMV, _W8_DOT, _W8_GEMV
 from minillm.kernels.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
 from minillm.kernels.w4_dot_pairs import dequant_tile_pairs
@@ -90,60 +92,6 @@ GEMV_MAX_M = 1
 # (from M = 128 the two are level, at M = 2048 the dot takes 2 to 3 times as long).
 DEQUANT_MIN_M = 128
 _SPLIT_MAX_M = 64  # above this, enough programs come from M tiles alone: no split-K, no partials
-
-
-def _configs(rows: list[tuple], names: tuple[str, ...]) -> list[triton.Config]:
-    """(meta..., num_warps, num_stages) rows -> triton.Configs."""
-    return [triton.Config(dict(zip(names, r[:-2])), num_warps=r[-2], num_stages=r[-1]) for r in rows]
-
-
-# Small on purpose (each config is compiled and timed for every new key). For Hopper's 132 SMs: the
-# GEMV wants a few hundred programs (N / BLOCK_N x SPLIT_K) each streaming 16-byte loads along N.
-_W4_GEMV = _configs([(64, 16, 1, 4, 3), (128, 16, 1, 4, 3), (64, 16, 2, 4, 3), (64, 16, 4, 4, 3), (128, 16, 4, 4, 3),
-                     (64, 16, 8, 4, 3), (128, 32, 4, 8, 3), (256, 16, 8, 8, 3), (64, 16, 16, 2, 2)],
-                    ("BLOCK_N", "BLOCK_KP", "SPLIT_K")) + [
-    # The H200 sweeps' winners at M = 1 on Llama-2-7B's projections (figures/h200/sweeps/w4a16_gemv_hfma2.json,
-    # w4a16_gemv_split64.json): fp32 with a prefetched tile, and the 16-bit HFMA2 body, up to 1.6x the fp32
-    # GEMV where K = 4096 and, with SPLIT_K 64, 1.3x at K = 11008; the autotuner keeps whichever wins per
-    # shape (_fit_gemv_variants drops HFMA2 where it cannot run).
-    triton.Config(dict(BLOCK_N=64, BLOCK_KP=16, SPLIT_K=8, PREFETCH=True), num_warps=2, num_stages=3),
-    triton.Config(dict(BLOCK_N=256, BLOCK_KP=8, SPLIT_K=16, HFMA2=True, RUN=2), num_warps=1, num_stages=1),
-    triton.Config(dict(BLOCK_N=256, BLOCK_KP=4, SPLIT_K=32, HFMA2=True, RUN=1), num_warps=2, num_stages=1),
-    triton.Config(dict(BLOCK_N=128, BLOCK_KP=4, SPLIT_K=32, HFMA2=True, RUN=2), num_warps=1, num_stages=1),
-    triton.Config(dict(BLOCK_N=512, BLOCK_KP=8, SPLIT_K=32, HFMA2=True, RUN=2), num_warps=2, num_stages=1),
-    triton.Config(dict(BLOCK_N=512, BLOCK_KP=8, SPLIT_K=64, HFMA2=True, RUN=1), num_warps=2, num_stages=1),
-    # The HFMA2 math on 2-d tiles, the next tile loaded ahead (TILES, w4_gemv_pairs.gemv_pairs_tiles): the H200
-    # sweep's winners (figures/h200/sweeps/w4a16_gemv_tiles.json): 11.7 us on 4096 x 11008 and 12.6 us on
-    # 11008 x 4096, where the configs above take 11.7 and 13.1 in the same run.
-    triton.Config(dict(BLOCK_N=128, BLOCK_KP=8, SPLIT_K=16, HFMA2=True, RUN=1, TILES=True), num_warps=1, num_stages=1),
-    triton.Config(dict(BLOCK_N=128, BLOCK_KP=8, SPLIT_K=32, HFMA2=True, RUN=1, TILES=True), num_warps=1, num_stages=1),
-    triton.Config(dict(BLOCK_N=128, BLOCK_KP=16, SPLIT_K=32, HFMA2=True, RUN=1, TILES=True), num_warps=1, num_stages=1),
-]
-_W8_GEMV = _configs([(128, 32, 1, 4, 3), (256, 16, 1, 4, 3), (128, 32, 4, 4, 3), (256, 32, 2, 8, 3),
-                     (256, 16, 4, 4, 3), (128, 32, 8, 4, 3), (256, 64, 4, 8, 3)], ("BLOCK_N", "BLOCK_K", "SPLIT_K"))
-# The dot's rows come from an H200 sweep of 54 configs over Llama-2-7B's four projections (M = 2 .. 128).
-_W4_DOT = _configs([(16, 64, 128, 2, 4, 3), (16, 64, 128, 4, 4, 3), (16, 64, 128, 8, 4, 3), (16, 128, 128, 8, 4, 3),
-                    (32, 64, 128, 4, 4, 3), (32, 128, 64, 2, 4, 3), (32, 128, 64, 4, 4, 3),
-                    (64, 64, 128, 1, 4, 3), (64, 64, 128, 2, 4, 3), (128, 128, 128, 1, 8, 3), (128, 256, 64, 1, 8, 3)],
-                   ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")) + [
-    # The PAIRS body (16-bit dequantization, two weights per instruction), mostly with SWAP_AB, won every
-    # shape of the H200 sweep at M = 16..64 but three, by up to 1.4x over the fp32 dequantization's best
-    # (figures/h200/sweeps/w4a16_dot_pairs.json): its winning configs. x is 16-bit on this autotuned path
-    # (fp32 on a GPU takes _GPU_FP32_DOT).
-    triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, SPLIT_K=split, SWAP_AB=swap, PAIRS=True),
-                  num_warps=warps, num_stages=stages)
-    for m, n, k, split, swap, warps, stages in [(16, 128, 128, 4, True, 4, 3), (32, 64, 64, 4, True, 4, 2),
-                                                 (32, 64, 128, 4, True, 4, 2), (32, 128, 64, 8, True, 4, 3),
-                                                 (64, 128, 64, 2, False, 4, 3), (64, 128, 128, 8, True, 8, 4)]]
-_W8_DOT = _configs([(16, 64, 64, 1, 4, 3), (16, 128, 64, 1, 4, 3), (16, 64, 64, 4, 4, 3), (16, 128, 128, 4, 4, 3),
-                    (32, 64, 64, 2, 4, 3), (64, 64, 64, 1, 4, 3), (64, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 3)],
-                   ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
-_INTERPRETER = {"w4_gemv": dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=2), "w8_gemv": dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2),
-                "w4_dot": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2),
-                "w8_dot": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2)}
-# fp32 dots are exact ("ieee") and compile slowly in big tiles; fp32 on a GPU is for checks only.
-_GPU_FP32_DOT = {"w4_dot": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2),
-                 "w8_dot": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)}
 
 
 # ----------------------------------------------------------------------------- references (torch)
