@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check
-from minillm.kernels.int_float import int8_to_float
+from minillm.kernels.int_float import int8_to_float, int8_to_fp16
 from minillm.kv.quant import dequantize_kv, format_of, kv_layout
 
 # The KV_QUANT values; constexpr so that the kernels may read them as globals.
@@ -159,6 +159,8 @@ def dequant_int4(raw, pairs, valid, HALF: tl.constexpr, QUANT_GROUP: tl.constexp
 @triton.jit
 def per_token_codes(raw, like):
     """int8 or e4m3 codes -> ``like``'s dtype, exactly; int8 through ``int8_to_float`` (no I2F per value)."""
+    if raw.dtype == tl.int8 and like.dtype == tl.float16:
+        return int8_to_fp16(raw)
     if raw.dtype == tl.int8:
         return int8_to_float(raw).to(like.dtype)
     return raw.to(like.dtype)
@@ -200,3 +202,33 @@ def per_token_scales(Scales, rows_at, valid, kv_head, stride_sh, SCALE_HEADS: tl
     group = tl.load(Scales + rows_at[:, None] + heads[None, :] * stride_sh, mask=valid[:, None],
                     other=0.0).to(tl.float32)
     return tl.sum(tl.where((heads == kv_head)[None, :], group, 0.0), axis=1)  # where, not a product: no NaN leaks
+
+
+def scales_by_block(k_scale: torch.Tensor | None, block_n: int, block_size: int) -> bool:
+    """Whether the decode kernel loads per-token scales a block row at a time (``per_token_scales_by_block``):
+    a pool whose slots are contiguous for each head (head-major, [blocks, kv_heads, slots] in memory) and tiles
+    of whole blocks."""
+    return (k_scale is not None and k_scale.dim() == 3 and k_scale.stride(1) == 1 and block_n >= block_size
+            and block_n % block_size == 0)
+
+
+@triton.jit
+def per_token_scales_by_block(Scales, table, tile_start, end, kv_head, stride_sb, stride_sh,
+                              BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The fp32 scale of each of the BLOCK_N tokens from ``tile_start`` for ``kv_head``, 0 from ``end`` on, when a
+    head's scales of one block are contiguous (a head-major pool; the slots' stride is 1). Loaded as a
+    [blocks, slots] tile, one row per block of the tile: the gathered block id is constant along a row, so each
+    row is one contiguous load (32 bytes for 16 fp16 slots), wide enough for the pipeliner's async copies, where
+    ``per_token_scales``' [tokens] vector, whose block id Triton cannot see is shared, loads 2 bytes at a time.
+    The rows are masked whole (a per-slot mask would split them): slots past ``end`` in the last block are read
+    and then zeroed, so whatever they hold (NaN in an unwritten slot) never reaches the scores."""
+    ROWS: tl.constexpr = BLOCK_N // BLOCK_SIZE
+    first = tile_start + tl.arange(0, ROWS) * BLOCK_SIZE
+    row_ok = first < end
+    blocks = tl.load(table + first // BLOCK_SIZE, mask=row_ok, other=0).to(tl.int64)
+    slots = tl.arange(0, BLOCK_SIZE)
+    scales = tl.load(Scales + (blocks * stride_sb + kv_head * stride_sh)[:, None] + slots[None, :],
+                     mask=row_ok[:, None], other=0.0)
+    scales = tl.where((first[:, None] + slots[None, :]) < end, scales.to(tl.float32), 0.0)
+    return tl.reshape(scales, [BLOCK_N])
+
