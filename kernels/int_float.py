@@ -69,23 +69,3 @@ def int8_words_to_fp16(words):
     W: tl.constexpr = words.shape[1]
     # join(join(v0, v2), join(v1, v3))[n, w, i, j] = v_(2 i + j): byte 2 i + j of word w, channel 4 w + 2 i + j
     return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [N, 4 * W])
-
-
-@triton.jit
-def int8_to_fp16(codes):
-    """int8 ``codes`` (any shape) -> the same values in fp16, exact, elementwise: four codes a time on a GPU (the
-    PRMT trick of ``int8_words_to_fp16`` on the four bytes Triton packs into one register). Elementwise, so the
-    compiler may apply it in whatever layout the codes were loaded in, e.g. a dot operand's straight from shared memory."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            """{ .reg .b32 u, high, bias;
-            xor.b32 u, $2, 0x80808080;
-            mov.b32 high, 0x64646464;
-            mov.b32 bias, 0x64806480;
-            prmt.b32 $0, u, high, 0x5140;
-            prmt.b32 $1, u, high, 0x5342;
-            sub.f16x2 $0, $0, bias;
-            sub.f16x2 $1, $1, bias; }""",
-            "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-    return int8_to_float(codes).to(tl.float16)
-

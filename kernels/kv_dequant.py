@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check
-from minillm.kernels.int_float import int8_to_float, int8_to_fp16
+from minillm.kernels.int_float import int8_to_float
 from minillm.kv.quant import dequantize_kv, format_of, kv_layout
 
 # The KV_QUANT values; constexpr so that the kernels may read them as globals.
@@ -87,12 +87,13 @@ def reads_int8_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def scale_heads(kv_heads: int, k_scale: torch.Tensor | None) -> int:
     """How many KV heads' per-token scales the decode kernel loads together (``per_token_scales``): all
-    of them up to 16 (32 bytes a token) when that divides them and a token's scales are contiguous
-    (the heads' stride is 1), else one."""
+    of them up to 16 (32 bytes a token) when that divides them, a token's scales are contiguous (the
+    heads' stride is 1) and the block and slot strides are multiples of the group (the kernel tells
+    Triton each token's first scale is, so that the group loads as one aligned vector), else one."""
     if k_scale is None or k_scale.dim() != 3 or k_scale.stride(2) != 1:
         return 1
     for group in (16, 8, 4, 2):
-        if kv_heads % group == 0:
+        if kv_heads % group == 0 and k_scale.stride(0) % group == 0 and k_scale.stride(1) % group == 0:
             return group
     return 1
 
@@ -159,8 +160,6 @@ def dequant_int4(raw, pairs, valid, HALF: tl.constexpr, QUANT_GROUP: tl.constexp
 @triton.jit
 def per_token_codes(raw, like):
     """int8 or e4m3 codes -> ``like``'s dtype, exactly; int8 through ``int8_to_float`` (no I2F per value)."""
-    if raw.dtype == tl.int8 and like.dtype == tl.float16:
-        return int8_to_fp16(raw)
     if raw.dtype == tl.int8:
         return int8_to_float(raw).to(like.dtype)
     return raw.to(like.dtype)
@@ -188,6 +187,18 @@ def per_token_query(q):
 
 
 @triton.jit
+def per_token_rows(block, slot, stride_sb, stride_st, SCALE_HEADS: tl.constexpr):
+    """Each token's first per-token scale, block * stride_sb + slot * stride_st, written so that Triton sees it is a
+    multiple of SCALE_HEADS (``scale_heads`` groups heads only when both strides are): a product with the constant.
+    Why: the token stride of a [blocks, slots, kv_heads] pool is the number of KV heads, 8 for Llama-2-7B, and
+    Triton specialises only integers divisible by 16, so as a plain sum it could not prove a group of 8 scales 16-byte
+    aligned and loaded them 2 bytes at a time (LDG.E.U16) in the decode loop, outside the software pipeline: on the
+    H200 that loop then waited for every outstanding copy at its top (figures/h200/sweeps/ncu_decode_int8_source.json).
+    (``tl.multiple_of`` on the sum did not survive to the load.)"""
+    return (block * (stride_sb // SCALE_HEADS) + slot * (stride_st // SCALE_HEADS)) * SCALE_HEADS
+
+
+@triton.jit
 def per_token_scales(Scales, rows_at, valid, kv_head, stride_sh, SCALE_HEADS: tl.constexpr):
     """The fp32 scale of each token of a tile for ``kv_head``: [BLOCK_N], 0 where not ``valid``.
 
@@ -196,39 +207,10 @@ def per_token_scales(Scales, rows_at, valid, kv_head, stride_sh, SCALE_HEADS: tl
     narrow for the GPU's async copy (4, 8 or 16 bytes), so Triton's pipeliner leaves such a load out
     and the tile waits on it (an LDG in the loop's SASS). A group's scales of one token share a
     32-byte sector, so DRAM moves no more bytes. The mask is per token only: one that varied along
-    the heads would make the load as narrow again (Triton's AssignLatencies.cpp, isSmallLoad)."""
+    the heads would make the load as narrow again (Triton's AssignLatencies.cpp, isSmallLoad).
+    ``rows_at`` must come from ``per_token_rows``, so that Triton can prove the group's load aligned."""
     first = kv_head // SCALE_HEADS * SCALE_HEADS
     heads = first + tl.arange(0, SCALE_HEADS)
     group = tl.load(Scales + rows_at[:, None] + heads[None, :] * stride_sh, mask=valid[:, None],
                     other=0.0).to(tl.float32)
     return tl.sum(tl.where((heads == kv_head)[None, :], group, 0.0), axis=1)  # where, not a product: no NaN leaks
-
-
-def scales_by_block(k_scale: torch.Tensor | None, block_n: int, block_size: int) -> bool:
-    """Whether the decode kernel loads per-token scales a block row at a time (``per_token_scales_by_block``):
-    a pool whose slots are contiguous for each head (head-major, [blocks, kv_heads, slots] in memory) and tiles
-    of whole blocks."""
-    return (k_scale is not None and k_scale.dim() == 3 and k_scale.stride(1) == 1 and block_n >= block_size
-            and block_n % block_size == 0)
-
-
-@triton.jit
-def per_token_scales_by_block(Scales, table, tile_start, end, kv_head, stride_sb, stride_sh,
-                              BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The fp32 scale of each of the BLOCK_N tokens from ``tile_start`` for ``kv_head``, 0 from ``end`` on, when a
-    head's scales of one block are contiguous (a head-major pool; the slots' stride is 1). Loaded as a
-    [blocks, slots] tile, one row per block of the tile: the gathered block id is constant along a row, so each
-    row is one contiguous load (32 bytes for 16 fp16 slots), wide enough for the pipeliner's async copies, where
-    ``per_token_scales``' [tokens] vector, whose block id Triton cannot see is shared, loads 2 bytes at a time.
-    The rows are masked whole (a per-slot mask would split them): slots past ``end`` in the last block are read
-    and then zeroed, so whatever they hold (NaN in an unwritten slot) never reaches the scores."""
-    ROWS: tl.constexpr = BLOCK_N // BLOCK_SIZE
-    first = tile_start + tl.arange(0, ROWS) * BLOCK_SIZE
-    row_ok = first < end
-    blocks = tl.load(table + first // BLOCK_SIZE, mask=row_ok, other=0).to(tl.int64)
-    slots = tl.arange(0, BLOCK_SIZE)
-    scales = tl.load(Scales + (blocks * stride_sb + kv_head * stride_sh)[:, None] + slots[None, :],
-                     mask=row_ok[:, None], other=0.0)
-    scales = tl.where((first[:, None] + slots[None, :]) < end, scales.to(tl.float32), 0.0)
-    return tl.reshape(scales, [BLOCK_N])
-

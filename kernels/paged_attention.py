@@ -51,10 +51,9 @@ import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
-                                        kv_quant_mode, per_token_codes, per_token_query, per_token_scales,
-                                        per_token_scales_by_block, scales_by_block,
-                                        reads_int8_words, scale_heads, scale_strides, tile_channels)
-from minillm.kernels.int_float import int8_to_fp16, int8_words_to_fp16
+                                        kv_quant_mode, per_token_codes, per_token_query, per_token_rows,
+                                        per_token_scales, reads_int8_words, scale_heads, scale_strides, tile_channels)
+from minillm.kernels.int_float import int8_words_to_fp16
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE, merge_by_kernel,
                                          merge_splits)
@@ -173,8 +172,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
-                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1, K_DIRECT: tl.constexpr = False,
-                  SCALES_BY_BLOCK: tl.constexpr = False, PREFETCH_IDS: tl.constexpr = False):
+                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
     KV_QUANT: how K/V are stored (``kv_dequant.py``). INT8_WORDS: an int8 cache for a 16-bit q, read
     as int32 words of four codes, each word turned into four fp16s in the registers it was loaded into
@@ -216,45 +214,29 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
         column_ok = columns < HEAD_DIM // 4
     else:
         columns, column_ok = dims, dim_ok
-    first = start + tl.arange(0, BLOCK_N)
-    next_block = tl.load(table + first // BLOCK_SIZE, mask=(first < end) & PREFETCH_IDS, other=0)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
         # A tile may span several blocks: gather each position's block id. Padding entries of the
         # table past the sequence's length are never read (masked).
-        if PREFETCH_IDS:
-            block = next_block.to(tl.int64)
-            ahead = pos + BLOCK_N
-            next_block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
-        else:
-            block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # int64: big pools
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # int64: big pools
         rows_at = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         kv_mask = valid[:, None] & column_ok[None, :]
         if INT8_WORDS:
             words_at = (rows_at // 4)[:, None] + columns[None, :]
-            if K_DIRECT:
-                k = int8_to_fp16(tl.load(K + rows_at[:, None] + dims[None, :], mask=valid[:, None] & dim_ok[None, :],
-                                         other=0))
-            else:
-                k = int8_words_to_fp16(tl.load(K.to(tl.pointer_type(tl.int32), bitcast=True) + words_at, mask=kv_mask,
-                                               other=0))
+            k = int8_words_to_fp16(tl.load(K.to(tl.pointer_type(tl.int32), bitcast=True) + words_at, mask=kv_mask,
+                                           other=0))
             v = int8_words_to_fp16(tl.load(V.to(tl.pointer_type(tl.int32), bitcast=True) + words_at, mask=kv_mask,
                                            other=0))
         else:
             k = tl.load(K + rows_at[:, None] + columns[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V + rows_at[:, None] + columns[None, :], mask=kv_mask, other=0.0)
-        if KV_QUANT != NO_QUANT:
+        if KV_QUANT == INT4_GROUPS:
             token_at = block * stride_sb + (pos % BLOCK_SIZE) * stride_st  # the tokens' first scales
         if KV_QUANT == PER_TOKEN:  # scales go on the scores and weights, below (kv_dequant.py)
-            if SCALES_BY_BLOCK:
-                k_scale = per_token_scales_by_block(KScale, table, tile_start, end, kv_head, stride_sb, stride_sh,
-                                                    BLOCK_N, BLOCK_SIZE)
-                v_scale = per_token_scales_by_block(VScale, table, tile_start, end, kv_head, stride_sb, stride_sh,
-                                                    BLOCK_N, BLOCK_SIZE)
-            else:
-                k_scale = per_token_scales(KScale, token_at, valid, kv_head, stride_sh, SCALE_HEADS)
-                v_scale = per_token_scales(VScale, token_at, valid, kv_head, stride_sh, SCALE_HEADS)
+            token_at = per_token_rows(block, pos % BLOCK_SIZE, stride_sb, stride_st, SCALE_HEADS)
+            k_scale = per_token_scales(KScale, token_at, valid, kv_head, stride_sh, SCALE_HEADS)
+            v_scale = per_token_scales(VScale, token_at, valid, kv_head, stride_sh, SCALE_HEADS)
             if not INT8_WORDS:
                 k, v = per_token_codes(k, q), per_token_codes(v, q)
         if KV_QUANT == INT4_GROUPS:  # pairs at even offsets (kv_quant_mode checks): one 4-byte load each
@@ -461,8 +443,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=reads_int8_words(q, k_cache, v_cache),
-        SCALE_HEADS=scale_heads(kv_heads, k_scale),
-        SCALES_BY_BLOCK=quant == PER_TOKEN and scales_by_block(k_scale, block_n, block_size), **launch)
+        SCALE_HEADS=scale_heads(kv_heads, k_scale), **launch)
     if mode == MERGE_KERNEL:
         merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d)
     return out

@@ -137,6 +137,21 @@ def test_decode_kernel_reads_a_head_major_pool(kv):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+def test_decode_kernel_groups_scales_only_where_their_strides_allow():
+    """The kernel loads the per-token scales of SCALE_HEADS heads as one vector from a token offset it computes as
+    (block * (stride_sb // S) + slot * (stride_st // S)) * S, so that Triton sees the alignment; that is the offset
+    only when both strides are multiples of S, which ``scale_heads`` must check. Here 4 KV heads' scales sit in rows of
+    6 (a view of a wider pool): grouping all 4 would read the wrong scales, grouping 2 is right."""
+    q, kq, vq, ks, vs, tables, _, ctx = quantized_paged([1, 1], [37, 70], 8, 4, 32, 8, torch.float16, "int8", seed=3)
+    want = paged_decode_attention_ref(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs)
+    wide_k, wide_v = (torch.full((*s.shape[:-1], 6), float("nan"), dtype=s.dtype, device=s.device) for s in (ks, vs))
+    wide_k[..., :4], wide_v[..., :4] = ks, vs
+    ks6, vs6 = wide_k[..., :4], wide_v[..., :4]
+    assert ks6.stride()[1:] == (6, 1) and pa.scale_heads(4, ks6) == 2 and pa.scale_heads(4, ks) == 4
+    got = paged_decode_attention(q, kq, vq, tables, ctx, num_splits=2, k_scale=ks6, v_scale=vs6)
+    torch.testing.assert_close(got, want, **TOL[torch.float16])
+
+
 @pytest.mark.parametrize("magnitude", [1e-6, 1e6])
 def test_int8_decode_takes_bf16_queries_outside_fp16_range(magnitude):
     """The int8 path multiplies in fp16 (kernel INT8_WORDS): a bf16 q of any magnitude is rescaled per

@@ -12,6 +12,9 @@ operands, each with a few launches and register caps, next to the bf16 kernel in
 maxnreg caps the registers per thread (more programs per SM; the int8 kernel ran at 7.7 warps per SM).
 
 B=64, 32 query / 8 KV heads, D=128, block 16, 2048 tokens, bf16 queries. Writes $OUT/decode_int8_dot.json.
+Ran at commit aa3ce26, whose decode kernel had the K_DIRECT, PREFETCH_IDS and SCALES_BY_BLOCK switches this script
+sets; none paid, and the next commit removed them (check that commit out to rerun). What the runs led to instead:
+the per-token scales' aligned loads (kv_dequant.per_token_rows, ncu_decode_int8_source.json).
 Usage: OUT=/tmp/out python figures/h200/sweeps/decode_int8_dot.py; DEV=cpu SMALL=1 TRITON_INTERPRET=1 checks it
 on a CPU (fp16 there)."""
 import json, os, time

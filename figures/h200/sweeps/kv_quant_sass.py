@@ -27,9 +27,12 @@ def signature(fn, pointers, kv, scales, consts):
         sig[name] = ("constexpr" if name in consts else kv if name in ("K", "V") else scales if name in ("KScale", "VScale")
                      else pointers.get(name, "fp32" if name == "qk_scale" else "i32"))
     # Pointers and strides of these shapes are 16-aligned, as Triton specialises them at run time (not
-    # the arguments the kernels exclude from specialisation; strides of 1 are constexprs, see below).
+    # the arguments the kernels exclude from specialisation; strides of 1 are constexprs, see below), but
+    # for the per-token scales' slot stride: the number of KV heads, 8, which Triton leaves unspecialised.
+    # (Until 2026-11-30 this marked it aligned too, and so hid the 2-byte scale loads the H200 ran:
+    # figures/h200/sweeps/ncu_decode_int8_source.json.)
     aligned = {n for n in sig if sig[n].startswith("*") or (n.startswith("stride") and n not in (
-        "stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh", "stride_outb", "stride_outh"))}
+        "stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh", "stride_outb", "stride_outh", "stride_st"))}
     return sig, aligned
 
 
