@@ -172,8 +172,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
-                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1,
-                  IDS_AHEAD: tl.constexpr = False):
+                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
     KV_QUANT: how K/V are stored (``kv_dequant.py``). INT8_WORDS: an int8 cache for a 16-bit q, read
     as int32 words of four codes, each word turned into four fp16s in the registers it was loaded into
@@ -215,19 +214,12 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
         column_ok = columns < HEAD_DIM // 4
     else:
         columns, column_ok = dims, dim_ok
-    first = start + tl.arange(0, BLOCK_N)
-    ids = tl.load(table + first // BLOCK_SIZE, mask=(first < end) & IDS_AHEAD, other=0)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
         # A tile may span several blocks: gather each position's block id. Padding entries of the
         # table past the sequence's length are never read (masked).
-        if IDS_AHEAD:  # loaded one tile ahead, into registers: the tile's addresses come from the last iteration
-            block = ids.to(tl.int64)
-            ahead = pos + BLOCK_N
-            ids = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
-        else:
-            block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # int64: big pools
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # int64: big pools
         rows_at = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         kv_mask = valid[:, None] & column_ok[None, :]
         if INT8_WORDS:
