@@ -27,12 +27,9 @@ def signature(fn, pointers, kv, scales, consts):
         sig[name] = ("constexpr" if name in consts else kv if name in ("K", "V") else scales if name in ("KScale", "VScale")
                      else pointers.get(name, "fp32" if name == "qk_scale" else "i32"))
     # Pointers and strides of these shapes are 16-aligned, as Triton specialises them at run time (not
-    # the arguments the kernels exclude from specialisation; strides of 1 are constexprs, see below), but
-    # for the per-token scales' slot stride: the number of KV heads, 8, which Triton leaves unspecialised.
-    # (Until 2026-11-30 this marked it aligned too, and so hid the 2-byte scale loads the H200 ran:
-    # figures/h200/sweeps/ncu_decode_int8_source.json.)
+    # the arguments the kernels exclude from specialisation; strides of 1 are constexprs, see below).
     aligned = {n for n in sig if sig[n].startswith("*") or (n.startswith("stride") and n not in (
-        "stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh", "stride_outb", "stride_outh", "stride_st"))}
+        "stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh", "stride_outb", "stride_outh"))}
     return sig, aligned
 
 
@@ -46,6 +43,11 @@ def count(fn, kv_fmt, consts, pointers, warps, stages, tile_tokens):
     if "INT8_WORDS" in fn.arg_names:
         consts["INT8_WORDS"] = kv_fmt == "int8"  # what the wrapper picks for a 16-bit q and 4-byte-aligned rows
     sig, aligned = signature(fn, pointers, kv, "*fp16" if mode != NO_QUANT else kv, consts)
+    if mode == PER_TOKEN:
+        # The per-token scales' slot stride is the number of KV heads, 8, which Triton leaves unspecialised (int4's,
+        # 8 heads x 8 groups x 2, is 128). Until 2026-11-30 this script marked it aligned too, and so hid the 2-byte
+        # scale loads the H200 ran (figures/h200/sweeps/ncu_decode_int8_source.json).
+        aligned.discard("stride_st")
     loop = main_loop(compile_sm90(fn, sig, consts, aligned, warps, stages))
     body = loop["opcodes"]
     kv_bytes = 2 * tile_tokens * width  # K and V of one tile, scales included
