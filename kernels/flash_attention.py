@@ -42,7 +42,8 @@ from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable, interpreter_on
 from minillm.kernels.flash_attention_tma import check_describable, sequence_descriptor, use_scratch_allocator
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
-                                        kv_quant_mode, per_token_codes, scale_strides)
+                                        kv_quant_mode, per_token_codes, per_token_rows, per_token_scales,
+                                        scale_heads, scale_strides)
 from minillm.kv.quant import INT4_GROUP_SIZE
 
 INTERPRET = interpreter_on()
@@ -63,14 +64,16 @@ GPU_FP32_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2
 
 @triton.jit
 def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, VScale, k_start, table,
-                   stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, stride_sb, stride_st, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                   stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, stride_sb, stride_st, kv_h,
+                   stride_sh, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                   KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr):
+                   KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr, SCALE_HEADS: tl.constexpr):
     """Fold keys [lo, hi) into the running (acc, m_i, l_i) of one query tile, BLOCK_N at a time.
     MASKED=False is the fast path: every key in range is real and visible to every row. A quantized
-    cache (KV_QUANT, paged only) is dequantized as ``kv_dequant.py`` explains. With TMA, K and V are
-    tensor descriptors over this sequence's rows of one KV head (``flash_attention_tma.py``)."""
+    cache (KV_QUANT, paged only) is dequantized as ``kv_dequant.py`` explains; int8 / fp8 scales come for
+    SCALE_HEADS KV heads at once (``kv_dequant.per_token_scales``: one head's 2-byte scale a token would be a
+    load too narrow for the pipeline). With TMA, K and V are tensor descriptors over this sequence's rows of one
+    KV head (``flash_attention_tma.py``)."""
     if KV_QUANT == INT4_GROUPS:
         offs_d = tl.arange(0, HEAD_DIM // 2)  # tiles of packed bytes, each loaded once (kv_dequant.py)
     else:
@@ -101,13 +104,13 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
                 k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
             else:
                 k = tl.load(k_ptrs)
-        if KV_QUANT != NO_QUANT:
-            scale_rows = page * stride_sb + (offs_n % PAGE_SIZE) * stride_st
         if KV_QUANT == PER_TOKEN:  # scales go on the scores and weights (kv_dequant.py)
-            k_scale = tl.load(KScale + scale_rows, mask=in_range, other=0.0).to(tl.float32)
-            v_scale = tl.load(VScale + scale_rows, mask=in_range, other=0.0).to(tl.float32)
+            scale_rows = per_token_rows(page, offs_n % PAGE_SIZE, stride_sb, stride_st, SCALE_HEADS)
+            k_scale = per_token_scales(KScale, scale_rows, in_range, kv_h, stride_sh, SCALE_HEADS)
+            v_scale = per_token_scales(VScale, scale_rows, in_range, kv_h, stride_sh, SCALE_HEADS)
             k = per_token_codes(k, q)
         if KV_QUANT == INT4_GROUPS:  # head_dim is a power of two here: tile column c is channel c
+            scale_rows = page * stride_sb + (offs_n % PAGE_SIZE) * stride_st
             scale_rows = tl.multiple_of(scale_rows, 2)  # even (kv_quant_mode checks): one 4-byte load a pair
             k = tl.trans(dequant_int4(tl.trans(k), KScale + scale_rows, in_range, HEAD_DIM // 2, QUANT_GROUP))
             k = k.to(q.dtype)
@@ -161,7 +164,8 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
                       KScale, VScale, stride_sb, stride_st, stride_sh,
                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr = False):
+                      KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr = False,
+                      SCALE_HEADS: tl.constexpr = 1):
     # Tiles in reverse order: under causal masking the last tiles of a sequence do the most work,
     # and starting them first leaves short ones to fill the tail of the grid.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -202,10 +206,8 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
         masked_end = k_len
     K += kv_h * stride_kh
     V += kv_h * stride_vh
-    if KV_QUANT != NO_QUANT:
-        head_scales = kv_h * stride_sh
-        if KV_QUANT == INT4_GROUPS:  # even, as scale_rows below
-            head_scales = tl.multiple_of(head_scales, 2)
+    if KV_QUANT == INT4_GROUPS:  # per-token scales pick their head in _attend_blocks
+        head_scales = tl.multiple_of(kv_h * stride_sh, 2)  # even, as scale_rows there
         KScale += head_scales
         VScale += head_scales
     if TMA:  # non-paged, unquantized only (the wrapper checks): flash_attention_tma.py
@@ -213,14 +215,14 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
         V = sequence_descriptor(V, k_start, k_len, stride_vt, BLOCK_N, HEAD_DIM)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, 0, unmasked_end, k_len, diag, K, V, KScale,
                                    VScale, k_start, table, stride_kb, stride_kt, stride_kd, stride_vb,
-                                   stride_vt, stride_vd, stride_sb, stride_st, qk_scale, HEAD_DIM, BLOCK_N,
-                                   PAGED, PAGE_SIZE, CAUSAL, MASKED=False, KV_QUANT=KV_QUANT,
-                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA)
+                                   stride_vt, stride_vd, stride_sb, stride_st, kv_h, stride_sh, qk_scale, HEAD_DIM,
+                                   BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, MASKED=False, KV_QUANT=KV_QUANT,
+                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA, SCALE_HEADS=SCALE_HEADS)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, unmasked_end, masked_end, k_len, diag,
                                    K, V, KScale, VScale, k_start, table, stride_kb, stride_kt, stride_kd,
-                                   stride_vb, stride_vt, stride_vd, stride_sb, stride_st, qk_scale, HEAD_DIM,
-                                   BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, MASKED=True, KV_QUANT=KV_QUANT,
-                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA)
+                                   stride_vb, stride_vt, stride_vd, stride_sb, stride_st, kv_h, stride_sh, qk_scale,
+                                   HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, MASKED=True, KV_QUANT=KV_QUANT,
+                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA, SCALE_HEADS=SCALE_HEADS)
     out = acc / l_i[:, None]
     tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=offs_m[:, None] < q_len)
@@ -330,7 +332,7 @@ def _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables
             *out.stride(), block_tables.stride(0), q.shape[1], k.shape[-2], scale * LOG2E,
             *scales, *scale_strides(k_scale))
     consts = dict(HEAD_DIM=q.shape[2], CAUSAL=causal, PAGED=paged, PAGE_SIZE=page_size, KV_QUANT=quant,
-                  QUANT_GROUP=INT4_GROUP_SIZE)
+                  QUANT_GROUP=INT4_GROUP_SIZE, SCALE_HEADS=scale_heads(k.shape[-2], k_scale) if quant == PER_TOKEN else 1)
     if config is not None and config.get("TMA"):
         _check(not paged, f"config {config} asks for TMA, which only the non-paged flash_attention has")
         check_describable("k", k)

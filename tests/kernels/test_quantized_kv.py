@@ -137,8 +137,8 @@ def test_decode_kernel_reads_a_head_major_pool(kv):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def test_decode_kernel_groups_scales_only_where_their_strides_allow():
-    """The kernel loads the per-token scales of SCALE_HEADS heads as one vector from a token offset it computes as
+def test_kernels_group_scales_only_where_their_strides_allow():
+    """The kernels load the per-token scales of SCALE_HEADS heads as one vector from a token offset it computes as
     (block * (stride_sb // S) + slot * (stride_st // S)) * S, so that Triton sees the alignment; that is the offset
     only when both strides are multiples of S, which ``scale_heads`` must check. Here 4 KV heads' scales sit in rows of
     6 (a view of a wider pool): grouping all 4 would read the wrong scales, grouping 2 is right."""
@@ -150,6 +150,13 @@ def test_decode_kernel_groups_scales_only_where_their_strides_allow():
     assert ks6.stride()[1:] == (6, 1) and pa.scale_heads(4, ks6) == 2 and pa.scale_heads(4, ks) == 4
     got = paged_decode_attention(q, kq, vq, tables, ctx, num_splits=2, k_scale=ks6, v_scale=vs6)
     torch.testing.assert_close(got, want, **TOL[torch.float16])
+    # The paged prefill loads its scales the same way.
+    qp, kq, vq, ks, vs, tables, cu_q, ctx = quantized_paged([5, 9], [37, 70], 8, 4, 32, 8, torch.float16, "int8", seed=4)
+    wide_k, wide_v = (torch.full((*s.shape[:-1], 6), float("nan"), dtype=s.dtype, device=s.device) for s in (ks, vs))
+    wide_k[..., :4], wide_v[..., :4] = ks, vs
+    got = paged_prefill_attention(qp, kq, vq, tables, cu_q, ctx, 9, k_scale=wide_k[..., :4], v_scale=wide_v[..., :4])
+    want = paged_prefill_attention_ref(qp, kq, vq, tables, cu_q, ctx, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
 
 @pytest.mark.parametrize("magnitude", [1e-6, 1e6])
