@@ -4,7 +4,8 @@ head's 2-byte scale per token (48 LDG.E.U16 in the sm_90 loop), outside the soft
 shape: B=8 sequences of 512 new tokens after 1536 cached ones (2048 in all), 32 query / 8 KV heads, D=128, block 16,
 causal; bf16 in the same run. Pinned tiles (128 x 64, 8 warps, 3 stages: the autotuner's list has it) for both, so no
 autotuning runs. "before" is the kernel file of the commit before the change, which the run needs beside this
-script as _fa_before.py: git show b3cf1ab:kernels/flash_attention.py > figures/h200/sweeps/_fa_before.py Writes $OUT/prefill_scales.json. DEV=cpu SMALL=1 TRITON_INTERPRET=1 checks it on a CPU."""
+script as _fa_before.py: git show b3cf1ab:kernels/flash_attention.py > figures/h200/sweeps/_fa_before.py.
+Writes $OUT/prefill_scales.json. DEV=cpu SMALL=1 TRITON_INTERPRET=1 checks it on a CPU."""
 import json, os, sys
 import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
