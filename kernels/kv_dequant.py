@@ -10,7 +10,9 @@ code; with ``NO_QUANT`` none of it is compiled, and the kernel is the one it was
   sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j, so V's scale multiplies its softmax *weight*. That is
   a [rows, BLOCK_N] multiply instead of a [BLOCK_N, head_dim] one, and int8 and e4m3 values
   convert exactly to fp16 / bf16 for ``tl.dot``. The decode kernel multiplies them in fp16 whatever
-  q's dtype (``per_token_query``), weighting V's tokens relative to the tile's largest scale.
+  q's dtype (``per_token_query``), weighting V's tokens relative to the tile's largest scale. Both
+  kernels load a token's scales for a group of KV heads as one aligned vector (``per_token_rows``,
+  ``per_token_scales``): one head's 2-byte scale would be too narrow for the software pipeline.
 - ``INT4_GROUPS`` (int4): a scale and a minimum per 16 channels. They vary along the dot's
   reduction axis, so they cannot be factored out: the tile itself is dequantized (``dequant_int4``).
 
