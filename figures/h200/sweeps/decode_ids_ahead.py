@@ -5,14 +5,13 @@ over a few launches. Why: compiled for sm_90, the default loop waits for every o
 (DEPBAR.LE SB0, 0x0: one tile in flight), with the ids a tile ahead it keeps up to 8 groups in flight.
 Writes $OUT/decode_ids_ahead.json. Not adopted (the JSON says why); the commit after the one adding this script removed
 IDS_AHEAD from the kernel: check this one out to rerun. DEV=cpu SMALL=1 TRITON_INTERPRET=1 checks it on a CPU."""
-import json, os, time
+import os, time
 import torch
-from minillm.bench.harness import result_header
 from minillm.bench.kernels import time_ms
 from minillm.bench.roofline import measure_bandwidth
 from minillm.kernels import paged_attention as pa
-from minillm.kv.quant import kv_layout, quantize_kv
-from launch_sweep import decode_problem  # beside this script
+from minillm.kv.quant import kv_layout
+from launch_sweep import decode_problem, quantized_pools, save_result  # beside this script
 
 OUT = os.environ.get("OUT", "/tmp/out"); dev = torch.device(os.environ.get("DEV", "cuda"))
 dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
@@ -37,10 +36,7 @@ q, k_pool, v_pool, tables, lens = decode_problem(B, S, H, Hkv, D, bs, dev, dtype
 out = torch.full_like(q, float("nan"))
 runs, deadline = {}, time.time() + (30 if SMALL else 200)
 for kv in ("int8", "fp8", "auto"):
-    kq, vq, scales = k_pool, v_pool, {}
-    if kv != "auto":
-        (kq, ks), (vq, vs) = quantize_kv(k_pool, kv), quantize_kv(v_pool, kv)
-        scales = dict(k_scale=ks, v_scale=vs)
+    kq, vq, scales = quantized_pools(k_pool, v_pool, kv)
     ref = pa.paged_decode_attention_ref(q, kq, vq, tables, lens, **scales).float()
     nbytes = 2 * B * S * Hkv * kv_layout(kv, D, dtype).bytes_per_token_head()
     run = lambda **l: pa.paged_decode_attention(q, kq, vq, tables, lens, out=out, **scales, **l)  # noqa: E731
@@ -61,9 +57,6 @@ for kv in ("int8", "fp8", "auto"):
             r = runs[key]
             print(f"{key:32} {r['ms'] * 1e3:7.1f} us {r.get('fraction_of_bandwidth', 0):.0%} err {r.get('err')}", flush=True)
 pa._split_kernel = _kernel
-result = result_header("decode_ids_ahead", "kernel shapes", "-", "python figures/h200/sweeps/decode_ids_ahead.py")
-result["note"] = (f"B={B}, {H} query / {Hkv} KV heads, D={D}, block {bs}, {S} tokens, {dtype} queries, one split; copy "
-                  f"bandwidth {bandwidth:.0f} GB/s (this run); int8/fp8 bytes include the per-token scales.")
-result["runs"] = runs
-os.makedirs(OUT, exist_ok=True)
-json.dump(result, open(f"{OUT}/decode_ids_ahead.json", "w"), indent=1)
+save_result(OUT, "decode_ids_ahead", "kernel shapes",
+            f"B={B}, {H} query / {Hkv} KV heads, D={D}, block {bs}, {S} tokens, {dtype} queries, one split; copy "
+            f"bandwidth {bandwidth:.0f} GB/s (this run); int8/fp8 bytes include the per-token scales.", runs)

@@ -20,8 +20,8 @@ from minillm.bench.harness import result_header
 from minillm.bench.kernels import time_ms
 from minillm.bench.roofline import measure_bandwidth
 from minillm.kernels.paged_attention import PagedAttentionWorkspace, paged_decode_attention, paged_decode_attention_ref
-from minillm.kv.quant import kv_layout, quantize_kv
-from launch_sweep import decode_problem, time_launches  # beside this script
+from minillm.kv.quant import kv_layout
+from launch_sweep import decode_problem, quantized_pools, time_launches  # beside this script
 
 OUT = os.environ.get("OUT", "/tmp/out"); dev = torch.device(os.environ.get("DEV", "cuda"))
 dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
@@ -44,10 +44,7 @@ out = torch.full_like(q, float("nan"))
 random.seed(0)
 runs = {}
 for kv in ("auto", "int8", "fp8"):
-    kq, vq, scales = k_pool, v_pool, {}
-    if kv != "auto":
-        (kq, ks), (vq, vs) = quantize_kv(k_pool, kv), quantize_kv(v_pool, kv)
-        scales = dict(k_scale=ks, v_scale=vs)
+    kq, vq, scales = quantized_pools(k_pool, v_pool, kv)
     ref = paged_decode_attention_ref(q, kq, vq, tables, lens, **scales).float()
     kv_bytes = 2 * B * S * Hkv * kv_layout(kv, D, dtype).bytes_per_token_head()
     for layout in ("token_major", "head_major"):

@@ -1,11 +1,14 @@
-"""What the paged-decode launch sweeps share (decode_launch.py, decode_int4.py, decode_layout.py): their problem
-(``decode_problem``) and their loop (``time_launches``), which tries each
+"""What the paged-attention sweeps share (decode_launch.py, decode_int4.py, decode_layout.py, decode_ids_ahead.py,
+prefill_scales.py): their problem (``decode_problem``), its pools in a cache format (``quantized_pools``), writing the
+result (``save_result``) and their loop (``time_launches``), which tries each
 (block_n, warps, stages) x split count in random order until the deadline, timed, then run once more
 on a poisoned output and compared with the reference; a launch that fails (e.g. too much shared
 memory) is recorded, not fatal. Returns the rows fastest first."""
-import itertools, random, time
+import itertools, json, os, random, time
 import torch
+from minillm.bench.harness import result_header
 from minillm.bench.kernels import paged_copy, time_ms
+from minillm.kv.quant import quantize_kv
 
 
 def decode_problem(B, S, H, Hkv, D, bs, dev, dtype):
@@ -19,6 +22,22 @@ def decode_problem(B, S, H, Hkv, D, bs, dev, dtype):
     v_pool = torch.empty_like(k_pool)
     v_pool[tables.view(-1).long()] = v.reshape(-1, bs, Hkv, D)
     return q, k_pool, v_pool, tables, torch.full((B,), S, dtype=torch.int32, device=dev)
+
+
+def quantized_pools(k_pool, v_pool, kv):
+    """The pools in cache format ``kv`` ("auto": as they are): (k codes, v codes, the kernels' scale keywords)."""
+    if kv == "auto":
+        return k_pool, v_pool, {}
+    (kq, ks), (vq, vs) = quantize_kv(k_pool, kv), quantize_kv(v_pool, kv)
+    return kq, vq, dict(k_scale=ks, v_scale=vs)
+
+
+def save_result(out_dir, name, workload, note, runs):
+    """$OUT/<name>.json: the common header (``result_header``), ``note`` and ``runs``."""
+    result = result_header(name, workload, "-", f"python figures/h200/sweeps/{name}.py")
+    result["note"], result["runs"] = note, runs
+    os.makedirs(out_dir, exist_ok=True)
+    json.dump(result, open(f"{out_dir}/{name}.json", "w"), indent=1)
 
 
 def time_launches(run, ref, out, kv_bytes, launches, splits, deadline, bandwidth=None):

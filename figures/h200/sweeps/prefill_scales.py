@@ -6,15 +6,13 @@ causal; bf16 in the same run. Pinned tiles (128 x 64, 8 warps, 3 stages: the aut
 autotuning runs. "before" is the kernel file of the commit before the change, which the run needs beside this
 script as _fa_before.py: git show b3cf1ab:kernels/flash_attention.py > figures/h200/sweeps/_fa_before.py.
 Writes $OUT/prefill_scales.json. DEV=cpu SMALL=1 TRITON_INTERPRET=1 checks it on a CPU."""
-import json, os, sys
+import os, sys
 import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _fa_before  # noqa: E402  (the previous kernels/flash_attention.py)
-from minillm.bench.harness import result_header  # noqa: E402
 from minillm.bench.kernels import time_ms  # noqa: E402
 from minillm.kernels import flash_attention as fa  # noqa: E402
-from minillm.kv.quant import quantize_kv  # noqa: E402
-from launch_sweep import decode_problem  # noqa: E402
+from launch_sweep import decode_problem, quantized_pools, save_result  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/out"); dev = torch.device(os.environ.get("DEV", "cuda"))
 dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
@@ -28,10 +26,7 @@ cu = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=dev)
 flops = 4 * B * H * D * (Q * S - Q * (Q - 1) / 2)  # causal: new token i sees S - Q + i + 1 keys
 runs = {}
 for kv in ("int8", "fp8", "auto"):
-    kq, vq, scales = k_pool, v_pool, {}
-    if kv != "auto":
-        (kq, ks), (vq, vs) = quantize_kv(k_pool, kv), quantize_kv(v_pool, kv)
-        scales = dict(k_scale=ks, v_scale=vs)
+    kq, vq, scales = quantized_pools(k_pool, v_pool, kv)
     ref = fa.paged_prefill_attention_ref(q, kq, vq, tables, cu, lens, **scales).float()
     for name, module in (("before", _fa_before), ("after", fa)):
         if kv == "auto" and name == "before":
@@ -42,9 +37,6 @@ for kv in ("int8", "fp8", "auto"):
         out.fill_(float("nan")); call()
         runs[f"{kv} {name}"] = dict(ms=ms, tflops=flops / ms / 1e9, err=(out.float() - ref).abs().max().item())
         print(kv, name, runs[f"{kv} {name}"], flush=True)
-result = result_header("prefill_scales", "paged prefill, chunked", "-", "python figures/h200/sweeps/prefill_scales.py")
-result["note"] = (f"B={B} x {Q} new tokens, {S} in context, {H} query / {Hkv} KV heads, D={D}, block {bs}, causal, "
-                  f"{dtype}; tiles {CONFIG}; tflops counts the causal products (4 B H D (Q S - Q (Q - 1) / 2)).")
-result["runs"] = runs
-os.makedirs(OUT, exist_ok=True)
-json.dump(result, open(f"{OUT}/prefill_scales.json", "w"), indent=1)
+save_result(OUT, "prefill_scales", "paged prefill, chunked",
+            f"B={B} x {Q} new tokens, {S} in context, {H} query / {Hkv} KV heads, D={D}, block {bs}, causal, {dtype}; "
+            f"tiles {CONFIG}; tflops counts the causal products (4 B H D (Q S - Q (Q - 1) / 2)).", runs)
