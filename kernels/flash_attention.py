@@ -228,7 +228,8 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
              out.to(Out.dtype.element_ty), mask=offs_m[:, None] < q_len)
 
 
-_attention_kernel_tuned = triton.autotune(GPU_CONFIGS, key=["HEAD_DIM", "CAUSAL", "PAGED", "KV_QUANT"])(_attention_kernel)
+_attention_kernel_tuned = triton.autotune(GPU_CONFIGS, key=["HEAD_DIM", "CAUSAL", "PAGED", "KV_QUANT", "SCALE_HEADS"])(
+    _attention_kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +333,7 @@ def _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables
             *out.stride(), block_tables.stride(0), q.shape[1], k.shape[-2], scale * LOG2E,
             *scales, *scale_strides(k_scale))
     consts = dict(HEAD_DIM=q.shape[2], CAUSAL=causal, PAGED=paged, PAGE_SIZE=page_size, KV_QUANT=quant,
-                  QUANT_GROUP=INT4_GROUP_SIZE, SCALE_HEADS=scale_heads(k.shape[-2], k_scale) if quant == PER_TOKEN else 1)
+                  QUANT_GROUP=INT4_GROUP_SIZE, SCALE_HEADS=scale_heads(k.shape[-2], k_scale))
     if config is not None and config.get("TMA"):
         _check(not paged, f"config {config} asks for TMA, which only the non-paged flash_attention has")
         check_describable("k", k)

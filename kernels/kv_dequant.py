@@ -26,7 +26,8 @@ registers, no data movement). The (scale, minimum) pairs come as a small [BLOCK_
 ``figures/h200/sweeps/kv_quant_sass.json``), the decode loop went from 2343 instructions (256 of
 them 2-byte LDGs; 255 registers and a stack; 53.5 KB of shared memory) to 1223 (2 16-byte LDGs and
 12 cp.async; 144 registers; 31 KB): 0.76 -> 0.40 warp-instructions per K/V byte. The H200 measured
-3.8 ms for the first version at B=64, 2k tokens (53 GB/s, 1 % of its bandwidth). What remains is
+3.8 ms for the first version at B=64, 2k tokens (53 GB/s, 1 % of its bandwidth; ``git show
+160e809:figures/h200/kernels_decode_quant.json``, since rerun). What remains is
 arithmetic: per value a nibble shift/mask, a float conversion (``int8_to_float``), an FMA, half a pack.
 """
 
@@ -88,10 +89,11 @@ def reads_int8_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def scale_heads(kv_heads: int, k_scale: torch.Tensor | None) -> int:
-    """How many KV heads' per-token scales the decode kernel loads together (``per_token_scales``): all
+    """How many KV heads' per-token scales the paged kernels load together (``per_token_scales``): all
     of them up to 16 (32 bytes a token) when that divides them, a token's scales are contiguous (the
-    heads' stride is 1) and the block and slot strides are multiples of the group (the kernel tells
-    Triton each token's first scale is, so that the group loads as one aligned vector), else one."""
+    heads' stride is 1) and the block and slot strides are multiples of the group (the kernels tell
+    Triton each token's first scale is a multiple of the group, ``per_token_rows``, so that the group
+    loads as one aligned vector), else one. 1 for other scale layouts (int4's)."""
     if k_scale is None or k_scale.dim() != 3 or k_scale.stride(2) != 1:
         return 1
     for group in (16, 8, 4, 2):
@@ -192,10 +194,11 @@ def per_token_query(q):
 def per_token_rows(block, slot, stride_sb, stride_st, SCALE_HEADS: tl.constexpr):
     """Each token's first per-token scale, block * stride_sb + slot * stride_st, written so that Triton sees it is a
     multiple of SCALE_HEADS (``scale_heads`` groups heads only when both strides are): a product with the constant.
-    Why: the token stride of a [blocks, slots, kv_heads] pool is the number of KV heads, 8 for Llama-2-7B, and
-    Triton specialises only integers divisible by 16, so as a plain sum it could not prove a group of 8 scales 16-byte
-    aligned and loaded them 2 bytes at a time (LDG.E.U16) in the decode loop, outside the software pipeline: on the
-    H200 that loop then waited for every outstanding copy at its top (figures/h200/sweeps/ncu_decode_int8_source.json).
+    Why: the token stride of a [blocks, slots, kv_heads] pool is the number of KV heads, 8 in the benchmarks' 32/8-head
+    shape (GQA, as Llama-3-8B's), and Triton specialises only integers divisible by 16 (Llama-2-7B's 32 heads are),
+    so as a plain sum it could not prove a group of 8 scales 16-byte aligned and loaded them 2 bytes at a time
+    (LDG.E.U16) in the decode loop, outside the software pipeline: on the H200 that loop then waited for every
+    outstanding copy at its top (figures/h200/sweeps/ncu_decode_int8_source.json).
     (``tl.multiple_of`` on the sum did not survive to the load.)"""
     return (block * (stride_sb // SCALE_HEADS) + slot * (stride_st // SCALE_HEADS)) * SCALE_HEADS
 

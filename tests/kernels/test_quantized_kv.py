@@ -137,24 +137,36 @@ def test_decode_kernel_reads_a_head_major_pool(kv):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def test_kernels_group_scales_only_where_their_strides_allow():
-    """The kernels load the per-token scales of SCALE_HEADS heads as one vector from a token offset it computes as
+def _restrided(scales: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same scales [blocks, slots, 4 heads] in NaN-padded memory: "rows of 6" (slot stride 6, a view of a wider
+    pool) or "blocks of 34" (block stride 34, two spare elements after each block's 8 x 4)."""
+    blocks, slots, heads = scales.shape
+    if layout == "rows of 6":
+        wide = torch.full((blocks, slots, 6), float("nan"), dtype=scales.dtype, device=scales.device)
+        view = wide[..., :heads]
+    else:
+        flat = torch.full((blocks * 34,), float("nan"), dtype=scales.dtype, device=scales.device)
+        view = flat.as_strided((blocks, slots, heads), (34, heads, 1))
+    view.copy_(scales)
+    return view
+
+
+@pytest.mark.parametrize("layout", ["rows of 6", "blocks of 34"])
+def test_kernels_group_scales_only_where_their_strides_allow(layout):
+    """The kernels load the per-token scales of SCALE_HEADS heads as one vector from a token offset they compute as
     (block * (stride_sb // S) + slot * (stride_st // S)) * S, so that Triton sees the alignment; that is the offset
-    only when both strides are multiples of S, which ``scale_heads`` must check. Here 4 KV heads' scales sit in rows of
-    6 (a view of a wider pool): grouping all 4 would read the wrong scales, grouping 2 is right."""
+    only when both strides are multiples of S, which ``scale_heads`` must check. Here 4 KV heads' scales sit in pools
+    whose slot or block stride is a multiple of 2 but not of 4: grouping all 4 would read the wrong scales (NaN
+    padding), grouping 2 is right. Decode and paged prefill."""
     q, kq, vq, ks, vs, tables, _, ctx = quantized_paged([1, 1], [37, 70], 8, 4, 32, 8, torch.float16, "int8", seed=3)
     want = paged_decode_attention_ref(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs)
-    wide_k, wide_v = (torch.full((*s.shape[:-1], 6), float("nan"), dtype=s.dtype, device=s.device) for s in (ks, vs))
-    wide_k[..., :4], wide_v[..., :4] = ks, vs
-    ks6, vs6 = wide_k[..., :4], wide_v[..., :4]
-    assert ks6.stride()[1:] == (6, 1) and pa.scale_heads(4, ks6) == 2 and pa.scale_heads(4, ks) == 4
-    got = paged_decode_attention(q, kq, vq, tables, ctx, num_splits=2, k_scale=ks6, v_scale=vs6)
+    ks2, vs2 = _restrided(ks, layout), _restrided(vs, layout)
+    assert pa.scale_heads(4, ks2) == 2 and pa.scale_heads(4, ks) == 4
+    got = paged_decode_attention(q, kq, vq, tables, ctx, num_splits=2, k_scale=ks2, v_scale=vs2)
     torch.testing.assert_close(got, want, **TOL[torch.float16])
-    # The paged prefill loads its scales the same way.
     qp, kq, vq, ks, vs, tables, cu_q, ctx = quantized_paged([5, 9], [37, 70], 8, 4, 32, 8, torch.float16, "int8", seed=4)
-    wide_k, wide_v = (torch.full((*s.shape[:-1], 6), float("nan"), dtype=s.dtype, device=s.device) for s in (ks, vs))
-    wide_k[..., :4], wide_v[..., :4] = ks, vs
-    got = paged_prefill_attention(qp, kq, vq, tables, cu_q, ctx, 9, k_scale=wide_k[..., :4], v_scale=wide_v[..., :4])
+    got = paged_prefill_attention(qp, kq, vq, tables, cu_q, ctx, 9, k_scale=_restrided(ks, layout),
+                                  v_scale=_restrided(vs, layout))
     want = paged_prefill_attention_ref(qp, kq, vq, tables, cu_q, ctx, k_scale=ks, v_scale=vs)
     torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 

@@ -37,7 +37,8 @@ def save_result(out_dir, name, workload, note, runs):
     result = result_header(name, workload, "-", f"python figures/h200/sweeps/{name}.py")
     result["note"], result["runs"] = note, runs
     os.makedirs(out_dir, exist_ok=True)
-    json.dump(result, open(f"{out_dir}/{name}.json", "w"), indent=1)
+    with open(f"{out_dir}/{name}.json", "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def time_launches(run, ref, out, kv_bytes, launches, splits, deadline, bandwidth=None):
