@@ -14,14 +14,13 @@ B=64, 32 query / 8 KV heads, D=128, block 16, 2048 tokens; bf16, int8 and fp8 ca
 per group and left out); the default launch and a few others per case. Writes $OUT/decode_layout.json.
 Usage: OUT=/tmp/out python figures/h200/sweeps/decode_layout.py; DEV=cpu SMALL=1 TRITON_INTERPRET=1 checks it on
 a CPU (fp16 there: the interpreter mis-reads bf16 tiles)."""
-import json, os, random, time
+import os, random, time
 import torch
-from minillm.bench.harness import result_header
 from minillm.bench.kernels import time_ms
 from minillm.bench.roofline import measure_bandwidth
 from minillm.kernels.paged_attention import PagedAttentionWorkspace, paged_decode_attention, paged_decode_attention_ref
 from minillm.kv.quant import kv_layout
-from launch_sweep import decode_problem, quantized_pools, time_launches  # beside this script
+from launch_sweep import decode_problem, quantized_pools, save_result, time_launches  # beside this script
 
 OUT = os.environ.get("OUT", "/tmp/out"); dev = torch.device(os.environ.get("DEV", "cuda"))
 dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
@@ -63,10 +62,7 @@ for kv in ("auto", "int8", "fp8"):
         print(f"{kv:4} {layout:11}: default {default * 1e3:.1f}us {kv_bytes / default / 1e6:.0f} GB/s "
               f"({kv_bytes / default / 1e6 / bandwidth:.0%}) err {err:.2g}; best {best.get('ms', 0) * 1e3:.1f}us "
               f"{ {x: best.get(x) for x in ('splits', 'block_n', 'num_warps', 'num_stages', 'err')} }", flush=True)
-result = result_header("decode_layout", "kernel shapes", "-", "python figures/h200/sweeps/decode_layout.py")
-result["note"] = (f"B={B}, {H} query / {Hkv} KV heads, D={D}, block {bs}, {S} tokens, {dtype} queries, copy bandwidth "
-                  f"{bandwidth:.0f} GB/s (this run). The same kernel and values; only the pools' memory order differs "
-                  "(strides). top: the fastest launches tried, with their error against the torch reference.")
-result["runs"] = runs
-os.makedirs(OUT, exist_ok=True)
-json.dump(result, open(f"{OUT}/decode_layout.json", "w"), indent=1)
+save_result(OUT, "decode_layout", "kernel shapes",
+            f"B={B}, {H} query / {Hkv} KV heads, D={D}, block {bs}, {S} tokens, {dtype} queries, copy bandwidth "
+            f"{bandwidth:.0f} GB/s (this run). The same kernel and values; only the pools' memory order differs "
+            "(strides). top: the fastest launches tried, with their error against the torch reference.", runs)

@@ -1,5 +1,5 @@
-"""What the paged-attention sweeps share (decode_launch.py, decode_int4.py, decode_layout.py, decode_ids_ahead.py,
-prefill_scales.py): their problem (``decode_problem``), its pools in a cache format (``quantized_pools``), writing the
+"""What the paged-attention sweeps share (decode_launch.py, decode_int4.py, decode_layout.py, prefill_scales.py):
+their problem (``decode_problem``), its pools in a cache format (``quantized_pools``), writing the
 result (``save_result``) and their loop (``time_launches``), which tries each
 (block_n, warps, stages) x split count in random order until the deadline, timed, then run once more
 on a poisoned output and compared with the reference; a launch that fails (e.g. too much shared
