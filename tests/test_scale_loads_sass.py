@@ -12,7 +12,7 @@ from minillm.bench.sass import run_compile_script
 
 SCRIPT = textwrap.dedent('''
     import json
-    from minillm.bench.sass import compile_sm90, main_loop
+    from minillm.bench.sass import compile_sm90, main_loop, signature
     from minillm.kernels import flash_attention as fa, paged_attention as pa
     from minillm.kernels.kv_dequant import PER_TOKEN
 
@@ -23,9 +23,8 @@ SCRIPT = textwrap.dedent('''
 
     def loop_loads(fn, consts, pointers, warps, stages):
         consts = dict(consts, KV_QUANT=PER_TOKEN, QUANT_GROUP=16, SCALE_HEADS=8, stride_sh=1)
-        sig = {n: "constexpr" if n in consts else "*i8" if n in ("K", "V") else "*fp16" if n in ("KScale", "VScale")
-               else pointers.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
-        aligned = {n for n in sig if sig[n].startswith("*") or (n.startswith("stride") and n not in UNALIGNED)}
+        types = {**pointers, "K": "*i8", "V": "*i8", "KScale": "*fp16", "VScale": "*fp16", "qk_scale": "fp32"}
+        sig, aligned = signature(fn, types, consts, UNALIGNED)
         ops = main_loop(compile_sm90(fn, sig, consts, aligned, warps, stages))["opcodes"]
         return dict(LDG=ops.get("LDG", 0), LDGSTS=ops.get("LDGSTS", 0))
 

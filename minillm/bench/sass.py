@@ -52,6 +52,17 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, aligned: set[s
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def signature(fn, types: dict[str, str], constexprs: dict, unaligned=()) -> tuple[dict[str, str], set[str]]:
+    """``compile_sm90``'s ``signature`` and ``aligned`` for ``fn`` as it runs: every argument typed from ``types``
+    (name -> Triton type, "i32" when absent; the constexprs' names as such), and as 16-aligned every pointer and
+    every stride but those in ``unaligned`` (strides a kernel keeps unspecialised, or whose run-time value is not a
+    multiple of 16)."""
+    sig = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    aligned = {name for name, kind in sig.items()
+               if kind.startswith("*") or (name.startswith("stride") and name not in unaligned)}
+    return sig, aligned
+
+
 def opcodes(kernel) -> list[str]:
     """Every SASS instruction's opcode (with its modifiers), in code order."""
     return [op for _, op, _ in _disassemble(kernel)[0]]

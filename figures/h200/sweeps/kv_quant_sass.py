@@ -11,7 +11,7 @@ registers, stack and shared memory. The loop is the span of the longest backward
 Run: PYTHONPATH=$PWD python figures/h200/sweeps/kv_quant_sass.py -> $OUT/kv_quant_sass.json."""
 import json, os
 os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real backend
-from minillm.bench.sass import compile_sm90, main_loop, sass_result
+from minillm.bench.sass import compile_sm90, main_loop, sass_result, signature
 from minillm.kernels import flash_attention as fa, paged_attention as pa
 from minillm.kernels.kv_dequant import INT4_GROUPS, NO_QUANT, PER_TOKEN
 
@@ -20,17 +20,8 @@ D, BS = 128, 16
 FORMATS = {"bf16": (NO_QUANT, "*bf16", D * 2), "int8": (PER_TOKEN, "*i8", D + 2), "int4": (INT4_GROUPS, "*u8", D // 2 + D // 16 * 4)}
 
 
-def signature(fn, pointers, kv, scales, consts):
-    """Every argument of ``fn``: pointers as given (K/V as the format's), other ints i32, consts constexpr."""
-    sig = {}
-    for name in fn.arg_names:
-        sig[name] = ("constexpr" if name in consts else kv if name in ("K", "V") else scales if name in ("KScale", "VScale")
-                     else pointers.get(name, "fp32" if name == "qk_scale" else "i32"))
-    # Pointers and strides of these shapes are 16-aligned, as Triton specialises them at run time (not
-    # the arguments the kernels exclude from specialisation; strides of 1 are constexprs, see below).
-    aligned = {n for n in sig if sig[n].startswith("*") or (n.startswith("stride") and n not in (
-        "stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh", "stride_outb", "stride_outh"))}
-    return sig, aligned
+# Strides the kernels keep unspecialised (their values change from call to call): never marked 16-aligned.
+UNSPECIALISED = ("stride_bt", "stride_table", "stride_os", "stride_lb", "stride_lh", "stride_outb", "stride_outh")
 
 
 def count(fn, kv_fmt, consts, pointers, warps, stages, tile_tokens):
@@ -42,12 +33,13 @@ def count(fn, kv_fmt, consts, pointers, warps, stages, tile_tokens):
         consts["SCALE_HEADS"] = 8  # the 8 KV heads' scales of a token in one 16-byte load
     if "INT8_WORDS" in fn.arg_names:
         consts["INT8_WORDS"] = kv_fmt == "int8"  # what the wrapper picks for a 16-bit q and 4-byte-aligned rows
-    sig, aligned = signature(fn, pointers, kv, "*fp16" if mode != NO_QUANT else kv, consts)
-    if mode == PER_TOKEN:
-        # The per-token scales' slot stride is the number of KV heads, 8, which Triton leaves unspecialised (int4's,
-        # 8 heads x 8 groups x 2, is 128). Until 2026-11-30 this script marked it aligned too, and so hid the 2-byte
-        # scale loads the H200 ran (figures/h200/sweeps/ncu_decode_int8_source.json).
-        aligned.discard("stride_st")
+    scales = "*fp16" if mode != NO_QUANT else kv
+    # Pointers and strides of these shapes are 16-aligned, as Triton specialises them at run time (strides of 1 are
+    # constexprs, above), but the per-token scales' slot stride: the number of KV heads, 8 (int4's, 8 heads x 8
+    # groups x 2, is 128). Until 2026-11-30 this script marked it aligned too, and so hid the 2-byte scale loads the
+    # H200 ran (figures/h200/sweeps/ncu_decode_int8_source.json).
+    sig, aligned = signature(fn, {**pointers, "K": kv, "V": kv, "KScale": scales, "VScale": scales, "qk_scale": "fp32"},
+                             consts, UNSPECIALISED + (("stride_st",) if mode == PER_TOKEN else ()))
     loop = main_loop(compile_sm90(fn, sig, consts, aligned, warps, stages))
     body = loop["opcodes"]
     kv_bytes = 2 * tile_tokens * width  # K and V of one tile, scales included
