@@ -26,7 +26,8 @@ col = {h: i for i, h in enumerate(header)}
 stalls = [h for h in header if h.startswith(STALL[0]) and h.endswith(STALL[1])]
 out = []
 for r in data:
-    row = {"kernel": r[col["Kernel Name"]], "grid": r[col.get("Grid Size", 0)], "block": r[col.get("Block Size", 0)]}
+    row = {"kernel": r[col["Kernel Name"]], **{key: r[col[name]] if name in col else None
+                                               for key, name in (("grid", "Grid Size"), ("block", "Block Size"))}}
     for key, (metric, scale) in METRICS.items():
         if metric in col and r[col[metric]] not in ("", "n/a"):
             unit = units[col[metric]]
