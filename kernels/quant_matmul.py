@@ -57,8 +57,8 @@ variants as pairs of 16-bit floats (``w4_gemv_pairs.py``, ``w4_dot_pairs.py``); 
 float by an integer add and a float subtract (``int_float.int8_to_float``).
 
 On CUDA the tile sizes and SPLIT_K are autotuned (the lists: ``quant_matmul_configs.py``) per (N, K, bucket
-of M) for the dot and per (N, K, M, group size) for the GEMV; under Triton's CPU interpreter one small pinned config runs (with SPLIT_K = 2,
-so the fix-up path is what is tested). The GEMV's autotuner may pick the HFMA2 body for 16-bit x: its
+of M) for the dot and per (N, K, M, group size) for the GEMV; under Triton's CPU interpreter one small pinned
+config runs (with SPLIT_K = 2, so the fix-up path is what is tested). The GEMV's autotuner may pick the HFMA2 body for 16-bit x: its
 error is up to twice the fp32 body's (16-bit sums over short runs; ``w4_gemv_pairs.py``), well inside
 what 4-bit weights cost, and it needs |x| < 2**27 in bf16.
 """
@@ -265,16 +265,6 @@ def _fit_dot_tiles(configs, named_args, **kwargs):
 _w4_dot = triton.heuristics({"ONE_GROUP": lambda a: a["group_size"] % a["BLOCK_K"] == 0 or a["group_size"] >= a["K"]})(
     _w4_dot_kernel)
 # HFMA2 only: a tile of BLOCK_KP packed rows inside one group loads one scale and zero; N % BLOCK_N == 0, no mask.
-_w4_gemv = triton.heuristics({
-    "ONE_GROUP": lambda a: a["group_size"] % (8 * a["BLOCK_KP"]) == 0 or a["group_size"] >= a["K"],
-    "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
-    "GROUP_TILES": lambda a: _group_tiles(a),
-    # PDL: packed rows per program to warm L2 with, pdl.PREFETCH_BYTES over the grid (at most a split's rows)
-    "PREFETCH_ROWS": lambda a: prefetch_pieces(a["M"] * triton.cdiv(a["N"], a["BLOCK_N"]) * a["SPLIT_K"],
-                                               4 * a["BLOCK_N"], triton.cdiv(a["K"] // 8, a["SPLIT_K"]))
-    if a.get("PDL") else 0})(_w4_gemv_kernel)
-
-
 def _group_tiles(a: dict) -> int:
     """TILES: tiles per group, or 0 for one group over all of K. A config whose tiles do not divide the group is
     refused here too, not only by ``w4a16_matmul`` and the autotuner's pruning: the kernel would sum across groups."""
@@ -284,6 +274,16 @@ def _group_tiles(a: dict) -> int:
         raise ValueError(f"TILES with BLOCK_KP = {a['BLOCK_KP']} needs group_size / 8 = {a['group_size'] // 8} to be a "
                          "multiple of it")
     return a["group_size"] // (8 * a["BLOCK_KP"])
+
+
+_w4_gemv = triton.heuristics({
+    "ONE_GROUP": lambda a: a["group_size"] % (8 * a["BLOCK_KP"]) == 0 or a["group_size"] >= a["K"],
+    "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
+    "GROUP_TILES": _group_tiles,
+    # PDL: packed rows per program to warm L2 with, pdl.PREFETCH_BYTES over the grid (at most a split's rows)
+    "PREFETCH_ROWS": lambda a: prefetch_pieces(a["M"] * triton.cdiv(a["N"], a["BLOCK_N"]) * a["SPLIT_K"],
+                                               4 * a["BLOCK_N"], triton.cdiv(a["K"] // 8, a["SPLIT_K"]))
+    if a.get("PDL") else 0})(_w4_gemv_kernel)
 
 
 def _hfma2_runs_fit(config: dict, group: int, k: int) -> bool:
