@@ -147,11 +147,18 @@ def _silu_and_mul_kernel(X, Y, stride_x, stride_y, n_cols, BLOCK: tl.constexpr, 
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    # torch rounds silu(gate) to the dtype before multiplying by up; so do we.
-    silu = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty)
-    tl.store(Y + row * stride_y + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * stride_y + cols, silu_mul(gate, up), mask=mask)
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in gate's dtype, rounded as torch rounds it: silu(gate) to the dtype first, then the
+    product. The one definition for this kernel and the GEMV that takes gate_up as its input (gemv.py)."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

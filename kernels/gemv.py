@@ -15,6 +15,12 @@ summation order, so a config picked by an autotuner could round differently from
 rank's new worker process, to the next, and flip near-tied greedy tokens. The rule keeps the H200
 sweep's winner, or a config within 3 % of it, for each of Llama-2-7B's projections, whole and halved.
 
+The MLP's SiLU-and-multiply rides along (``gated=True``): down_proj's input is silu(gate) * up of the
+gate_up row, and each program computes its slice of it from gate_up as it loads x, with the very
+arithmetic of ``fused_layer_ops.silu_and_mul`` (``silu_mul``), so a batch-1 layer launches one kernel
+fewer for the same bits. Every program recomputes its K-split's slice: a few thousand exponentials, nothing
+next to the weight's bytes.
+
 One program: BLOCK_N rows of W and one K-split; it loads [BLOCK_N, BLOCK_K] tiles (each row's
 BLOCK_K inputs are contiguous: 16-byte loads), multiplies by x's tile in fp32 and sums over K once,
 after the loop. fp32 accumulation, as cuBLAS; the result may differ from it in the last bit of a
@@ -28,6 +34,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
+from minillm.kernels.fused_layer_ops import silu_and_mul_ref, silu_mul
 from minillm.kernels.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
 
@@ -48,15 +55,18 @@ def default_config(n: int, k: int) -> dict:
     return config
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T in fp32, rounded to x's dtype."""
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T in fp32, rounded to x's dtype. ``gated``: x is [..., 2K], gate then up,
+    and the product's input is silu(gate) * up (``fused_layer_ops.silu_and_mul_ref``)."""
+    if gated:
+        x = silu_and_mul_ref(x)
     return (x.float() @ weight.float().t()).to(x.dtype)
 
 
 @triton.jit
 def _gemv_kernel(X, W, Y, Partials, Counters, N, K, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, GATED: tl.constexpr = False):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     start, end = split_range(K, BLOCK_K, SPLIT_K)
     rows = W + n.to(tl.int64)[:, None] * stride_wn
@@ -72,10 +82,14 @@ def _gemv_kernel(X, W, Y, Partials, Counters, N, K, stride_wn,
         if EVEN:  # every tile whole: no masks (the common case, and the fast one)
             w = tl.load(rows + k[None, :], eviction_policy="evict_first")
             x = tl.load(X + k)
+            if GATED:  # X is gate_up: K gates, then K ups
+                x = silu_mul(x, tl.load(X + K + k))
         else:
             w = tl.load(rows + k[None, :], mask=(n < N)[:, None] & (k < end)[None, :], other=0.0,
                         eviction_policy="evict_first")
             x = tl.load(X + k, mask=k < end, other=0.0)
+            if GATED:
+                x = silu_mul(x, tl.load(X + K + k, mask=k < end, other=0.0))
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     m = tl.arange(0, 1)
     finish(tl.sum(acc, axis=1)[None, :], Y, Partials, Counters, m, n, (n < N)[None, :], 1, N, 0,
@@ -104,21 +118,26 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x [1, K] or [K] @ weight[N, K]^T -> [1, N] or [N] in x's dtype, written to ``out`` if given.
     ``config`` pins the tiles (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); None takes
-    ``default_config`` (a small pinned one under the interpreter)."""
+    ``default_config`` (a small pinned one under the interpreter). ``gated``: x is a gate_up row of 2K
+    (gate first) and the input is silu(gate) * up, computed as each program loads it: the MLP's
+    SiLU-and-multiply without a kernel of its own (one launch fewer per layer at batch-1 decode), bit
+    for bit what ``fused_layer_ops.silu_and_mul`` followed by this GEMV gives."""
     check(x.dtype in FLOAT_DTYPES, f"x.dtype is {x.dtype}; expected one of {FLOAT_DTYPES}")
     check(weight.dtype == x.dtype, f"weight.dtype is {weight.dtype}; expected x's dtype {x.dtype}")
     check(weight.dim() == 2 and weight.stride(1) == 1,
           f"weight must be a 2-d [N, K] tensor contiguous along K; got shape {tuple(weight.shape)}, "
           f"strides {weight.stride()}")
     n, k = weight.shape
-    check(k > 0 and x.shape[-1] == k and x.numel() == k,
-          f"x has shape {tuple(x.shape)}; expected one row of K = {k} inputs ([{k}] or [1, {k}]), K > 0")
+    width = 2 * k if gated else k
+    check(k > 0 and x.shape[-1] == width and x.numel() == width,
+          f"x has shape {tuple(x.shape)}; expected one row of {'2K' if gated else 'K'} = {width} inputs "
+          f"([{width}] or [1, {width}]), K > 0")
     check(x.device == weight.device, f"x is on {x.device} but weight is on {weight.device}")
     check_runnable("x", x)
-    xs = x.reshape(k).contiguous()
+    xs = x.reshape(width).contiguous()
     shape = (*x.shape[:-1], n)
     y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
     check(y.shape == shape and y.dtype == x.dtype and y.device == x.device and y.is_contiguous(),
@@ -134,5 +153,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     args = (xs, weight, y, partials, tile_counters(x.device), n, k, weight.stride(0))
     early = {"PDL": True, "launch_pdl": True} if pdl_supported(x.device) else {"PDL": False}
-    _plain[(triton.cdiv(n, config["BLOCK_N"]), splits)](*args, **config, **early)
+    _plain[(triton.cdiv(n, config["BLOCK_N"]), splits)](*args, **config, **early, GATED=gated)
     return y

@@ -27,22 +27,30 @@ MERGES = {"kernel": MERGE_KERNEL, "last_split": MERGE_LAST_SPLIT}
 
 
 @triton.jit
-def merge_splits(part_ptrs, lse_ptrs, num_splits, stride_ps, row_ok, mask):
-    """Merge ``num_splits`` partials of R query heads (``merge_attention_partials``'s arithmetic, in split
-    order): ``part_ptrs`` [R, BLOCK_D] point at split 0's outputs, split s at + s * stride_ps;
-    ``lse_ptrs`` [R] at split 0's log-sum-exps, split s at + s. Returns the merged outputs, fp32.
+def merge_splits(part_ptrs, lse_ptrs, num_splits, stride_ps, row_ok, mask, MAX_SPLITS: tl.constexpr):
+    """Merge ``num_splits`` partials of R query heads (``merge_attention_partials``'s arithmetic; the outputs
+    are summed in split order): ``part_ptrs`` [R, BLOCK_D] point at split 0's outputs, split s at
+    + s * stride_ps; ``lse_ptrs`` [R] at split 0's log-sum-exps, split s at + s. ``MAX_SPLITS``: a power
+    of two >= num_splits. Returns the merged outputs, fp32.
+
+    Every load is issued before any result is needed: the log-sum-exps as one [R, MAX_SPLITS] tile and
+    the partials in an unrolled loop whose loads do not depend on each other. A loop over a run-time
+    split count issued them one after another instead, each waiting ~a microsecond for L2, which made the
+    merge kernel of a batch-1 decode step take 3-4 us (16 splits: ``figures/h200/tp_timeline_*.json``).
     Loads bypass L1 (".cg"): the last split program reads partials that programs on other SMs wrote
     during the same launch."""
-    # Split 0 always holds token 0 (context_lens >= 1), so its lse is finite: a safe first maximum.
-    top = tl.load(lse_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
-    for s in range(1, num_splits):
-        top = tl.maximum(top, tl.load(lse_ptrs + s, mask=row_ok, other=0.0, cache_modifier=".cg"))
-    total = tl.exp(tl.load(lse_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg") - top)
-    acc = total[:, None] * tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in range(1, num_splits):
-        weight = tl.exp(tl.load(lse_ptrs + s, mask=row_ok, other=0.0, cache_modifier=".cg") - top)  # empty: 0
-        total += weight
-        acc += weight[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+    splits = tl.arange(0, MAX_SPLITS)
+    present = row_ok[:, None] & (splits < num_splits)[None, :]
+    lse = tl.load(lse_ptrs[:, None] + splits[None, :], mask=present, other=float("-inf"), cache_modifier=".cg")
+    # Split 0 always holds token 0 (context_lens >= 1), so a row's largest lse is finite; absent rows get 0.
+    top = tl.where(row_ok, tl.max(lse, axis=1), 0.0)
+    weights = tl.exp(lse - top[:, None])  # empty or absent splits: exp(-inf) = 0
+    total = tl.sum(weights, axis=1)
+    acc = tl.zeros(part_ptrs.shape, tl.float32)
+    for s in tl.static_range(MAX_SPLITS):
+        weight = tl.sum(tl.where(splits[None, :] == s, weights, 0.0), axis=1)  # column s of weights
+        live = tl.full(mask.shape, s, tl.int32) < num_splits  # splits past num_splits are not in the workspace
+        acc += weight[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask & live, other=0.0, cache_modifier=".cg")
     return acc / total[:, None]
 
 
@@ -50,7 +58,7 @@ def merge_splits(part_ptrs, lse_ptrs, num_splits, stride_ps, row_ok, mask):
                                "stride_ob", "stride_oh"])
 def _merge_kernel(O_part, Lse, Out, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
     """Stage 2 (merge="kernel"): program (b, h) merges the num_splits partials of one query head."""
     let_next_start(PDL)  # o_proj's GEMV may start warming L2 now (pdl.py)
     b = tl.program_id(0)
@@ -59,7 +67,7 @@ def _merge_kernel(O_part, Lse, Out, num_splits,
     dims = tl.arange(0, BLOCK_D)
     mask = (row < 1)[:, None] & (dims < HEAD_DIM)[None, :]
     merged = merge_splits(O_part + b * stride_pb + head[:, None] * stride_ph + dims[None, :],
-                          Lse + b * stride_lb + head * stride_lh, num_splits, stride_ps, row < 1, mask)
+                          Lse + b * stride_lb + head * stride_lh, num_splits, stride_ps, row < 1, mask, MAX_SPLITS)
     tl.store(Out + b * stride_ob + head[:, None] * stride_oh + dims[None, :], merged.to(Out.dtype.element_ty),
              mask=mask)
 
@@ -72,4 +80,5 @@ def merge_by_kernel(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
     batch, heads = out.shape[:2]
     _merge_kernel[(batch, heads)](
         partial, lse, out, num_splits, *partial_strides, *lse_strides, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl_supported(out.device), **({"num_warps": 1} if out.is_cuda else {}))
+        HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=triton.next_power_of_2(num_splits),
+        PDL=pdl_supported(out.device), **({"num_warps": 1} if out.is_cuda else {}))

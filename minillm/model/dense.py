@@ -29,12 +29,30 @@ def gemv_choice() -> str:
     return choice
 
 
-def product(x: torch.Tensor, weight: torch.Tensor, gemv) -> torch.Tensor:
-    """x @ weight^T: by ``gemv`` (the ``kernels.gemv`` module, or None) where x is one 16-bit row on a GPU."""
-    if (gemv is not None and x.is_cuda and x.shape[-1] == x.numel() == weight.shape[1] and weight.stride(1) == 1
-            and x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16)):
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, gemv, width: int) -> bool:
+    """Whether ``gemv`` can take x: one 16-bit row of ``width`` on a GPU, the weight contiguous along K."""
+    return (gemv is not None and x.is_cuda and x.shape[-1] == x.numel() == width and weight.stride(1) == 1
+            and x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16))
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, gemv, gated: bool = False) -> torch.Tensor:
+    """x @ weight^T: by ``gemv`` (the ``kernels.gemv`` module, or None) where x is one 16-bit row on a GPU.
+    ``gated``: x is the MLP's gate_up row and the GEMV computes silu(gate) * up as it loads it; only where
+    ``takes_gated`` said the layer can."""
+    if gated:
+        return gemv.gemv(x.reshape(1, -1), weight, gated=True).view(*x.shape[:-1], weight.shape[0])
+    if _gemv_fits(x, weight, gemv, weight.shape[1]):
         return gemv.gemv(x.reshape(1, -1), weight).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
+
+
+def takes_gated(layer: nn.Module, gate_up: torch.Tensor) -> bool:
+    """Whether ``layer(gate_up, gated=True)`` works: a bias-free layer built on ``product`` (``Linear``, the
+    tensor-parallel row-parallel linear) whose product of this one row goes to the GEMV. The MLP then
+    leaves SiLU-and-multiply to down_proj's GEMV (``kernels/gemv.py``) instead of launching a kernel for it."""
+    weight = getattr(layer, "weight", None)
+    return (getattr(layer, "bias", True) is None and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and _gemv_fits(gate_up, weight, getattr(layer, "gemv", None), 2 * weight.shape[1]))
 
 
 class Linear(nn.Linear):
@@ -42,7 +60,7 @@ class Linear(nn.Linear):
 
     gemv = None  # kernels.gemv once enable_fused_kernels() is called
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         if self.bias is not None:
             return F.linear(x, self.weight, self.bias)
-        return product(x, self.weight, self.gemv)
+        return product(x, self.weight, self.gemv, gated)

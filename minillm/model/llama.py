@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.model.config import ModelConfig
-from minillm.model.dense import Linear, gemv_choice
+from minillm.model.dense import Linear, gemv_choice, takes_gated
 
 
 class AttentionContext(Protocol):
@@ -135,7 +135,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.fused_ops is not None:
-            return self.down_proj(self.fused_ops.silu_and_mul(self.gate_up_proj(x)))
+            gate_up = self.gate_up_proj(x)
+            if takes_gated(self.down_proj, gate_up):  # one row: down_proj's GEMV applies SiLU-and-multiply itself
+                return self.down_proj(gate_up, gated=True)
+            return self.down_proj(self.fused_ops.silu_and_mul(gate_up))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -245,8 +245,8 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _reduced(self, product(x, self.weight, self.gemv))
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        return _reduced(self, product(x, self.weight, self.gemv, gated))  # gated: see dense.takes_gated
 
 
 class RowParallelQuantLinear(QuantLinear):

@@ -36,6 +36,24 @@ def test_gemv_matches_reference(dtype, n, k, split):
     torch.testing.assert_close(gemv(x[0], w, config=config), y[0], atol=0, rtol=0)  # [K] -> [N], same bits
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, split", [(48, 128, 2), (37, 96, 2), (5, 33, 1)])
+def test_gated_gemv_is_silu_and_mul_then_the_gemv_bit_for_bit(dtype, n, k, split):
+    """gated=True: x is a gate_up row [2K] and the GEMV's input silu(gate) * up, computed as it loads x. Same
+    bits as the SiLU-and-multiply kernel followed by the plain GEMV (the MLP's unfused path), whole and
+    ragged tiles; and close to the reference."""
+    from minillm.kernels.fused_layer_ops import silu_and_mul
+    gate_up = randn(1, 2 * k, dtype=dtype, seed=4) * 3  # both signs, beyond silu's near-linear range
+    w = randn(n, k, dtype=dtype, seed=5)
+    config = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split)
+    out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
+    y = gemv(gate_up, w, config=config, out=out, gated=True)
+    torch.testing.assert_close(y, gemv(silu_and_mul(gate_up), w, config=config), atol=0, rtol=0)
+    torch.testing.assert_close(y, gemv_ref(gate_up, w, gated=True), **TOL[dtype])
+    with pytest.raises(ValueError, match="2K"):
+        gemv(gate_up[:, :k], w, gated=True)
+
+
 def test_gemv_reads_a_strided_weight():
     """Rows of a bigger matrix (a stride over N): the GEMV reads only the view's columns."""
     big = randn(24, 160)
@@ -133,3 +151,31 @@ def test_model_routes_one_row_products_to_the_gemv(monkeypatch):
     model.enable_fused_kernels()
     layer(x)
     assert len(calls) == 1 and layer.gemv is None
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="one-row products take the GEMV on a GPU only")
+def test_mlp_leaves_silu_and_mul_to_down_projs_gemv(monkeypatch):
+    """At one row the fused MLP launches no SiLU-and-multiply kernel: down_proj's GEMV takes gate_up with
+    gated=True, and the output has the bits of the two-kernel path (three rows still take it)."""
+    from minillm.kernels import fused_layer_ops
+    from minillm.model.config import ModelConfig
+    from minillm.model.llama import MLP
+    config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=16)
+    mlp = MLP(config).to(DEVICE, torch.bfloat16)
+    for p in mlp.parameters():
+        p.data.copy_(randn(*p.shape, dtype=torch.bfloat16, seed=p.numel()) * 0.2)
+    mlp.fused_ops = fused_layer_ops
+    mlp.gate_up_proj.gemv = mlp.down_proj.gemv = gemv_module
+    gated, unfused = [], []
+    real_gemv, real_silu = gemv_module.gemv, fused_layer_ops.silu_and_mul
+    monkeypatch.setattr(gemv_module, "gemv",
+                        lambda *a, **kw: gated.append(kw.get("gated", False)) or real_gemv(*a, **kw))
+    monkeypatch.setattr(fused_layer_ops, "silu_and_mul", lambda *a: unfused.append(1) or real_silu(*a))
+    x = randn(1, 1, 64, dtype=torch.bfloat16, seed=9)
+    y = mlp(x)
+    assert gated == [False, True] and unfused == []
+    expected = real_gemv(real_silu(real_gemv(x.reshape(1, -1), mlp.gate_up_proj.weight)), mlp.down_proj.weight)
+    torch.testing.assert_close(y.reshape(1, -1), expected, atol=0, rtol=0)
+    mlp(randn(1, 3, 64, dtype=torch.bfloat16))
+    assert unfused == [1]
