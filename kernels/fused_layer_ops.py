@@ -98,6 +98,17 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 @triton.jit
+def rotated_halves(x_ptr, mask, cos, sin, HALF: tl.constexpr):
+    """The rows at ``x_ptr`` (first halves; the second halves HALF further) rotated by RoPE in fp32 with the
+    token's ``cos``/``sin`` [1, HALF] (fp32), each rounded once to x's dtype: (first halves, second halves).
+    The one definition for this module's RoPE kernel and ``kv_store.rope_store_kv``: they agree bit for bit."""
+    x1 = tl.load(x_ptr, mask=mask, other=0.0)
+    x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    return (f1 * cos - f2 * sin).to(x1.dtype), (f2 * cos + f1 * sin).to(x1.dtype)
+
+
+@triton.jit
 def _rope_kernel(X, Cos, Sin, Y, stride_xt, stride_xh, stride_yt, stride_yh, stride_c, num_heads,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -106,24 +117,29 @@ def _rope_kernel(X, Cos, Sin, Y, stride_xt, stride_xh, stride_yt, stride_yh, str
     mask = heads < num_heads
     cos = tl.load(Cos + t * stride_c + dims).to(tl.float32)
     sin = tl.load(Sin + t * stride_c + dims).to(tl.float32)
-    x_ptr = X + t * stride_xt + heads * stride_xh + dims
-    x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1, y2 = rotated_halves(X + t * stride_xt + heads * stride_xh + dims, mask, cos, sin, HALF)
     y_ptr = Y + t * stride_yt + heads * stride_yh + dims
-    tl.store(y_ptr, (x1 * cos - x2 * sin).to(Y.dtype.element_ty), mask=mask)
-    tl.store(y_ptr + HALF, (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_ptr, y1, mask=mask)
+    tl.store(y_ptr + HALF, y2, mask=mask)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused ``rope_ref`` for all heads of each token in one program; ``out=x`` rotates in place."""
-    _check_tensor("x", x)
-    _check(x.dim() == 3, f"x must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
+def check_rope_inputs(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [tokens, heads, head_dim] (head_dim twice a power of two, contiguous along it) and its cos/sin
+    [tokens, head_dim], as ``rope`` and ``kv_store.rope_store_kv`` take them."""
+    _check_tensor(name, x)
+    _check(x.dim() == 3, f"{name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
     tokens, heads, dim = x.shape
     _check(dim % 2 == 0 and (dim // 2) & (dim // 2 - 1) == 0,
            f"head_dim is {dim}; expected twice a power of two")
     _check(cos.shape == sin.shape == (tokens, dim), f"cos/sin have shapes {tuple(cos.shape)}, {tuple(sin.shape)}; "
            f"expected ({tokens}, {dim})")
     _check(cos.stride() == sin.stride() and cos.stride(-1) == 1, "cos and sin need equal strides ending in 1")
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused ``rope_ref`` for all heads of each token in one program; ``out=x`` rotates in place."""
+    check_rope_inputs("x", x, cos, sin)
+    tokens, heads, dim = x.shape
     out = torch.empty_like(x) if out is None else out
     _check(out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1,
            f"out is {out.dtype} {tuple(out.shape)}; expected {x.dtype} {tuple(x.shape)} with a contiguous last dim")

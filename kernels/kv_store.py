@@ -13,6 +13,10 @@ in the eager prefill and mixed steps cost more than the attention. (fp8 and int4
 path: Triton's CPU interpreter does not round fp32 to e4m3 as the GPU and torch do, so a kernel
 for fp8 could not be checked bit for bit in CI; int4 packs channel pairs.)
 
+``rope_store_kv`` goes one step further for an unquantized cache: the same program also applies RoPE to
+the token's q and k heads (in place) before it stores k, so a decode layer launches one kernel where the
+RoPE kernel and this one were two; its arithmetic is the RoPE kernel's (``fused_layer_ops.rotated_halves``).
+
 Layout: ``k``/``v`` [tokens, kv_heads, head_dim] (any row stride, contiguous heads and dims, as
 the slices of the fused qkv projection are); pools [num_blocks, block_size, kv_heads, head_dim],
 contiguous, so slot s = block * block_size + offset is row s of the pool viewed as
@@ -29,6 +33,7 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable
+from minillm.kernels.fused_layer_ops import check_rope_inputs, rotated_halves
 from minillm.kernels.int_float import round_half_even
 from minillm.kv.quant import CODE_MAX, STORAGE_DTYPES
 
@@ -83,11 +88,62 @@ def _store_kv_kernel(K, V, KPool, VPool, Slots, stride_k, stride_v, ROW: tl.cons
     tl.store(VPool + slot * ROW + cols, tl.load(V + t * stride_v + cols, mask=mask), mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
-    """Store token t's ``k[t]`` and ``v[t]`` at pool slot ``slot_mapping[t]``, one program per token;
-    int8 pools are quantized on the way in, their per-head scales going to ``k_scale`` / ``v_scale``."""
+@triton.jit
+def _rope_store_kv_kernel(Q, K, V, Cos, Sin, KPool, VPool, Slots, stride_qt, stride_kt, stride_vt, stride_c, num_heads,
+                          KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr):
+    """Token t: q's and k's heads rotated in place (``rotated_halves``, as the RoPE kernel), and the rotated k
+    and v stored at its slot of the pools. Heads are 2 * HALF apart in q, k, v and the pools (checked)."""
+    t = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, HALF)[None, :]
+    cos = tl.load(Cos + t * stride_c + dims).to(tl.float32)
+    sin = tl.load(Sin + t * stride_c + dims).to(tl.float32)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    q_ptr = Q + t * stride_qt + heads * (2 * HALF) + dims
+    q1, q2 = rotated_halves(q_ptr, heads < num_heads, cos, sin, HALF)
+    tl.store(q_ptr, q1, mask=heads < num_heads)
+    tl.store(q_ptr + HALF, q2, mask=heads < num_heads)
+    slot = tl.load(Slots + t)
+    kv_heads = tl.arange(0, BLOCK_KV)[:, None]
+    kv_mask = kv_heads < KV_HEADS
+    row = kv_heads * (2 * HALF) + dims  # a head's first half in a token's [KV_HEADS, 2 * HALF] row
+    k_at = K + t * stride_kt + row
+    k1, k2 = rotated_halves(k_at, kv_mask, cos, sin, HALF)
+    tl.store(k_at, k1, mask=kv_mask)  # in place, as rope does
+    tl.store(k_at + HALF, k2, mask=kv_mask)
+    k_pool_at = KPool + slot * (KV_HEADS * 2 * HALF) + row
+    tl.store(k_pool_at, k1, mask=kv_mask)
+    tl.store(k_pool_at + HALF, k2, mask=kv_mask)
+    v_at = V + t * stride_vt + row
+    v_pool_at = VPool + slot * (KV_HEADS * 2 * HALF) + row
+    tl.store(v_pool_at, tl.load(v_at, mask=kv_mask), mask=kv_mask)
+    tl.store(v_pool_at + HALF, tl.load(v_at + HALF, mask=kv_mask), mask=kv_mask)
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """RoPE on q [tokens, heads, D] and k [tokens, kv_heads, D], in place, then ``store_kv`` of the rotated k
+    and of v: one kernel where ``fused_layer_ops.rope`` and ``store_kv`` were two, with their bits. For a
+    decode step's attention context (``kv/paged_triton.py``) over an unquantized cache: at batch 1 that is one
+    launch fewer per layer. cos/sin: [tokens, D], as ``rope`` takes them."""
+    _check(k_pool.dtype == k.dtype, f"the pools hold {k_pool.dtype}; rope_store_kv writes {k.dtype} only "
+           "(a quantized cache goes through rope, then store_kv)")
+    _check_store_inputs(k, v, k_pool, v_pool, slot_mapping, None, None)
+    _check(q.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and q.dtype == k.dtype
+           and q.stride(1) == q.shape[2], f"q is {q.dtype} {tuple(q.shape)} (strides {q.stride()}); expected "
+           f"{k.dtype} [{k.shape[0]}, heads, {k.shape[2]}] with contiguous heads and dims")
+    for name, x in (("q", q), ("k", k)):
+        check_rope_inputs(name, x, cos, sin)
+    if k.shape[0] == 0:
+        return
+    heads, kv_heads, dim = q.shape[1], k.shape[1], k.shape[2]
+    _rope_store_kv_kernel[(k.shape[0],)](q, k, v, cos, sin, k_pool, v_pool, slot_mapping, q.stride(0), k.stride(0),
+                                         v.stride(0), cos.stride(0), heads, KV_HEADS=kv_heads, HALF=dim // 2,
+                                         BLOCK_H=triton.next_power_of_2(heads),
+                                         BLOCK_KV=triton.next_power_of_2(kv_heads))
+
+
+def _check_store_inputs(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                        slot_mapping: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
     for name, t in (("k", k), ("v", v)):
         _check(t.dim() == 3, f"{name} must be [tokens, kv_heads, head_dim], got shape {tuple(t.shape)}")
         _check(t.shape == k.shape, f"{name} has shape {tuple(t.shape)} but k has {tuple(k.shape)}")
@@ -112,6 +168,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
                f"got {None if scales is None else (scales.dtype, tuple(scales.shape))} with a {k_pool.dtype} cache")
     _check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (k.shape[0],),
            f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Store token t's ``k[t]`` and ``v[t]`` at pool slot ``slot_mapping[t]``, one program per token;
+    int8 pools are quantized on the way in, their per-head scales going to ``k_scale`` / ``v_scale``."""
+    _check_store_inputs(k, v, k_pool, v_pool, slot_mapping, k_scale, v_scale)
+    quantized = k_pool.dtype in QUANTIZED_POOLS
     if k.shape[0] == 0:
         return
     if quantized:

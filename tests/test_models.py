@@ -112,6 +112,40 @@ def test_fused_kernels_give_the_same_logits(case):
     assert diff < 1e-4, f"{name}: max |logit diff| {diff:.3g}"
 
 
+def test_rope_inside_the_kv_store_gives_the_same_logits(case):
+    """The Triton paged context with an unquantized cache takes q and k unrotated and applies RoPE in the kernel
+    that stores K and V (``kv_store.rope_store_kv``): a prefill and two decode steps give the logits, bit for bit,
+    of the RoPE kernel followed by the store (``takes_rope`` off), for every architecture (q/k norms, llama3
+    scaling, GQA and MHA)."""
+    from minillm.kv.paged import PagedKVCache, PagedStep
+    from minillm.kv.paged_triton import TritonPagedBatch
+    _, hf, llm, _ = case
+    model, config = llm.engine.model, llm.engine.model_config
+    ids = random_ids(torch.Generator().manual_seed(11), 1, 14, hf.config.vocab_size)
+    block_size, blocks = 4, [3, 0, 5, 1, 4]  # scattered blocks, in the table's order
+    model.enable_fused_kernels()
+    runs = {}
+    try:
+        for fused in (True, False):
+            cache = PagedKVCache(config, num_blocks=6, block_size=block_size, dtype=torch.float32, device="cpu")
+            slot = lambda p: blocks[p // block_size] * block_size + p % block_size  # noqa: E731
+            logits = []
+            for start, end in ((0, 12), (12, 13), (13, 14)):  # the prompt, then one token at a time
+                step = PagedStep.from_host([slot(p) for p in range(start, end)], [blocks], [end - start], [end],
+                                           torch.device("cpu"))
+                attention = TritonPagedBatch(cache, step)
+                attention.takes_rope = fused
+                with torch.inference_mode():
+                    hidden = model(ids[:, start:end], torch.arange(start, end)[None], attention)
+                    logits.append(model.compute_logits(hidden))
+            runs[fused] = torch.cat(logits, dim=1)
+    finally:
+        model.enable_fused_kernels(False)
+    assert runs[True].shape == (1, 14, hf.config.vocab_size)
+    torch.testing.assert_close(runs[True], runs[False], rtol=0, atol=0)
+    torch.testing.assert_close(runs[True], minillm_logits(llm, ids), rtol=1e-4, atol=1e-4)  # and right
+
+
 def test_positions_matter(case):
     """Positions reach attention: stretching the distances between the same tokens changes the logits
     (a uniform shift would not: RoPE only sees relative positions)."""

@@ -1,7 +1,8 @@
 """The paged attention context on minillm's Triton kernels: the default backend on CUDA.
 
 Same contract and metadata as the torch reference ``PagedBatch`` (``kv/paged.py``), but no Python
-loop over sequences and no gathered copy of the context; new K/V are stored by one kernel; decode rows go to the split-K paged
+loop over sequences and no gathered copy of the context; new K/V are stored by one kernel (which also applies
+RoPE to q and k, for an unquantized cache); decode rows go to the split-K paged
 decode kernel, prefill chunks to the paged FlashAttention kernel, both reading K/V in place
 through the block tables. Its launch grids depend on the batch's shape only, so a decode step
 can be captured in a CUDA graph (``minillm/cuda_graphs.py``).
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from minillm.kernels.flash_attention import paged_prefill_attention
-from minillm.kernels.kv_store import QUANTIZED_POOLS, store_kv
+from minillm.kernels.kv_store import QUANTIZED_POOLS, rope_store_kv, store_kv
 from minillm.kernels.paged_attention import paged_decode_attention
 from minillm.kv.paged import PagedKVCache, PagedStep, write_kv
 
@@ -21,10 +22,14 @@ class TritonPagedBatch:
     def __init__(self, cache: PagedKVCache, step: PagedStep):
         self.cache, self.step = cache, step
         self.max_prefill_len = max(step.query_lens[step.num_decode:], default=0)
+        # An unquantized cache takes q and k unrotated: RoPE and the K/V store are one kernel (rope_store_kv).
+        self.takes_rope = cache.k_scale is None
 
-    def __call__(self, layer_idx: int, q, k, v):
+    def __call__(self, layer_idx: int, q, k, v, rope=None):
         pools = self.cache.layer(layer_idx)
-        if pools.k_scale is None or pools.k.dtype in QUANTIZED_POOLS:  # one kernel for K and V (and int8's scales)
+        if rope is not None:  # (only when takes_rope): rotate q and k in place, store the rotated k and v
+            rope_store_kv(q[0], k[0], v[0], *rope, pools.k, pools.v, self.step.slot_mapping)
+        elif pools.k_scale is None or pools.k.dtype in QUANTIZED_POOLS:  # one kernel for K and V (and int8's scales)
             store_kv(k[0], v[0], pools.k, pools.v, self.step.slot_mapping, pools.k_scale, pools.v_scale)
         else:  # fp8 and int4: quantized on the way in by torch ops (write_kv)
             write_kv(self.cache, self.step, layer_idx, k, v)

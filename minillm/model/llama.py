@@ -28,7 +28,11 @@ from minillm.model.dense import Linear, gemv_choice, takes_gated
 
 class AttentionContext(Protocol):
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [B, T, H, D], k/v: [B, T, Hkv, D] for the new tokens -> [B, T, H, D]."""
+        """q: [B, T, H, D], k/v: [B, T, Hkv, D] for the new tokens -> [B, T, H, D].
+
+        A context whose ``takes_rope`` is true also takes ``rope=(cos, sin)`` ([B * T, D] each) with q and k
+        not yet rotated, and rotates them as the fused RoPE kernel would (in place), in the kernel that
+        stores K and V: one launch fewer per layer. The model passes it only with its fused kernels on."""
         ...
 
 
@@ -115,13 +119,18 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
         else:
             qk, v = qkv.split([H + Hkv, Hkv], dim=2)
-        if self.fused_ops is not None:  # one kernel, in place, over every query and key head
-            rows = qk.flatten(0, 1)
-            self.fused_ops.rope(rows, cos.flatten(0, 1)[:, 0], sin.flatten(0, 1)[:, 0], out=rows)
+        if self.fused_ops is not None and getattr(attn, "takes_rope", False):
+            # The context rotates q and k itself, in the kernel that stores K and V (kv/paged_triton.py).
+            q, k = qk.split([H, Hkv], dim=2)
+            out = attn(self.layer_idx, q, k, v, rope=(cos.flatten(0, 1)[:, 0], sin.flatten(0, 1)[:, 0]))
         else:
-            qk = apply_rope(qk, cos, sin)  # one pass over query and key heads
-        q, k = qk.split([H, Hkv], dim=2)
-        out = attn(self.layer_idx, q, k, v)
+            if self.fused_ops is not None:  # one kernel, in place, over every query and key head
+                rows = qk.flatten(0, 1)
+                self.fused_ops.rope(rows, cos.flatten(0, 1)[:, 0], sin.flatten(0, 1)[:, 0], out=rows)
+            else:
+                qk = apply_rope(qk, cos, sin)  # one pass over query and key heads
+            q, k = qk.split([H, Hkv], dim=2)
+            out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 

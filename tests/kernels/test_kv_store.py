@@ -79,3 +79,46 @@ def test_quantized_store_needs_its_scale_pools():
     with pytest.raises(ValueError, match="float8_e4m3fn"):  # fp8 stays on the torch path
         fp8 = pool.to(torch.float8_e4m3fn)
         store_kv(k, k, fp8, fp8, torch.arange(2, device=DEVICE))
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 16), (5, 3, 3, 32), (9, 6, 2, 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rope_store_kv_is_rope_then_store_kv_bit_for_bit(tokens, heads, kv_heads, dim, dtype):
+    """One kernel for RoPE on q and k (in place) and the store of the rotated k and of v: the bits of the RoPE
+    kernel followed by store_kv, on q/k/v slices of one fused qkv row (head counts not powers of two too),
+    into poisoned pools whose other slots stay poisoned."""
+    from minillm.kernels.fused_layer_ops import rope
+    from minillm.kernels.kv_store import rope_store_kv
+    g = torch.Generator().manual_seed(tokens * 10 + heads)
+    blocks, block_size = 4, 8
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=g).to(DEVICE, dtype)
+    angles = torch.randn(tokens, dim // 2, generator=g) * 3
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens].to(DEVICE)
+    pools = [torch.full((blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE)
+             for _ in range(4)]
+    fused = qkv.clone()
+    q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
+    rope_store_kv(q, k, v, cos, sin, pools[0], pools[1], slots)
+    apart = qkv.clone()
+    rows = apart[:, :heads + kv_heads]
+    rope(rows, cos, sin, out=rows)
+    store_kv(apart[:, heads:heads + kv_heads], apart[:, heads + kv_heads:], pools[2], pools[3], slots)
+    torch.testing.assert_close(fused, apart, rtol=0, atol=0)  # q and k rotated in place, v untouched
+    assert not torch.equal(fused[:, :heads], qkv[:, :heads])
+    for got, want in ((pools[0], pools[2]), (pools[1], pools[3])):
+        assert torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=0, atol=0)
+
+
+def test_rope_store_kv_refuses_a_quantized_cache_and_mismatched_q():
+    from minillm.kernels.kv_store import rope_store_kv
+    qkv = torch.randn(2, 4, 16, device=DEVICE)
+    q, k, v = qkv.split([2, 1, 1], dim=1)
+    cos = sin = torch.ones(2, 16, device=DEVICE)
+    slots = torch.tensor([0, 1], device=DEVICE)
+    pool = torch.zeros(1, 8, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="quantized cache"):
+        rope_store_kv(q, k, v, cos, sin, pool.to(torch.int8), pool.to(torch.int8), slots)
+    with pytest.raises(ValueError, match="q is"):
+        rope_store_kv(q[:, :, :8], k, v, cos, sin, pool, pool, slots)
