@@ -14,15 +14,22 @@ def replay_ms(runner, n):
     e.record(); torch.cuda.synchronize()
     return s.elapsed_time(e) / n
 
-def profile_replays(runner, n=20):
-    """Kernels of n decode-graph replays on this rank: [(name, calls per replay, us per replay)]."""
+def profiled(runner, n):
+    """torch.profiler's record of n decode-graph replays on this rank, after a few unrecorded ones
+    (also tp_timeline.py's)."""
     from torch.profiler import ProfilerActivity, profile
     g = runner.graphs.graphs[runner.graphs.sizes[0]]
-    for _ in range(3): g.replay()
+    for _ in range(5): g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n): g.replay()
         torch.cuda.synchronize()
+    return prof
+
+
+def profile_replays(runner, n=20):
+    """Kernels of n decode-graph replays on this rank: [(name, calls per replay, us per replay)]."""
+    prof = profiled(runner, n)
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)

@@ -8,18 +8,12 @@ of the step's critical path), plus the idle gap before it. Usage: python tp_time
 import json, os, sys, tempfile
 import torch
 from minillm import LLM, SamplingParams
+from tp_decode_profile import profiled  # this folder: the script's own
 
 
 def timeline(runner, replays=5):
-    from torch.profiler import ProfilerActivity, profile
-    g = runner.graphs.graphs[runner.graphs.sizes[0]]
-    for _ in range(5): g.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays): g.replay()
-        torch.cuda.synchronize()
     path = tempfile.mktemp(suffix=".json")
-    prof.export_chrome_trace(path)
+    profiled(runner, replays).export_chrome_trace(path)
     events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
     events.sort(key=lambda e: e["ts"])
     per = len(events) // replays
