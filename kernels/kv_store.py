@@ -122,11 +122,13 @@ def _rope_store_kv_kernel(Q, K, V, Cos, Sin, KPool, VPool, Slots, stride_qt, str
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """RoPE on q [tokens, heads, D] and k [tokens, kv_heads, D], in place, then ``store_kv`` of the rotated k
-    and of v: one kernel where ``fused_layer_ops.rope`` and ``store_kv`` were two, with their bits. For a
-    decode step's attention context (``kv/paged_triton.py``) over an unquantized cache: at batch 1 that is one
-    launch fewer per layer. cos/sin: [tokens, D], as ``rope`` takes them."""
-    _check(k_pool.dtype == k.dtype, f"the pools hold {k_pool.dtype}; rope_store_kv writes {k.dtype} only "
-           "(a quantized cache goes through rope, then store_kv)")
+    and of v: one kernel where ``fused_layer_ops.rope`` and ``store_kv`` were two, with their bits. The Triton
+    paged context (``kv/paged_triton.py``) calls it in every step over an unquantized cache (decode rows and
+    prefill chunks alike); at batch-1 decode that is one launch fewer per layer. cos/sin: [tokens, D], as
+    ``rope`` takes them. q, k and v must not overlap (the slices of one qkv row do not): v is read after k is
+    written."""
+    _check(k_pool.dtype == k.dtype, f"the pools hold {k_pool.dtype} and k is {k.dtype}; rope_store_kv stores k's "
+           f"dtype as it is (a quantized cache goes through rope, then store_kv)")
     _check_store_inputs(k, v, k_pool, v_pool, slot_mapping, None, None)
     _check(q.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and q.dtype == k.dtype
            and q.stride(1) == q.shape[2], f"q is {q.dtype} {tuple(q.shape)} (strides {q.stride()}); expected "

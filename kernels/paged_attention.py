@@ -171,7 +171,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   Out, stride_outb, stride_outh, Counters,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MERGE: tl.constexpr, MAX_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
+                  MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
                   INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
     KV_QUANT: how K/V are stored (``kv_dequant.py``). INT8_WORDS: an int8 cache for a 16-bit q, read
@@ -278,7 +278,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
         # Every split arrives, an empty one too: its partial (weight 0) was stored all the same.
         if last_arrival(Counters, b * tl.num_programs(1) + kv_head, num_splits):
             part_ptrs = O + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-            merged = merge_splits(part_ptrs, lse_ptrs, num_splits, stride_os, rows < GROUP, row_dim_mask, MAX_SPLITS)
+            merged = merge_splits(part_ptrs, lse_ptrs, num_splits, stride_os, rows < GROUP, row_dim_mask)
             out_ptrs = Out + b * stride_outb + heads[:, None] * stride_outh + dims[None, :]
             tl.store(out_ptrs, merged.to(Out.dtype.element_ty), mask=row_dim_mask)
 
@@ -442,7 +442,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out, out.stride(0), out.stride(1), counters,
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
-        MAX_SPLITS=triton.next_power_of_2(num_splits) if mode == MERGE_LAST_SPLIT else 1,  # one variant otherwise
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=reads_int8_words(q, k_cache, v_cache),
         SCALE_HEADS=scale_heads(kv_heads, k_scale), **launch)
     if mode == MERGE_KERNEL:

@@ -26,39 +26,50 @@ NO_MERGE, MERGE_KERNEL, MERGE_LAST_SPLIT = tl.constexpr(0), tl.constexpr(1), tl.
 MERGES = {"kernel": MERGE_KERNEL, "last_split": MERGE_LAST_SPLIT}
 
 
-@triton.jit
-def merge_splits(part_ptrs, lse_ptrs, num_splits, stride_ps, row_ok, mask, MAX_SPLITS: tl.constexpr):
-    """Merge ``num_splits`` partials of R query heads (``merge_attention_partials``'s arithmetic; the outputs
-    are summed in split order): ``part_ptrs`` [R, BLOCK_D] point at split 0's outputs, split s at
-    + s * stride_ps; ``lse_ptrs`` [R] at split 0's log-sum-exps, split s at + s. ``MAX_SPLITS``: a power
-    of two >= num_splits. Returns the merged outputs, fp32.
+# Splits whose loads merge_splits issues together: one compiled kernel for any split count, and at most
+# ceil(num_splits / 16) waits for L2 a pass (one for every split count the engine picks at batch 1 on an H200).
+MERGE_CHUNK = tl.constexpr(16)
 
-    Every load is issued before any result is needed: the log-sum-exps as one [R, MAX_SPLITS] tile and
-    the partials in an unrolled loop whose loads do not depend on each other. A loop over a run-time
-    split count issued them one after another instead, each waiting ~a microsecond for L2, which made the
-    merge kernel of a batch-1 decode step take 3-4 us (16 splits: ``figures/h200/tp_timeline_*.json``).
-    Loads bypass L1 (".cg"): the last split program reads partials that programs on other SMs wrote
-    during the same launch."""
-    splits = tl.arange(0, MAX_SPLITS)
-    present = row_ok[:, None] & (splits < num_splits)[None, :]
-    lse = tl.load(lse_ptrs[:, None] + splits[None, :], mask=present, other=float("-inf"), cache_modifier=".cg")
+
+@triton.jit
+def merge_splits(part_ptrs, lse_ptrs, num_splits, stride_ps, row_ok, mask):
+    """Merge ``num_splits`` partials of R query heads (``merge_attention_partials``'s arithmetic, summed in
+    split order): ``part_ptrs`` [R, BLOCK_D] point at split 0's outputs, split s at + s * stride_ps;
+    ``lse_ptrs`` [R] at split 0's log-sum-exps, split s at + s. Returns the merged outputs, fp32 (rows
+    where ``row_ok`` is false: zeros).
+
+    The loads of MERGE_CHUNK splits are issued before any of them is needed (an unrolled inner loop), so a
+    pass waits for L2 once a chunk. A loop issuing one split's loads after the other's sum waited once a
+    split, which made the merge kernel of a batch-1 decode step take 3-4 us at 16 splits
+    (``figures/h200/latency_tp_launches.json``, its timelines). Loads bypass L1 (".cg"): the last split
+    program reads partials that programs on other SMs wrote during the same launch."""
+    chunk = tl.arange(0, MERGE_CHUNK)
+    top = tl.full(row_ok.shape, float("-inf"), tl.float32)
+    for base in range(0, num_splits, MERGE_CHUNK):
+        present = row_ok[:, None] & (base + chunk < num_splits)[None, :]
+        lse = tl.load(lse_ptrs[:, None] + base + chunk[None, :], mask=present, other=float("-inf"),
+                      cache_modifier=".cg")
+        top = tl.maximum(top, tl.max(lse, axis=1))
     # Split 0 always holds token 0 (context_lens >= 1), so a row's largest lse is finite; absent rows get 0.
-    top = tl.where(row_ok, tl.max(lse, axis=1), 0.0)
-    weights = tl.exp(lse - top[:, None])  # empty or absent splits: exp(-inf) = 0
-    total = tl.sum(weights, axis=1)
+    top = tl.where(row_ok, top, 0.0)
+    total = tl.zeros(row_ok.shape, tl.float32)
     acc = tl.zeros(part_ptrs.shape, tl.float32)
-    for s in tl.static_range(MAX_SPLITS):
-        weight = tl.sum(tl.where(splits[None, :] == s, weights, 0.0), axis=1)  # column s of weights
-        live = tl.full(mask.shape, s, tl.int32) < num_splits  # splits past num_splits are not in the workspace
-        acc += weight[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask & live, other=0.0, cache_modifier=".cg")
-    return acc / total[:, None]
+    for base in range(0, num_splits, MERGE_CHUNK):
+        for s in tl.static_range(MERGE_CHUNK):
+            live = row_ok & (tl.full(row_ok.shape, s, tl.int32) + base < num_splits)
+            weight = tl.exp(tl.load(lse_ptrs + base + s, mask=live, other=float("-inf"), cache_modifier=".cg")
+                            - top)  # empty or absent splits: exp(-inf) = 0
+            total += weight
+            acc += weight[:, None] * tl.load(part_ptrs + (base + s) * stride_ps, mask=mask & live[:, None],
+                                             other=0.0, cache_modifier=".cg")
+    return acc / tl.where(row_ok, total, 1.0)[:, None]
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh",
                                "stride_ob", "stride_oh"])
 def _merge_kernel(O_part, Lse, Out, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Stage 2 (merge="kernel"): program (b, h) merges the num_splits partials of one query head."""
     let_next_start(PDL)  # o_proj's GEMV may start warming L2 now (pdl.py)
     b = tl.program_id(0)
@@ -67,7 +78,7 @@ def _merge_kernel(O_part, Lse, Out, num_splits,
     dims = tl.arange(0, BLOCK_D)
     mask = (row < 1)[:, None] & (dims < HEAD_DIM)[None, :]
     merged = merge_splits(O_part + b * stride_pb + head[:, None] * stride_ph + dims[None, :],
-                          Lse + b * stride_lb + head * stride_lh, num_splits, stride_ps, row < 1, mask, MAX_SPLITS)
+                          Lse + b * stride_lb + head * stride_lh, num_splits, stride_ps, row < 1, mask)
     tl.store(Out + b * stride_ob + head[:, None] * stride_oh + dims[None, :], merged.to(Out.dtype.element_ty),
              mask=mask)
 
@@ -80,5 +91,4 @@ def merge_by_kernel(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
     batch, heads = out.shape[:2]
     _merge_kernel[(batch, heads)](
         partial, lse, out, num_splits, *partial_strides, *lse_strides, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=triton.next_power_of_2(num_splits),
-        PDL=pdl_supported(out.device), **({"num_warps": 1} if out.is_cuda else {}))
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl_supported(out.device), **({"num_warps": 1} if out.is_cuda else {}))

@@ -1,4 +1,5 @@
-"""The residual adds live inside the RMSNorm kernels: a fused-kernel forward runs no torch add on the hidden state.
+"""The residual adds live inside the RMSNorm kernels: a fused-kernel forward runs no torch add on the hidden state;
+and RoPE lives inside the KV store: with an unquantized cache no RoPE kernel runs of its own.
 
 A decoder layer returns (mlp_out, residual) and leaves the add to the next norm (``DecoderLayer.forward``), so
 with ``enable_fused_kernels`` both of a layer's residual adds run inside ``fused_layer_ops.rms_norm`` and a decode
@@ -50,3 +51,29 @@ def test_residual_adds_are_fused_into_the_norms(backend, adds_per_layer):
                            use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == MAX_TOKENS  # every forward pass ran inside the mode
     assert adds.count == adds_per_layer * config.num_layers * MAX_TOKENS
+
+
+@pytest.mark.parametrize("kv_cache_dtype, fused_rope",
+                         [("auto", True), ("int8", False), ("fp8", False), ("int4", False)])
+def test_rope_runs_inside_the_kv_store_with_an_unquantized_cache(monkeypatch, kv_cache_dtype, fused_rope):
+    """The Triton backend's engine: with an unquantized cache every layer of every forward pass rotates q and k in
+    the KV store's kernel (kv_store.rope_store_kv) and never calls the RoPE kernel; a quantized cache (whose store
+    quantizes) keeps the RoPE kernel and stores as before."""
+    from minillm.kernels import fused_layer_ops
+    from minillm.kv import paged_triton
+    calls = {"rope": 0, "rope_store_kv": 0}
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+    monkeypatch.setattr(fused_layer_ops, "rope", counted("rope", fused_layer_ops.rope))
+    monkeypatch.setattr(paged_triton, "rope_store_kv", counted("rope_store_kv", paged_triton.rope_store_kv))
+    budget = {"memory_budget": "2GB"} if DEVICE == "cuda" else {}
+    llm = LLM("tiny", load_format="dummy", dtype="float32", device=DEVICE, batching="continuous",
+              attention_backend="triton", enforce_eager=True, seed=0, kv_cache_dtype=kv_cache_dtype, **budget)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    forwards = llm.engine.model_config.num_layers * MAX_TOKENS
+    assert calls == ({"rope": 0, "rope_store_kv": forwards} if fused_rope else {"rope": forwards, "rope_store_kv": 0})

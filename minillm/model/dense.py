@@ -40,6 +40,10 @@ def product(x: torch.Tensor, weight: torch.Tensor, gemv, gated: bool = False) ->
     ``gated``: x is the MLP's gate_up row and the GEMV computes silu(gate) * up as it loads it; only where
     ``takes_gated`` said the layer can."""
     if gated:
+        if not _gemv_fits(x, weight, gemv, 2 * weight.shape[1]):
+            raise ValueError(f"gated=True needs the Triton GEMV and one 16-bit gate_up row of {2 * weight.shape[1]} "
+                             f"on a GPU (takes_gated); got {x.dtype} {tuple(x.shape)} on {x.device}, GEMV "
+                             f"{'on' if gemv is not None else 'off'}")
         return gemv.gemv(x.reshape(1, -1), weight, gated=True).view(*x.shape[:-1], weight.shape[0])
     if _gemv_fits(x, weight, gemv, weight.shape[1]):
         return gemv.gemv(x.reshape(1, -1), weight).view(*x.shape[:-1], weight.shape[0])
@@ -49,7 +53,8 @@ def product(x: torch.Tensor, weight: torch.Tensor, gemv, gated: bool = False) ->
 def takes_gated(layer: nn.Module, gate_up: torch.Tensor) -> bool:
     """Whether ``layer(gate_up, gated=True)`` works: a bias-free layer built on ``product`` (``Linear``, the
     tensor-parallel row-parallel linear) whose product of this one row goes to the GEMV. The MLP then
-    leaves SiLU-and-multiply to down_proj's GEMV (``kernels/gemv.py``) instead of launching a kernel for it."""
+    leaves SiLU-and-multiply to down_proj's GEMV (``kernels/gemv.py``) instead of launching a kernel for it. (A forward
+    hook on such a down_proj then sees gate_up as its input; calibration hooks run on many rows, never this path.)"""
     weight = getattr(layer, "weight", None)
     return (getattr(layer, "bias", True) is None and isinstance(weight, torch.Tensor) and weight.dim() == 2
             and _gemv_fits(gate_up, weight, getattr(layer, "gemv", None), 2 * weight.shape[1]))
@@ -62,5 +67,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         if self.bias is not None:
+            if gated:
+                raise ValueError("gated=True is for bias-free layers only (takes_gated)")
             return F.linear(x, self.weight, self.bias)
         return product(x, self.weight, self.gemv, gated)

@@ -10,7 +10,8 @@ matters because an eager decode step is bound by launches, not by the GPU (see
 The model never sees requests or cache layouts: each layer hands its q, k, v to an *attention
 context* (``attn(layer_idx, q, k, v)``) that the runner builds for the step. The context stores
 K/V wherever its cache lives (contiguous, paged, ...) and returns the attention output. Swapping
-the KV cache therefore never touches this file.
+the KV cache therefore never touches this file. (The Triton paged context may also take over RoPE, which
+it applies in its KV store's kernel: ``AttentionContext``.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from minillm.model.dense import Linear, gemv_choice, takes_gated
 
 
 class AttentionContext(Protocol):
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q: [B, T, H, D], k/v: [B, T, Hkv, D] for the new tokens -> [B, T, H, D].
 
         A context whose ``takes_rope`` is true also takes ``rope=(cos, sin)`` ([B * T, D] each) with q and k
@@ -210,7 +212,9 @@ class LlamaForCausalLM(nn.Module):
     def enable_fused_kernels(self, enabled: bool = True) -> None:
         """Run RMSNorm (+ residual add), RoPE and SiLU-and-multiply as Triton kernels
         (``kernels/fused_layer_ops.py``) instead of chains of small torch ops, and one-row products of the
-        dense linears as minillm's GEMV (``dense.py``; MINILLM_GEMV=cublas keeps cuBLAS for them)."""
+        dense linears as minillm's GEMV (``dense.py``; MINILLM_GEMV=cublas keeps cuBLAS for them). Where it can,
+        fewer kernels still: at one row down_proj's GEMV applies SiLU-and-multiply itself (``dense.takes_gated``),
+        and an attention context that ``takes_rope`` applies RoPE in its KV store."""
         ops = gemv = None
         if enabled:
             from minillm.kernels import fused_layer_ops as ops  # imports triton: only when asked for

@@ -179,3 +179,15 @@ def test_mlp_leaves_silu_and_mul_to_down_projs_gemv(monkeypatch):
     torch.testing.assert_close(y.reshape(1, -1), expected, atol=0, rtol=0)
     mlp(randn(1, 3, 64, dtype=torch.bfloat16))
     assert unfused == [1]
+
+
+def test_a_gated_product_the_gemv_cannot_take_is_refused():
+    """gated=True where takes_gated would say no (no GEMV, a CPU row, a biased layer): a clear error, never a
+    product of the wrong input."""
+    from minillm.model.dense import Linear, product
+    w = randn(8, 16)
+    with pytest.raises(ValueError, match="gated=True needs"):
+        product(randn(1, 32).cpu(), w.cpu(), None, gated=True)
+    layer = Linear(16, 8, bias=True)
+    with pytest.raises(ValueError, match="bias-free"):
+        layer(torch.randn(1, 32), gated=True)

@@ -82,7 +82,7 @@ def test_quantized_store_needs_its_scale_pools():
 
 
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 16), (5, 3, 3, 32), (9, 6, 2, 64)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 def test_rope_store_kv_is_rope_then_store_kv_bit_for_bit(tokens, heads, kv_heads, dim, dtype):
     """One kernel for RoPE on q and k (in place) and the store of the rotated k and of v: the bits of the RoPE
     kernel followed by store_kv, on q/k/v slices of one fused qkv row (head counts not powers of two too),

@@ -74,6 +74,7 @@ CASES = [
     ([40, 3, 24], 8, 2, 32, 8, 16, torch.float32),
     ([45, 2], 4, 2, 16, 32, 7, torch.float16),
     ([21, 9], 6, 3, 24, 8, 2, torch.float32),  # head_dim not a power of two: masked columns
+    ([300, 40], 4, 2, 16, 16, 20, torch.float32),  # more splits than split_merge.MERGE_CHUNK, both chunks non-empty
 ]
 
 
@@ -149,6 +150,7 @@ MERGE_CASES = [
     ([1, 35, 70, 5], 8, 2, 16, 8, 8, torch.float32),
     ([200, 1], 4, 1, 24, 16, 3, torch.float32),
     ([57, 3, 129], 6, 3, 32, 32, 8, torch.float16),
+    ([300, 40], 4, 2, 16, 16, 20, torch.float32),  # more splits than split_merge.MERGE_CHUNK: two chunks of loads
 ]
 
 

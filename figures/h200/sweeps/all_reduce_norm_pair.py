@@ -7,7 +7,8 @@ both GPUs at once, timed with minillm.bench.kernels.time_ms on each rank:
   arnorm:        the fused kernel alone, back to back;
   gemv+arnorm:   o_proj's TP=2 GEMV (4096 x 2048, bf16) then the fused kernel on its output, as in a layer;
   gemv:          the GEMV alone;  gemv+norm: the GEMV then the one-GPU fused RMSNorm (what TP=1 pays there).
-Writes $OUT/all_reduce_norm_pair.json. Usage (two GPUs): PYTHONPATH=$PWD python figures/h200/sweeps/all_reduce_norm_pair.py"""
+Writes $OUT/all_reduce_norm_pair.json.
+Usage (two GPUs): PYTHONPATH=$PWD python figures/h200/sweeps/all_reduce_norm_pair.py"""
 import json, os
 import torch
 import torch.distributed as dist

@@ -12,9 +12,10 @@ from tp_decode_profile import profiled  # this folder: the script's own
 
 
 def timeline(runner, replays=5):
-    path = tempfile.mktemp(suffix=".json")
-    profiled(runner, replays).export_chrome_trace(path)
-    events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        profiled(runner, replays).export_chrome_trace(path)
+        events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
     events.sort(key=lambda e: e["ts"])
     per = len(events) // replays
     one = events[-per:]  # the last replay
@@ -22,7 +23,8 @@ def timeline(runner, replays=5):
     for e in one:
         start, end = e["ts"], e["ts"] + e["dur"]
         rows.append(dict(name=e["name"][:60], start=round(start - t0, 2), dur=round(e["dur"], 2),
-                         gap=round(max(0.0, start - prev_end), 2), charged=round(max(0.0, end - max(start, prev_end)), 2)))
+                         gap=round(max(0.0, start - prev_end), 2),
+                         charged=round(max(0.0, end - max(start, prev_end)), 2)))
         prev_end = max(prev_end, end)
     return dict(kernels_per_replay=per, replay_us=round(prev_end - t0, 1), rows=rows)
 
@@ -33,14 +35,16 @@ def summary(tl):
         k = r["name"].split("(")[0][:40]
         s = by.setdefault(k, dict(calls=0, charged=0.0, gap=0.0, dur=0.0))
         s["calls"] += 1; s["charged"] += r["charged"]; s["gap"] += r["gap"]; s["dur"] += r["dur"]
-    return {k: {a: round(b, 1) for a, b in v.items()} for k, v in sorted(by.items(), key=lambda kv: -kv[1]["charged"] - kv[1]["gap"])}
+    ranked = sorted(by.items(), key=lambda kv: -kv[1]["charged"] - kv[1]["gap"])
+    return {k: {a: round(b, 1) for a, b in v.items()} for k, v in ranked}
 
 
 if __name__ == "__main__":
     tp, out = int(sys.argv[1]), sys.argv[2]
     llm = LLM("llama2-7b", load_format="dummy", batching="continuous", tensor_parallel_size=tp,
               memory_budget=100 * 2**30, max_model_len=2048)
-    llm.generate([list(range(100, 228))], SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    llm.generate([list(range(100, 228))], SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
     w = llm.engine.workers
     tl = timeline(llm.engine.runner) if w is None else w.run_everywhere(llm.engine.runner, timeline)
     tl["summary"] = summary(tl)
