@@ -10,14 +10,14 @@ from minillm.bench.sass import run_compile_script
 
 SCRIPT = textwrap.dedent('''
     import json
-    from minillm.bench.sass import compile_sm90, opcodes
+    from minillm.bench.sass import compile_sm90, opcodes, signature
     from minillm.kernels import split_merge
 
-    sig = {"O_part": "*fp32", "Lse": "*fp32", "Out": "*bf16", "num_splits": "i32", "stride_pb": "i32",
-           "stride_ph": "i32", "stride_ps": "i32", "stride_lb": "i32", "stride_lh": "i32", "stride_ob": "i32",
-           "stride_oh": "i32"}
-    ops = opcodes(compile_sm90(split_merge._merge_kernel, sig, dict(HEAD_DIM=128, BLOCK_D=128, PDL=True),
-                               {"O_part", "Lse", "Out"}, 1, 1))
+    fn, consts = split_merge._merge_kernel, dict(HEAD_DIM=128, BLOCK_D=128, PDL=True)
+    # Its strides are kept unspecialised (do_not_specialize): none is known to be 16-aligned.
+    sig, aligned = signature(fn, {"O_part": "*fp32", "Lse": "*fp32", "Out": "*bf16"}, consts,
+                             {name for name in fn.arg_names if name.startswith("stride")})
+    ops = opcodes(compile_sm90(fn, sig, consts, aligned, 1, 1))
     first_math = next(i for i, op in enumerate(ops) if op.startswith(("FFMA", "FMUL", "FADD", "MUFU")))
     print(json.dumps(dict(before=sum(op.startswith("LDG") for op in ops[:first_math]),
                           chunk=int(split_merge.MERGE_CHUNK))))

@@ -121,18 +121,18 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
         else:
             qk, v = qkv.split([H + Hkv, Hkv], dim=2)
-        if self.fused_ops is not None and getattr(attn, "takes_rope", False):
-            # The context rotates q and k itself, in the kernel that stores K and V (kv/paged_triton.py).
-            q, k = qk.split([H, Hkv], dim=2)
-            out = attn(self.layer_idx, q, k, v, rope=(cos.flatten(0, 1)[:, 0], sin.flatten(0, 1)[:, 0]))
-        else:
-            if self.fused_ops is not None:  # one kernel, in place, over every query and key head
+        rope = None
+        if self.fused_ops is not None:
+            token_cos, token_sin = cos.flatten(0, 1)[:, 0], sin.flatten(0, 1)[:, 0]
+            if getattr(attn, "takes_rope", False):  # the context rotates q and k in the kernel storing K and V
+                rope = (token_cos, token_sin)
+            else:  # one kernel, in place, over every query and key head
                 rows = qk.flatten(0, 1)
-                self.fused_ops.rope(rows, cos.flatten(0, 1)[:, 0], sin.flatten(0, 1)[:, 0], out=rows)
-            else:
-                qk = apply_rope(qk, cos, sin)  # one pass over query and key heads
-            q, k = qk.split([H, Hkv], dim=2)
-            out = attn(self.layer_idx, q, k, v)
+                self.fused_ops.rope(rows, token_cos, token_sin, out=rows)
+        else:
+            qk = apply_rope(qk, cos, sin)  # one pass over query and key heads
+        q, k = qk.split([H, Hkv], dim=2)
+        out = attn(self.layer_idx, q, k, v) if rope is None else attn(self.layer_idx, q, k, v, rope=rope)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
