@@ -8,7 +8,9 @@ GPU_CONFIGS, pinned, with its largest difference from the autotuned kernel's out
 after every row, and a config that fails to compile is recorded with its error. The committed JSON also
 holds a third variant, tma_ws (TMA plus Triton's warp specialization of the loop), measured at commit
 88e2759: it failed to compile at 4 warps and was no faster at 8, and the kernel lost that switch.
-VARIANTS=pointer,tma limits the variants; BUDGET_S (default 210) stops timing new rows.
+VARIANTS=pointer,tma limits the variants; BUDGET_S (default 210) stops timing new rows. CONFIGS=occupancy
+times instead the tiles that fit two or more programs on an SM (shared memory at two stages or narrow K/V
+tiles, registers capped by ``maxnreg``), at S=2048 unless SEQ_LENS says otherwise, into prefill_occupancy.json.
 Run: PYTHONPATH=$PWD python figures/h200/sweeps/prefill_tma.py -> $OUT/prefill_tma.json (~3 minutes).
 On a CPU (SCALE=cpu, under TRITON_INTERPRET=1) one tiny shape and a 16x16 tile smoke-test the script."""
 import json, os, time
@@ -23,19 +25,29 @@ OUT = os.environ.get("OUT", "/tmp/out"); os.makedirs(OUT, exist_ok=True)
 CPU = os.environ.get("SCALE") == "cpu"
 dev = torch.device("cpu" if CPU else "cuda")
 dtype = torch.float16 if CPU else torch.bfloat16  # the interpreter's bf16 dot is wrong (DESIGN.md)
-SHAPES = [PrefillShape(1, 2, 1, 33, 16)] if CPU else [PrefillShape(8, 32, 32, s, 128) for s in (512, 1024, 2048, 4096)]
+OCCUPANCY = os.environ.get("CONFIGS") == "occupancy"
+NAME = "prefill_occupancy" if OCCUPANCY else "prefill_tma"
+SEQ_LENS = [int(s) for s in os.environ.get("SEQ_LENS", "2048" if OCCUPANCY else "512,1024,2048,4096").split(",")]
+SHAPES = [PrefillShape(1, 2, 1, 33, 16)] if CPU else [PrefillShape(8, 32, 32, s, 128) for s in SEQ_LENS]
+# (BLOCK_M, BLOCK_N, warps, stages, maxnreg): with 228 KB of shared memory and 64 K registers an SM, each row
+# leaves room for two programs or more, so one program's softmax can run while another's matrix products do.
+OCCUPANCY_TILES = [(64, 64, 4, 3, None), (64, 64, 4, 2, None), (64, 32, 4, 3, None), (64, 32, 4, 2, None),
+                   (64, 128, 4, 2, None), (128, 32, 8, 3, None), (128, 32, 8, 4, 128), (128, 64, 8, 2, None),
+                   (128, 64, 8, 2, 128), (128, 64, 8, 3, 128), (128, 128, 8, 2, None)]
 CONFIGS = [{"BLOCK_M": 16, "BLOCK_N": 16}] if CPU else [
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, **({"maxnreg": r} if r else {}))
+    for bm, bn, w, s, r in OCCUPANCY_TILES] if OCCUPANCY else [
     dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in GPU_CONFIGS]
 VARIANTS = {"pointer": {}, "tma": {"TMA": True}}
 chosen = os.environ.get("VARIANTS", ",".join(VARIANTS)).split(",")
 deadline = time.time() + float(os.environ.get("BUDGET_S", "210"))
-COMMAND = "python figures/h200/sweeps/prefill_tma.py"
-result = result_header("prefill_tma", "prefill attention bf16 B=8 H=32 D=128 causal", "-", COMMAND)
+COMMAND = ("CONFIGS=occupancy " if OCCUPANCY else "") + "python figures/h200/sweeps/prefill_tma.py"
+result = result_header(NAME, "prefill attention bf16 B=8 H=32 D=128 causal", "-", COMMAND)
 result["runs"] = runs = {}
 
 
 def save():
-    json.dump(result, open(f"{OUT}/prefill_tma.json", "w"), indent=1, default=str)
+    json.dump(result, open(f"{OUT}/{NAME}.json", "w"), indent=1, default=str)
 
 
 def inputs(shape: PrefillShape):
@@ -54,7 +66,8 @@ for variant in (v for v in VARIANTS if v in chosen):
         q, k, v, cu = inputs(shape)
         tuned = flash_attention(q, k, v, cu, cu, shape.seq_len).float()
         for config in CONFIGS:
-            tile = f"{config['BLOCK_M']}x{config['BLOCK_N']} {config.get('num_warps', 4)}w{config.get('num_stages', 2)}s"
+            tile = (f"{config['BLOCK_M']}x{config['BLOCK_N']} {config.get('num_warps', 4)}w{config.get('num_stages', 2)}s"
+                    + (f" r{config['maxnreg']}" if "maxnreg" in config else ""))
             row = runs[f"S={shape.seq_len} {variant} {tile}"] = dict(shape=vars(shape), variant=variant, config=config)
             if time.time() > deadline:
                 row["skipped"] = "BUDGET_S spent"
