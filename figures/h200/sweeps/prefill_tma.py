@@ -29,8 +29,9 @@ OCCUPANCY = os.environ.get("CONFIGS") == "occupancy"
 NAME = "prefill_occupancy" if OCCUPANCY else "prefill_tma"
 SEQ_LENS = [int(s) for s in os.environ.get("SEQ_LENS", "2048" if OCCUPANCY else "512,1024,2048,4096").split(",")]
 SHAPES = [PrefillShape(1, 2, 1, 33, 16)] if CPU else [PrefillShape(8, 32, 32, s, 128) for s in SEQ_LENS]
-# (BLOCK_M, BLOCK_N, warps, stages, maxnreg): with 228 KB of shared memory and 64 K registers an SM, each row
-# leaves room for two programs or more, so one program's softmax can run while another's matrix products do.
+# (BLOCK_M, BLOCK_N, warps, stages, maxnreg): with 228 KB of shared memory and 64 K registers an SM, most rows
+# leave room for two programs or more, so one program's softmax can run while another's matrix products do; 64x128
+# and the uncapped 8-warp 128x64 / 128x128 rows hold one program an SM and are there to compare with.
 OCCUPANCY_TILES = [(64, 64, 4, 3, None), (64, 64, 4, 2, None), (64, 32, 4, 3, None), (64, 32, 4, 2, None),
                    (64, 128, 4, 2, None), (128, 32, 8, 3, None), (128, 32, 8, 4, 128), (128, 64, 8, 2, None),
                    (128, 64, 8, 2, 128), (128, 64, 8, 3, 128), (128, 128, 8, 2, None)]
