@@ -9,8 +9,9 @@ after every row, and a config that fails to compile is recorded with its error. 
 holds a third variant, tma_ws (TMA plus Triton's warp specialization of the loop), measured at commit
 88e2759: it failed to compile at 4 warps and was no faster at 8, and the kernel lost that switch.
 VARIANTS=pointer,tma limits the variants; BUDGET_S (default 210) stops timing new rows. CONFIGS=occupancy
-times instead the tiles that fit two or more programs on an SM (shared memory at two stages or narrow K/V
-tiles, registers capped by ``maxnreg``), at S=2048 unless SEQ_LENS says otherwise, into prefill_occupancy.json.
+times instead tiles that fit two or more programs on an SM (shared memory at two stages or narrow K/V tiles,
+registers capped by ``maxnreg``) next to a few one-program ones, at S=2048 unless SEQ_LENS says otherwise, into
+$OUT/prefill_occupancy.json (BUDGET_S=330 timed all of them).
 Run: PYTHONPATH=$PWD python figures/h200/sweeps/prefill_tma.py -> $OUT/prefill_tma.json (~3 minutes).
 On a CPU (SCALE=cpu, under TRITON_INTERPRET=1) one tiny shape and a 16x16 tile smoke-test the script."""
 import json, os, time
