@@ -40,6 +40,7 @@ import triton.language as tl
 from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
 from minillm.kernels.checks import check as _check
 from minillm.kernels.checks import check_runnable, interpreter_on
+from minillm.kernels import flash_attention_hopper as hopper
 from minillm.kernels.flash_attention_tma import check_describable, sequence_descriptor, use_scratch_allocator
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
                                         kv_quant_mode, per_token_codes, per_token_rows, per_token_scales,
@@ -364,6 +365,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     causal is bottom-right aligned. scale defaults to 1/sqrt(D). Returns out [Tq_total, H, D] in q's
     dtype. config pins e.g. {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}; adding
     "TMA": True loads K/V tiles through TMA descriptors (sm_90+, ``flash_attention_tma.py``).
+
+    Without a config, an sm_90 GPU (H100/H200) runs bf16/fp16 inputs of head_dim 64 or 128 through the
+    FlashAttention-3-style Gluon kernel (``flash_attention_hopper.py``), anything else through the
+    autotuned Triton kernel; config={"HOPPER": True} demands the Gluon kernel (a ValueError says why not).
     """
     out, scale = _check_common(q, k, v, "", out, scale)
     _check(k.dim() == 3, f"k must be [tokens, kv_heads, head_dim], got shape {tuple(k.shape)}")
@@ -372,6 +377,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     _check(cu_seqlens_q.shape == cu_seqlens_k.shape and cu_seqlens_q.shape[0] >= 1,
            f"cu_seqlens_q has shape {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)}; "
            "both must be [batch + 1]")
+    if (config is None and not INTERPRET) or (config is not None and config.get("HOPPER")):
+        reason = "Gluon has no interpreter" if INTERPRET else hopper.unsupported(q, k, v, out)
+        _check(reason is None or config is None, f"config {config} asks for the Hopper kernel, but {reason}")
+        if reason is None:
+            if cu_seqlens_q.shape[0] == 1 or max_seqlen_q <= 0 or q.shape[0] == 0:
+                return out
+            return hopper.hopper_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale)
     return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q, cu_seqlens_q, max_seqlen_q,
                    (0, 0), causal, False, 1, scale, config)
 

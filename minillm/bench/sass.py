@@ -92,8 +92,13 @@ def _disassemble(kernel):
         dump = lambda *flags: subprocess.run([f"{_tools()}/cuobjdump", *flags, cubin.name], capture_output=True,  # noqa: E731
                                              text=True, check=True).stdout
         sass, usage = dump("-sass"), dump("-res-usage")
-    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)
-    return [(int(a, 16), op, rest) for a, op, rest in lines], usage
+    return parse_sass(sass), usage
+
+
+def parse_sass(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of every instruction in cuobjdump's SASS listing (predicates dropped)."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Za-z0-9_.]+)([^;]*);", sass)  # HGMMA.64x64x16
+    return [(int(a, 16), op, rest) for a, op, rest in lines]
 
 
 def _back_branches(lines) -> list[tuple[int, int]]:
@@ -121,6 +126,13 @@ def main_loop(kernel) -> dict:
     return _span(kernel, lines, usage, lo, hi)
 
 
+def _innermost(lines) -> list[tuple[int, int]]:
+    """(start, end) of every innermost loop: no other backward branch leaves from inside it. The retries of
+    mbarrier waits sit after the kernel's end and jump back into a loop, spanning it: innermost drops them."""
+    spans = _back_branches(lines)
+    return sorted((lo, hi) for lo, hi in spans if not any(lo <= src < hi for _, src in spans if src != hi))
+
+
 def inner_loops(kernel, min_instructions: int = 32) -> list[dict]:
     """Every innermost loop of at least ``min_instructions``, in code order, each as ``main_loop``
     describes it plus its "start" address. The longest backward branch is no loop in kernels that
@@ -128,10 +140,59 @@ def inner_loops(kernel, min_instructions: int = 32) -> list[dict]:
     into the loop, spanning it all. Innermost (no other backward branch leaves from inside) drops
     those, and the size floor drops the retries' own one-instruction spin loops."""
     lines, usage = _disassemble(kernel)
-    spans = _back_branches(lines)
-    innermost = [(lo, hi) for lo, hi in spans if not any(lo <= src < hi for _, src in spans if src != hi)]
-    loops = [dict(_span(kernel, lines, usage, lo, hi), start=lo) for lo, hi in sorted(innermost)]
+    loops = [dict(_span(kernel, lines, usage, lo, hi), start=lo) for lo, hi in _innermost(lines)]
     return [loop for loop in loops if loop["loop_instructions"] >= min_instructions]
+
+
+def _written(op: str, rest: str) -> set[int]:
+    """The general registers an instruction writes (its first operand), by its width."""
+    m = re.match(r"\s*R(\d+)\b", rest)
+    if not m or op.startswith(("HGMMA", "ST", "RED", "ATOM", "BRA", "BAR", "SYNCS", "WARPGROUP")):
+        return set()
+    width = 4 if op.endswith((".128", "M88.4")) else 2 if op.endswith((".64", "M88.2")) or ".WIDE" in op else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def wgmma_loops(kernel) -> list[dict]:
+    """Every innermost loop that issues wgmma (HGMMA): its "start", the number of "hgmma" and of waits for them
+    ("waits", WARPGROUP.DEPBAR), and its "clobbers": register operands (A, four registers each) that the loop
+    overwrites after the product reads them and does not write again before it, so that the next trip's
+    product reads what was written there instead. A value kept in registers across trips (flash_attention_hopper's
+    Q) must show none. A loop whose every product waits alone (waits == hgmma) is what ptxas makes of wgmma it
+    cannot pipeline (warning C7512, e.g. too few registers). ``kernel`` may also be a parsed listing (``parse_sass``)."""
+    lines = kernel if isinstance(kernel, list) else _disassemble(kernel)[0]
+    loops = []
+    for lo, hi in _innermost(lines):
+        body = [(op, rest) for a, op, rest in lines if lo <= a <= hi]
+        mmas = [i for i, (op, _) in enumerate(body) if op.startswith("HGMMA")]
+        if not mmas:
+            continue
+        clobbers = []
+        for i in mmas:
+            operand = re.match(r"\s*R\d+, R(\d+)", body[i][1])
+            if operand is None:  # both operands in shared memory
+                continue
+            regs = set(range(int(operand.group(1)), int(operand.group(1)) + 4))
+            before = set().union(*(_written(*ins) for ins in body[:i]))
+            after = set().union(*(_written(*ins) for ins in body[i + 1:]))
+            if (regs & after) - before:
+                clobbers.append(sorted((regs & after) - before))
+        loops.append(dict(start=lo, hgmma=len(mmas), clobbers=clobbers,
+                          waits=sum(op.startswith("WARPGROUP.DEPBAR") for op, _ in body)))
+    return loops
+
+
+def compile_gluon_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int):
+    """``compile_sm90`` for a @gluon.jit kernel (layouts are explicit: no stages, no alignment hints). A tensor
+    descriptor's type is "tensordesc<bf16[64,128],NVMMASharedLayout(...)>": dtype, block shape, layout repr."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1 is set: unset it before importing triton to compile SASS")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps})
 
 
 def sass_result(benchmark: str, workload: str, command: str, runs) -> dict:
