@@ -159,7 +159,8 @@ def wgmma_loops(kernel) -> list[dict]:
     overwrites after the product reads them and does not write again before it, so that the next trip's
     product reads what was written there instead. A value kept in registers across trips (flash_attention_hopper's
     Q) must show none. A loop whose every product waits alone (waits == hgmma) is what ptxas makes of wgmma it
-    cannot pipeline (warning C7512, e.g. too few registers). ``kernel`` may also be a parsed listing (``parse_sass``)."""
+    cannot pipeline (warning C7512, e.g. too few registers). ``kernel`` may also be a parsed listing
+    (``parse_sass``)."""
     lines = kernel if isinstance(kernel, list) else _disassemble(kernel)[0]
     loops = []
     for lo, hi in _innermost(lines):
