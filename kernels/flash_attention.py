@@ -361,14 +361,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
     q [Tq_total, H, D]; k, v [Tk_total, Hkv, D]; cu_seqlens_q/k int32 [B+1] prefix sums: sequence b's
     queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and its keys cu_seqlens_k[b]:cu_seqlens_k[b+1].
-    max_seqlen_q must be at least the longest q_len (it sizes the grid; rows beyond it stay unwritten).
+    max_seqlen_q must be at least the longest q_len (it sizes the grid; with a smaller one some rows stay unwritten).
     causal is bottom-right aligned. scale defaults to 1/sqrt(D). Returns out [Tq_total, H, D] in q's
     dtype. config pins e.g. {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}; adding
     "TMA": True loads K/V tiles through TMA descriptors (sm_90+, ``flash_attention_tma.py``).
 
     Without a config, an sm_90 GPU (H100/H200) runs bf16/fp16 inputs of head_dim 64 or 128 through the
     FlashAttention-3-style Gluon kernel (``flash_attention_hopper.py``), anything else through the
-    autotuned Triton kernel; config={"HOPPER": True} demands the Gluon kernel (a ValueError says why not).
+    autotuned Triton kernel; config={"HOPPER": True} demands the Gluon kernel (a ValueError says why not), and
+    {"HOPPER": False, ...} the Triton one (with the rest of the config, if any).
     """
     out, scale = _check_common(q, k, v, "", out, scale)
     _check(k.dim() == 3, f"k must be [tokens, kv_heads, head_dim], got shape {tuple(k.shape)}")
@@ -377,13 +378,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     _check(cu_seqlens_q.shape == cu_seqlens_k.shape and cu_seqlens_q.shape[0] >= 1,
            f"cu_seqlens_q has shape {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)}; "
            "both must be [batch + 1]")
-    if (config is None and not INTERPRET) or (config is not None and config.get("HOPPER")):
+    wants_hopper = None if config is None else config.get("HOPPER")  # None: where it can run
+    if config is not None and "HOPPER" in config:
+        config = {key: value for key, value in config.items() if key != "HOPPER"} or None
+        _check(not (wants_hopper and config), f"config {config} goes with HOPPER=True, whose kernel takes no config")
+    if wants_hopper or (wants_hopper is None and config is None and not INTERPRET):
         reason = "Gluon has no interpreter" if INTERPRET else hopper.unsupported(q, k, v, out)
-        _check(reason is None or config is None, f"config {config} asks for the Hopper kernel, but {reason}")
+        _check(reason is None or not wants_hopper, f"config HOPPER=True asks for the Hopper kernel, but {reason}")
         if reason is None:
-            if cu_seqlens_q.shape[0] == 1 or max_seqlen_q <= 0 or q.shape[0] == 0:
-                return out
-            return hopper.hopper_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale)
+            return hopper.hopper_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal,
+                                           scale * LOG2E)
     return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q, cu_seqlens_q, max_seqlen_q,
                    (0, 0), causal, False, 1, scale, config)
 

@@ -21,7 +21,8 @@ asynchronous warpgroup matrix products (wgmma) and which warps run what. The des
   have each.
 - **Q in registers.** A 64x64x16 wgmma with both operands in shared memory reads 4 KB per 32
   tensor-core cycles: the SM's whole shared-memory bandwidth (128 B/clk). With Q as the register
-  operand only K is read. Measured: 424 -> 457 TFLOP/s (figures/h200/sweeps/prefill_gluon).
+  operand only K is read. Measured in one call: 438 -> 457 TFLOP/s at S=2048
+  (figures/h200/sweeps/prefill_gluon, run 15).
 - **Register operands live until their wait.** wgmma reads its register operand after it is issued,
   and it is the program's job to keep that value alive until the product is retired:
   ``warpgroup_mma_wait(deps=...)`` returns its dependencies, so threading Q and P through the wait
@@ -34,7 +35,8 @@ asynchronous warpgroup matrix products (wgmma) and which warps run what. The des
   no key and is skipped. TMA zero-fills rows outside the tensor, negative ones too.
 
 Measured on the H200 (figures/h200/kernels_prefill.json, ``minillm bench kernels --only prefill``): 88 % of
-cuDNN's TFLOP/s at B=8, H=32, S=2048, D=128 causal; the Triton kernel reaches 76 % there.
+cuDNN's TFLOP/s at B=8, H=32, S=2048, D=128 causal; the Triton kernel reaches 75 % there
+(figures/h200/prefill_tma.json).
 
 Causal masking is bottom-right aligned (query i sees keys j <= i + k_len - q_len), as in
 ``flash_attention.py``; rows outside a sequence are computed over zeros or a neighbour's rows and
@@ -46,7 +48,9 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kernels.flash_attention_tma import TMA_ALIGN
+import triton
+
+from minillm.kernels.flash_attention_tma import not_describable
 
 try:
     from triton.experimental import gluon
@@ -66,22 +70,27 @@ CONSUMER_REGS = 160  # per thread, for the two worker consumers; the default par
 LOADER_REGS = 24
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-LOG2E = 1.4426950408889634
+# Gluon's API moved between releases (warp_specialize's arguments in 3.6, the TMA load's name in 3.9): written for 3.6+.
+MIN_TRITON = (3, 6)
 
 
 def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> str | None:
     """Why this kernel cannot run ``flash_attention``'s inputs, or None if it can."""
-    if gluon is None:
-        return "this Triton has no Gluon"
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    if gluon is None or version < MIN_TRITON:
+        return f"it is written in Gluon for Triton >= {'.'.join(map(str, MIN_TRITON))}, not {triton.__version__}"
     if q.dtype not in DTYPES:
         return f"it takes {DTYPES}, not {q.dtype}"
     if q.shape[-1] not in HEAD_DIMS:
         return f"it takes head_dim in {HEAD_DIMS}, not {q.shape[-1]}"
+    if k.shape[0] == 0:
+        return "k holds no tokens (a TMA descriptor needs at least one row)"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        # A TMA descriptor over [tokens, heads * head_dim]: heads packed, 16-byte aligned rows and base.
-        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or (t.stride(0) * t.element_size()) % TMA_ALIGN \
-                or t.data_ptr() % TMA_ALIGN:
-            return f"{name} (strides {t.stride()}) cannot back a TMA descriptor"
+        # One TMA descriptor over [tokens, heads * head_dim] serves every head: the heads must be packed.
+        reason = not_describable(name, t) or (t.stride(1) != t.shape[2] and f"{name} has strides {t.stride()}; "
+                                                                            "its heads must be packed")
+        if reason:
+            return reason
     if out.stride(2) != 1:
         return f"out has strides {out.stride()}; it needs a contiguous last dim"
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -102,7 +111,7 @@ if gluon is not None:
     def _tile(t, schedule, CAUSAL: gl.constexpr):
         """Tile t of the schedule, the same for producer and consumers: tile index m counts from each
         sequence's end (the longest tiles of every head first), and rows start at q_len - (m + 1) * BLOCK_M."""
-        cu_seqlens_q, cu_seqlens_k, num_heads, num_kv_heads, n_heads_total, n_tiles = schedule
+        cu_seqlens_q, cu_seqlens_k, num_heads, num_kv_heads, n_heads_total = schedule
         m_tile = t // n_heads_total
         bh = t % n_heads_total
         b = bh // num_heads
@@ -119,30 +128,30 @@ if gluon is not None:
             n_blocks = gl.cdiv(gl.minimum(m_start + _BLOCK_M + diag, k_len), _BLOCK_N)
         else:
             n_blocks = gl.cdiv(k_len, _BLOCK_N)
-        return has_tile, h, kv_h, q_start, q_len, k_start, k_len, m_start, diag, gl.maximum(n_blocks, 1)
+        return has_tile, h, kv_h, q_start, q_len, k_start, k_len, m_start, diag, n_blocks  # 0 if no keys
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, shared, schedule, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+    def _loader(q_desc, k_desc, v_desc, shared, schedule, n_tiles, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
         """The producer warp: each tile's three Q parts, then its K/V blocks into the ring of slots."""
         q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, kv_empty = shared
-        it = 0
-        done = 0
-        for t in range(gl.program_id(0), schedule[5], gl.num_programs(0)):  # schedule[5]: the number of tiles
+        kv_step = 0  # K/V blocks loaded so far: slot kv_step % STAGES, its round kv_step // STAGES
+        tiles_done = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             has_tile, h, kv_h, q_start, q_len, k_start, k_len, m_start, diag, n_blocks = _tile(t, schedule, CAUSAL)
             if has_tile:
-                mbarrier.wait(q_empty, (done & 1) ^ 1)
+                mbarrier.wait(q_empty, (tiles_done & 1) ^ 1)
                 mbarrier.expect(q_full, _CONSUMERS * q_desc.block_type.nbytes)
                 for c in gl.static_range(_CONSUMERS):
                     _tma_load(q_desc, [q_start + m_start + c * _PART_M, h * HEAD_DIM], q_full, q_smem.index(c))
                 for j in range(n_blocks):
-                    slot = it % _STAGES
-                    mbarrier.wait(kv_empty.index(slot), ((it // _STAGES) & 1) ^ 1)
+                    slot = kv_step % _STAGES
+                    mbarrier.wait(kv_empty.index(slot), ((kv_step // _STAGES) & 1) ^ 1)
                     mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
                     _tma_load(k_desc, [k_start + j * _BLOCK_N, kv_h * HEAD_DIM], k_full.index(slot), k_smem.index(slot))
                     mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
                     _tma_load(v_desc, [k_start + j * _BLOCK_N, kv_h * HEAD_DIM], v_full.index(slot), v_smem.index(slot))
-                    it += 1
-                done += 1
+                    kv_step += 1
+                tiles_done += 1
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale):
@@ -163,7 +172,7 @@ if gluon is not None:
         return gl.where(visible, s, float("-inf"))
 
     @gluon.jit
-    def _consumer(part, shared, schedule, Out, stride_ot, stride_oh, qk_scale, HEAD_DIM: gl.constexpr,
+    def _consumer(part, shared, schedule, n_tiles, Out, stride_ot, stride_oh, qk_scale, HEAD_DIM: gl.constexpr,
                   CAUSAL: gl.constexpr):
         """Consumer warpgroup ``part``: rows [part * 64, part * 64 + 64) of every tile."""
         q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, kv_empty = shared
@@ -175,9 +184,9 @@ if gluon is not None:
         q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         s_zero = gl.zeros([_PART_M, _BLOCK_N], gl.float32, layout=s_layout)
-        it = 0
-        done = 0
-        for t in range(gl.program_id(0), schedule[5], gl.num_programs(0)):
+        kv_step = 0
+        tiles_done = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             has_tile, h, kv_h, q_start, q_len, k_start, k_len, m_start, diag, n_blocks = _tile(t, schedule, CAUSAL)
             if has_tile:
                 row0 = m_start + part * _PART_M
@@ -192,16 +201,16 @@ if gluon is not None:
                     first_masked = k_len // _BLOCK_N * _BLOCK_N
                 if row0 + _PART_M <= 0:  # padding rows before the sequence (tiles are aligned to its end)
                     my_blocks = 0
-                mbarrier.wait(q_full, done & 1)
+                mbarrier.wait(q_full, tiles_done & 1)
                 q = q_smem.index(part).load(q_layout)
                 mbarrier.arrive(q_empty, count=1)  # Q lives in registers now: the next tile's may load
-                done += 1
+                tiles_done += 1
                 m_i = gl.full([_PART_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
                 l_i = gl.zeros([_PART_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
                 acc = gl.zeros([_PART_M, HEAD_DIM], gl.float32, layout=o_layout)
                 for j in range(n_blocks):
-                    slot = it % _STAGES
-                    phase = (it // _STAGES) & 1
+                    slot = kv_step % _STAGES
+                    phase = (kv_step // _STAGES) & 1
                     mbarrier.wait(k_full.index(slot), phase)
                     if j < my_blocks:
                         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
@@ -218,7 +227,7 @@ if gluon is not None:
                     else:
                         mbarrier.wait(v_full.index(slot), phase)
                     mbarrier.arrive(kv_empty.index(slot), count=1)
-                    it += 1
+                    kv_step += 1
                 out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
                 out_rows = row0 + gl.arange(0, _PART_M, layout=gl.SliceLayout(1, o_layout))
                 cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -231,6 +240,8 @@ if gluon is not None:
     def _hopper_attention_kernel(q_desc, k_desc, v_desc, Out, cu_seqlens_q, cu_seqlens_k, stride_ot, stride_oh,
                                  num_heads, num_kv_heads, n_heads_total, n_tiles, qk_scale,
                                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+        """The shared memory (Q's three parts, STAGES K/V slots) and its mbarriers, then the four partitions:
+        consumers 0-2 (consumer 0 runs in the kernel's own four warps) and the producer warp."""
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, _PART_M, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -248,12 +259,12 @@ if gluon is not None:
             mbarrier.init(kv_empty.index(i), count=_CONSUMERS)
         fence_async_shared()
         shared = (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, kv_empty)
-        schedule = (cu_seqlens_q, cu_seqlens_k, num_heads, num_kv_heads, n_heads_total, n_tiles)
+        schedule = (cu_seqlens_q, cu_seqlens_k, num_heads, num_kv_heads, n_heads_total)
         gl.warp_specialize([
-            (_consumer, (0, shared, schedule, Out, stride_ot, stride_oh, qk_scale, HEAD_DIM, CAUSAL)),
-            (_consumer, (1, shared, schedule, Out, stride_ot, stride_oh, qk_scale, HEAD_DIM, CAUSAL)),
-            (_consumer, (2, shared, schedule, Out, stride_ot, stride_oh, qk_scale, HEAD_DIM, CAUSAL)),
-            (_loader, (q_desc, k_desc, v_desc, shared, schedule, HEAD_DIM, CAUSAL)),
+            (_consumer, (0, shared, schedule, n_tiles, Out, stride_ot, stride_oh, qk_scale, HEAD_DIM, CAUSAL)),
+            (_consumer, (1, shared, schedule, n_tiles, Out, stride_ot, stride_oh, qk_scale, HEAD_DIM, CAUSAL)),
+            (_consumer, (2, shared, schedule, n_tiles, Out, stride_ot, stride_oh, qk_scale, HEAD_DIM, CAUSAL)),
+            (_loader, (q_desc, k_desc, v_desc, shared, schedule, n_tiles, HEAD_DIM, CAUSAL)),
         ], [4, 4, 1], [_CONSUMER_REGS, _CONSUMER_REGS, _LOADER_REGS])
 
 
@@ -268,17 +279,18 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, causal: bool,
-                     scale: float) -> torch.Tensor:
-    """Launch on inputs that ``flash_attention`` checked and ``unsupported`` accepted; writes ``out``."""
+                     qk_scale: float) -> torch.Tensor:
+    """Launch on inputs that ``flash_attention`` checked and ``unsupported`` accepted; writes ``out``. ``qk_scale``
+    is the softmax scale times log2(e) (the kernel's softmax is in base 2)."""
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     n_heads_total = (cu_seqlens_q.shape[0] - 1) * heads
     n_tiles = -(-max_seqlen_q // BLOCK_M) * n_heads_total
-    if n_tiles == 0:
+    if n_tiles <= 0 or q.shape[0] == 0:  # nothing to attend (and no rows to describe)
         return out
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     _hopper_attention_kernel[(min(n_tiles, sms),)](
         _descriptor(q, PART_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens_q, cu_seqlens_k,
-        out.stride(0), out.stride(1), heads, kv_heads, n_heads_total, n_tiles, scale * LOG2E,
+        out.stride(0), out.stride(1), heads, kv_heads, n_heads_total, n_tiles, qk_scale,
         HEAD_DIM=dim, CAUSAL=causal, num_warps=4)
     return out
 

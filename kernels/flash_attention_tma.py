@@ -55,13 +55,23 @@ def use_scratch_allocator() -> None:
     triton.set_allocator(_scratch)
 
 
-def check_describable(name: str, t: torch.Tensor) -> None:
-    """``t`` [tokens, heads, head_dim] can back a descriptor of one head: contiguous channels, base
-    and token/head strides on 16-byte boundaries."""
+def not_describable(name: str, t: torch.Tensor) -> str | None:
+    """Why ``t`` [tokens, heads, head_dim] cannot back a descriptor of one head (contiguous channels, base and
+    token/head strides on 16-byte boundaries), or None if it can."""
     size = t.element_size()
-    check(t.stride(-1) == 1, f"{name} has strides {t.stride()}; TMA needs a contiguous last dim")
-    check(t.data_ptr() % TMA_ALIGN == 0, f"{name}'s data pointer is {t.data_ptr() % TMA_ALIGN} bytes past a "
-          f"{TMA_ALIGN}-byte boundary; TMA needs it on one")
+    if t.stride(-1) != 1:
+        return f"{name} has strides {t.stride()}; TMA needs a contiguous last dim"
+    if t.data_ptr() % TMA_ALIGN:
+        return (f"{name}'s data pointer is {t.data_ptr() % TMA_ALIGN} bytes past a {TMA_ALIGN}-byte boundary; "
+                "TMA needs it on one")
     for dim in (0, 1):
-        check(t.stride(dim) * size % TMA_ALIGN == 0, f"{name}.stride({dim}) is {t.stride(dim)} elements of "
-              f"{size} bytes; TMA needs a multiple of {TMA_ALIGN} bytes")
+        if t.stride(dim) * size % TMA_ALIGN:
+            return (f"{name}.stride({dim}) is {t.stride(dim)} elements of {size} bytes; TMA needs a multiple of "
+                    f"{TMA_ALIGN} bytes")
+    return None
+
+
+def check_describable(name: str, t: torch.Tensor) -> None:
+    """Raise ``not_describable``'s reason, if there is one."""
+    reason = not_describable(name, t)
+    check(reason is None, reason)

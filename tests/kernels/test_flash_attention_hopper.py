@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minillm.kernels import flash_attention_hopper as hopper
-from minillm.kernels.flash_attention import flash_attention, flash_attention_ref
+from minillm.kernels.flash_attention import _attention_kernel, flash_attention, flash_attention_ref
 
 from test_flash_attention import assert_close, make_varlen, nan_tailed, nans_like
 
@@ -26,6 +26,7 @@ CASES = [
     ([257, 1024], [257, 1500], 4, 4, 64, False, torch.float16),
     ([130, 0, 64], [200, 5, 64], 4, 1, 128, False, torch.bfloat16),  # an empty sequence, GQA 4
     ([5, 65, 129], [5, 65, 129], 32, 8, 128, True, torch.bfloat16),  # shorter than a tile
+    ([300, 70], [100, 10], 8, 2, 64, False, torch.bfloat16),  # fewer keys than queries (unmasked)
 ]
 
 
@@ -39,9 +40,22 @@ def test_hopper_kernel_matches_ref(q_lens, k_lens, heads, kv_heads, head_dim, ca
     launch = hopper.hopper_attention
     monkeypatch.setattr(hopper, "hopper_attention", lambda *args: calls.append(args) or launch(*args))
     scale = 0.3 if head_dim == 64 else None
-    out = flash_attention(q, k, v, cu_q, cu_k, max(q_lens), causal=causal, scale=scale, out=nans_like(q))
+    max_q = max(q_lens) + (100 if causal else 0)  # a launch hint above the longest sequence is fine
+    out = flash_attention(q, k, v, cu_q, cu_k, max_q, causal=causal, scale=scale, out=nans_like(q))
     assert len(calls) == 1  # the Gluon kernel ran, not the Triton one
     assert_close(out, flash_attention_ref(q, k, v, cu_q, cu_k, causal=causal, scale=scale))
+
+
+@needs_sm90
+def test_hopper_kernel_writes_into_a_strided_out():
+    """out as every other row-block of a wider buffer: the kernel stores through its strides."""
+    q, k, v, cu_q, cu_k = make_varlen([200, 31], [200, 31], 4, 2, 128, torch.bfloat16, seed=5)
+    wide = torch.full((q.shape[0], 2 * q.shape[1], q.shape[2]), float("nan"), dtype=q.dtype, device=q.device)
+    out = wide[:, ::2]
+    assert hopper.unsupported(q, k, v, out) is None and not out.is_contiguous()
+    flash_attention(q, k, v, cu_q, cu_k, 200, out=out)
+    assert_close(out, flash_attention_ref(q, k, v, cu_q, cu_k))
+    assert wide[:, 1::2].isnan().all()  # and nowhere else
 
 
 @needs_sm90
@@ -64,19 +78,40 @@ def test_unsupported_says_why():
     q, k, v, _, _ = make_varlen([3], [3], 4, 2, 64, torch.float32, seed=0)
     half = lambda *ts: [t.to(torch.bfloat16) for t in ts]  # noqa: E731
     if hopper.gluon is None:
-        assert hopper.unsupported(q, k, v, q) == "this Triton has no Gluon"
+        assert "it is written in Gluon for Triton >= 3.6" in hopper.unsupported(q, k, v, q)
         return
     assert "not torch.float32" in hopper.unsupported(q, k, v, q)
     q16, k16, v16 = half(q, k, v)
     assert "head_dim in (64, 128), not 32" in hopper.unsupported(q16[..., :32], k16[..., :32], v16[..., :32],
                                                                   q16[..., :32])
     spread = torch.cat([k16, k16], dim=-1)[..., :64]  # heads 128 elements apart, not 64
-    assert "k (strides (256, 128, 1)) cannot back a TMA descriptor" in hopper.unsupported(q16, spread, v16, q16)
+    assert hopper.unsupported(q16, spread, v16, q16) == "k has strides (256, 128, 1); its heads must be packed"
+    odd = torch.randn(3 * 132).to(v16.dtype).as_strided((3, 2, 64), (132, 64, 1))  # tokens 264 bytes apart
+    assert "v.stride(0) is 132 elements of 2 bytes; TMA needs a multiple of 16 bytes" in hopper.unsupported(
+        q16, k16, odd, q16)
+    assert hopper.unsupported(q16, k16[:0], v16[:0], q16) == ("k holds no tokens (a TMA descriptor needs at least "
+                                                              "one row)")
     if not SM90:
         assert hopper.unsupported(q16, k16, v16, q16) == "it needs an sm_90 GPU (H100/H200)"
 
 
 def test_asking_for_the_hopper_kernel_where_it_cannot_run_is_an_error():
     q, k, v, cu_q, cu_k = make_varlen([3, 4], [3, 4], 4, 2, 16, torch.float32, seed=0)
-    with pytest.raises(ValueError, match=r"config \{'HOPPER': True\} asks for the Hopper kernel, but "):
+    with pytest.raises(ValueError, match="config HOPPER=True asks for the Hopper kernel, but "):
         flash_attention(q, k, v, cu_q, cu_k, 4, config={"HOPPER": True})
+    with pytest.raises(ValueError, match=r"config \{'BLOCK_M': 16\} goes with HOPPER=True, whose kernel takes no"):
+        flash_attention(q, k, v, cu_q, cu_k, 4, config={"HOPPER": True, "BLOCK_M": 16})
+
+
+def test_hopper_false_runs_the_triton_kernel_with_the_rest_of_the_config():
+    q, k, v, cu_q, cu_k = make_varlen([3, 9], [5, 9], 4, 2, 16, torch.float32, seed=1)
+    launches = []
+    hook = lambda *args, **kwargs: launches.append(kwargs)  # noqa: E731
+    _attention_kernel.add_pre_run_hook(hook)
+    try:
+        out = flash_attention(q, k, v, cu_q, cu_k, 9, out=nans_like(q),
+                              config={"HOPPER": False, "BLOCK_M": 16, "BLOCK_N": 16})
+    finally:
+        _attention_kernel.pre_run_hooks.remove(hook)
+    assert [(launch["BLOCK_M"], launch["BLOCK_N"]) for launch in launches] == [(16, 16)]
+    assert_close(out, flash_attention_ref(q, k, v, cu_q, cu_k))
