@@ -34,8 +34,8 @@ asynchronous warpgroup matrix products (wgmma) and which warps run what. The des
   see every key: 6 % more work. Tiles aligned to the end put the padding before row 0, where it sees
   no key and is skipped. TMA zero-fills rows outside the tensor, negative ones too.
 
-Measured on the H200 (figures/h200/kernels_prefill.json, ``minillm bench kernels --only prefill``): 88 % of
-cuDNN's TFLOP/s at B=8, H=32, S=2048, D=128 causal; the Triton kernel reaches 75 % there
+Measured on the H200 (figures/h200/kernels_prefill.json, ``minillm bench kernels --only prefill``): 86 % of
+cuDNN's TFLOP/s at B=8, H=32, S=2048, D=128 causal (86-88 % in three runs); the Triton kernel reaches 75 % there
 (figures/h200/prefill_tma.json).
 
 Causal masking is bottom-right aligned (query i sees keys j <= i + k_len - q_len), as in
