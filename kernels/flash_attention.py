@@ -238,7 +238,11 @@ _attention_kernel_tuned = triton.autotune(GPU_CONFIGS, key=["HEAD_DIM", "CAUSAL"
 
 
 def _attention_one_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """q [q_len, H, D], k/v [k_len, Hkv, D] -> [q_len, H, D] in fp32, bottom-right causal."""
+    """q [q_len, H, D], k/v [k_len, Hkv, D] -> [q_len, H, D] in fp32, bottom-right causal. A query that sees no
+    key is NaN, as the kernels leave it (their softmax sum is 0): also when there are no keys at all, where a softmax
+    over nothing would sum to an empty 0."""
+    if k.shape[0] == 0:
+        return torch.full(q.shape, float("nan"), device=q.device)
     group = q.shape[1] // k.shape[1]
     q, k, v = (t.float().transpose(0, 1) for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
     scores = q @ k.transpose(1, 2) * scale

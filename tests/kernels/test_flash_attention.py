@@ -122,6 +122,19 @@ def test_flash_attention_matches_ref(q_lens, k_lens, heads, kv_heads, head_dim, 
     assert_close(out, flash_attention_ref(q, k, v, cu_q, cu_k, causal=causal, scale=scale))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's 0 / 0, on purpose
+def test_a_query_without_keys_is_nan_in_kernel_and_reference():
+    """A sequence with no keys at all (and, causally, rows before the first key): NaN on both sides, never a
+    silent 0 on one of them."""
+    q, k, v, cu_q, cu_k = make_varlen([3, 5, 4], [0, 6, 2], 2, 1, 16, torch.float32, seed=4)
+    for causal in (False, True):
+        out = flash_attention(q, k, v, cu_q, cu_k, 5, causal=causal, out=nans_like(q).zero_())
+        ref = flash_attention_ref(q, k, v, cu_q, cu_k, causal=causal)
+        assert ref[:3].isnan().all() and ref[3:8].isfinite().all()
+        assert ref[8:10].isnan().all() == causal  # 4 queries over 2 keys: the first two see none
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, equal_nan=True)
+
+
 PAGED_CASES = [
     # q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype
     ([1, 9, 1, 20], [37, 9, 5, 50], 4, 2, 32, 16, torch.float32),  # decode rows mixed with prefill chunks
