@@ -357,6 +357,22 @@ def _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables
     return out
 
 
+def choose_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  config: dict | None = None) -> tuple[str, dict | None]:
+    """Which kernel ``flash_attention`` runs on these inputs, "gluon_hopper" or "triton", and the Triton kernel's
+    config (``config`` without its "HOPPER" key). Raises where the config asks for the Gluon kernel and it cannot run."""
+    wants_hopper = None if config is None else config.get("HOPPER")  # None: where it can run
+    if config is not None and "HOPPER" in config:
+        config = {key: value for key, value in config.items() if key != "HOPPER"} or None
+        _check(not (wants_hopper and config), f"config {config} goes with HOPPER=True, whose kernel takes no config")
+    if wants_hopper or (wants_hopper is None and config is None and not INTERPRET):
+        reason = "Gluon has no interpreter" if INTERPRET else hopper.unsupported(q, k, v, out)
+        _check(reason is None or not wants_hopper, f"config HOPPER=True asks for the Hopper kernel, but {reason}")
+        if reason is None:
+            return "gluon_hopper", None
+    return "triton", config
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, causal: bool = True,
                     scale: float | None = None, out: torch.Tensor | None = None,
@@ -382,16 +398,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     _check(cu_seqlens_q.shape == cu_seqlens_k.shape and cu_seqlens_q.shape[0] >= 1,
            f"cu_seqlens_q has shape {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)}; "
            "both must be [batch + 1]")
-    wants_hopper = None if config is None else config.get("HOPPER")  # None: where it can run
-    if config is not None and "HOPPER" in config:
-        config = {key: value for key, value in config.items() if key != "HOPPER"} or None
-        _check(not (wants_hopper and config), f"config {config} goes with HOPPER=True, whose kernel takes no config")
-    if wants_hopper or (wants_hopper is None and config is None and not INTERPRET):
-        reason = "Gluon has no interpreter" if INTERPRET else hopper.unsupported(q, k, v, out)
-        _check(reason is None or not wants_hopper, f"config HOPPER=True asks for the Hopper kernel, but {reason}")
-        if reason is None:
-            return hopper.hopper_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal,
-                                           scale * LOG2E)
+    kernel, config = choose_kernel(q, k, v, out, config)
+    if kernel == "gluon_hopper":
+        return hopper.hopper_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale * LOG2E)
     return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q, cu_seqlens_q, max_seqlen_q,
                    (0, 0), causal, False, 1, scale, config)
 

@@ -72,12 +72,12 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 # Gluon's API moved between releases (warp_specialize's arguments in 3.6, the TMA load's name in 3.9): written for 3.6+.
 MIN_TRITON = (3, 6)
+GLUON_USABLE = gluon is not None and tuple(int(part) for part in triton.__version__.split(".")[:2]) >= MIN_TRITON
 
 
 def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> str | None:
     """Why this kernel cannot run ``flash_attention``'s inputs, or None if it can."""
-    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
-    if gluon is None or version < MIN_TRITON:
+    if not GLUON_USABLE:
         return f"it is written in Gluon for Triton >= {'.'.join(map(str, MIN_TRITON))}, not {triton.__version__}"
     if q.dtype not in DTYPES:
         return f"it takes {DTYPES}, not {q.dtype}"
@@ -105,7 +105,7 @@ if gluon is not None:
     _CONSUMER_REGS, _LOADER_REGS = gl.constexpr(CONSUMER_REGS), gl.constexpr(LOADER_REGS)
 
     # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions call it async_load.
-    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
     @gluon.jit
     def _tile(t, schedule, CAUSAL: gl.constexpr):
@@ -142,14 +142,14 @@ if gluon is not None:
                 mbarrier.wait(q_empty, (tiles_done & 1) ^ 1)
                 mbarrier.expect(q_full, _CONSUMERS * q_desc.block_type.nbytes)
                 for c in gl.static_range(_CONSUMERS):
-                    _tma_load(q_desc, [q_start + m_start + c * _PART_M, h * HEAD_DIM], q_full, q_smem.index(c))
+                    tma_load(q_desc, [q_start + m_start + c * _PART_M, h * HEAD_DIM], q_full, q_smem.index(c))
                 for j in range(n_blocks):
                     slot = kv_step % _STAGES
                     mbarrier.wait(kv_empty.index(slot), ((kv_step // _STAGES) & 1) ^ 1)
                     mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-                    _tma_load(k_desc, [k_start + j * _BLOCK_N, kv_h * HEAD_DIM], k_full.index(slot), k_smem.index(slot))
+                    tma_load(k_desc, [k_start + j * _BLOCK_N, kv_h * HEAD_DIM], k_full.index(slot), k_smem.index(slot))
                     mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-                    _tma_load(v_desc, [k_start + j * _BLOCK_N, kv_h * HEAD_DIM], v_full.index(slot), v_smem.index(slot))
+                    tma_load(v_desc, [k_start + j * _BLOCK_N, kv_h * HEAD_DIM], v_full.index(slot), v_smem.index(slot))
                     kv_step += 1
                 tiles_done += 1
 

@@ -139,8 +139,7 @@ def causal_flops(shape: PrefillShape) -> float:
 
 
 def bench_prefill(shape: PrefillShape, device: torch.device, dtype: torch.dtype) -> dict:
-    from minillm.kernels import flash_attention_hopper as hopper
-    from minillm.kernels.flash_attention import flash_attention
+    from minillm.kernels.flash_attention import choose_kernel, flash_attention
 
     B, H, Hkv, S, D = shape.batch, shape.heads, shape.kv_heads, shape.seq_len, shape.head_dim
     gen = torch.Generator(device=device).manual_seed(0)
@@ -159,7 +158,7 @@ def bench_prefill(shape: PrefillShape, device: torch.device, dtype: torch.dtype)
     qb, kb, vb = batched(q, H), batched(k, Hkv), batched(v, Hkv)
     flops = causal_flops(shape)
     row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "flops": flops}
-    row["kernel"] = "triton" if hopper.unsupported(q, k, v, out) else "gluon_hopper"  # which one flash_attention runs
+    row["kernel"] = choose_kernel(q, k, v, out)[0]  # which one flash_attention runs
     row |= time_against_sdpa(triton_call, (qb, kb, vb), True, device, lambda ms: {"tflops": flops / ms / 1e9})
     reference = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), is_causal=True,
                                                enable_gqa=Hkv != H).transpose(1, 2).reshape(B * S, H, D)

@@ -15,10 +15,9 @@ import os
 import sys
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -26,9 +25,8 @@ from launch_sweep import decode_problem, quantized_pools, save_result  # noqa: E
 
 from minillm.bench.kernels import time_ms  # noqa: E402
 from minillm.bench.roofline import measure_bandwidth  # noqa: E402
+from minillm.kernels.flash_attention_hopper import tma_load  # noqa: E402  (the name differs across Triton versions)
 from minillm.kernels.paged_attention import paged_decode_attention  # noqa: E402
-
-_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 PAGE = 16
 ID_CHUNK = gl.constexpr(32)
 
@@ -48,8 +46,8 @@ def _producer(k_desc, v_desc, k_smem, v_smem, full, empty, tables, stride_t, n_p
                 slot = j % STAGES
                 mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
                 mbarrier.expect(full.index(slot), 2 * k_desc.block_type.nbytes)
-                _tma_load(k_desc, [page * 16, col], full.index(slot), k_smem.index(slot))
-                _tma_load(v_desc, [page * 16, col], full.index(slot), v_smem.index(slot))
+                tma_load(k_desc, [page * 16, col], full.index(slot), k_smem.index(slot))
+                tma_load(v_desc, [page * 16, col], full.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
