@@ -54,6 +54,8 @@ from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequan
                                         kv_quant_mode, per_token_codes, per_token_query, per_token_rows,
                                         per_token_scales, reads_int8_words, scale_heads, scale_strides, tile_channels)
 from minillm.kernels.int_float import int8_words_to_fp16
+from minillm.kernels.paged_decode_hopper import int8_decode
+from minillm.kernels.paged_decode_hopper import unsupported as hopper_unsupported
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE, merge_by_kernel,
                                          merge_splits)
@@ -363,13 +365,24 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale,
     return quant
 
 
+def _use_hopper(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None, hopper: bool | None,
+                launch_overridden) -> bool:
+    """Whether ``paged_decode_attention`` runs the Gluon int8 kernel (its docstring says when)."""
+    if hopper is False or (hopper is None and launch_overridden):
+        return False
+    reason = hopper_unsupported(q, k_cache, k_scale) if k_scale is not None else "the cache is not quantized"
+    if reason and hopper:
+        raise ValueError(f"hopper=True, but the Gluon int8 decode kernel cannot run these inputs: {reason}")
+    return reason is None
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
                            workspace: PagedAttentionWorkspace | None = None, merge: str | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, hopper: bool | None = None) -> torch.Tensor:
     """softmax(q K^T * scale) V for one new token per sequence over the paged cache -> out [B, H, D].
 
     ``scale`` defaults to head_dim ** -0.5; ``num_splits`` to ``choose_num_splits`` on this GPU.
@@ -384,8 +397,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     A quantized cache (int8, float8_e4m3fn, or uint8 = packed int4; ``minillm/kv/quant.py``) comes
     with its ``k_scale`` / ``v_scale`` pools and is dequantized inside the kernel.
+
+    On an sm_90 GPU an int8 cache goes to the Gluon kernel of ``paged_decode_hopper.py`` where it can run
+    (``hopper=None``; its ``unsupported`` says where not); ``hopper=False`` keeps the Triton kernel, ``hopper=True``
+    demands the Gluon one (a ValueError with the reason where it cannot run). Launch overrides (``block_n``,
+    ``num_warps``, ``num_stages``) are the Triton kernel's, so they choose it. The Gluon kernel merges splits with
+    the merge kernel whatever ``merge`` says (the same result).
     """
     quant = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
+    use_hopper = _use_hopper(q, k_cache, k_scale, hopper, block_n or num_warps or num_stages)
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -432,6 +452,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Without scales the cache stands in for them: never read (KV_QUANT=NO_QUANT compiles no load).
     k_scales, v_scales = (k_cache, v_cache) if k_scale is None else (k_scale, v_scale)
     mode = NO_MERGE if num_splits == 1 else MERGES[merge]
+    if use_hopper:
+        int8_decode(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, partial, lse, partial_strides,
+                    lse_strides, num_splits, scale * math.log2(math.e))
+        if num_splits > 1:
+            merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d)
+        return out
     # The counters only exist where they are used: a graph captured with "kernel" never allocates them.
     counters = tile_counters(q.device) if mode == MERGE_LAST_SPLIT else lse
     _split_kernel[(batch, kv_heads, num_splits)](

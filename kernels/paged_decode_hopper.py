@@ -1,0 +1,321 @@
+"""Decode attention over an INT8 paged KV cache for Hopper (sm_90), in Gluon: ``paged_decode_attention`` runs it
+for int8 caches on an H100/H200.
+
+Why it exists: the Triton kernel (``paged_attention.py``) reads bf16 pools at the copy bandwidth but int8 pools at
+about half of it (figures/h200/kernels_decode_quant.json), so an INT8 cache halved the bytes and bought no time.
+Two things held it back, both measured on the H200 (ncu, figures/h200/sweeps/ncu_decode_int8_source.json): 0.17
+warp-instructions per byte read, against bf16's 0.065, most of them moving the converted tiles through shared
+memory into ``tl.dot``'s layout (with 6.9-way bank conflicts); and one tile in flight per program, which the
+loop's top waited for. A skeleton of this kernel's data path, a TMA ring and consumers that only wait, read the
+same pools at 99 % of copy bandwidth (figures/h200/sweeps/decode_tma_skeleton.json). The design:
+
+- **A producer warp and a ring of TMA copies.** One program per (sequence, pair of KV heads, split). Its producer
+  warp copies each 16-token page's K and V for both heads as one [16, 2, head_dim] box each, two pages a slot,
+  into ``STAGES`` slots; an mbarrier per slot says full, another empty. The block ids come 32 at a time.
+- **Both heads in one product, block-diagonally.** The slot holds 64 (page, token, head) rows. Scores are
+  computed transposed, S^T = K Q^T, [64 rows, NCOL]: the columns are both heads' query heads (GQA: 2 x group),
+  and a row meets only its own head's columns, the others masked. The weights P^T, zero outside the diagonal
+  blocks, give O^T = V^T P^T [head_dim, NCOL] for both heads at once. Each of the four consumer warps owns 16
+  rows of S^T and 32 channels of O^T; ``mma_v2`` (m16n8k16) runs them, at a few percent of the tensor cores.
+- **K converted in the registers it is loaded into.** K's int8 rows load from the slot straight into the
+  product's operand layout with four codes per register (``DotOperandLayout(k_width=4)``), and four codes become
+  four fp16s by a LOP3, two PRMTs and two HSUB2s (``int_float.py``). With k_width 4 on both operands the product
+  pairs channels in its own order, the same for K and Q, so the sum is the same.
+- **V through one fp16 scratch tile.** V's channels are the product's rows, its tokens the reduction: the operand
+  is V transposed, which ldmatrix can transpose only for 16-bit values. So V is converted in a plain layout
+  (16 bytes a thread), stored as fp16 in a swizzled tile and read back transposed.
+- **Scales on scores and weights**, as in ``kv_dequant.py``: K's per-token scale multiplies the scores, V's the
+  weights (relative to the step's largest, so that they stay in fp16's range), and q is divided by a power of two
+  into fp16 (``per_token_query``'s rule). The dots run in fp16 whatever q's dtype; int8 codes are exact there.
+
+Split-K and the merge are ``paged_attention.py``'s: with more than one split the programs write partials and
+lse to its workspace and ``merge_by_kernel`` merges them. Not under Triton's interpreter (Gluon has none): its
+tests run on an sm_90 GPU, and on the CPU the kernel is compiled for sm_90 (tests/test_hopper_sass.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
+from minillm.kernels.flash_attention_tma import TMA_ALIGN
+
+if GLUON_USABLE:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from minillm.kernels.flash_attention_hopper import tma_load
+
+PAGE = 16  # tokens per block: two pages x two heads = 64 rows, four warps' mma rows
+HEADS_PER_PROGRAM = 2
+HEAD_DIMS = (64, 128)
+STAGES = 4  # slots of two pages (16 KB of K and V): two programs an SM, each with 48 KB in flight
+CONSUMER_WARPS = 4
+ID_CHUNK = 32  # block ids loaded at once by the producer
+
+
+def unsupported(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor) -> str | None:
+    """Why this kernel cannot run ``paged_decode_attention``'s checked int8 inputs, or None if it can."""
+    if not GLUON_USABLE:
+        import triton
+        return f"it is written in Gluon for Triton >= {'.'.join(map(str, MIN_TRITON))}, not {triton.__version__}"
+    blocks, page, kv_heads, dim = k_cache.shape
+    if k_cache.dtype != torch.int8:
+        return f"it reads int8 caches, not {k_cache.dtype}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes a 16-bit q, not {q.dtype}"
+    if page != PAGE:
+        return f"it takes {PAGE}-token blocks, not {page}"
+    if dim not in HEAD_DIMS:
+        return f"it takes head_dim in {HEAD_DIMS}, not {dim}"
+    if kv_heads % HEADS_PER_PROGRAM:
+        return f"it takes KV heads in pairs, not {kv_heads}"
+    group = q.shape[1] // kv_heads
+    if HEADS_PER_PROGRAM * group > 16:
+        return f"it takes at most {16 // HEADS_PER_PROGRAM} query heads per KV head, not {group}"
+    # One 3-D TMA descriptor over the pool seen as [blocks * 16, kv_heads, head_dim].
+    if k_cache.stride()[1:] != (kv_heads * dim, dim, 1) or k_cache.stride(0) != page * kv_heads * dim:
+        return f"it needs a contiguous pool, got strides {k_cache.stride()}"
+    if k_cache.data_ptr() % TMA_ALIGN:
+        return f"its TMA descriptor needs a {TMA_ALIGN}-byte aligned pool"
+    if k_scale.stride(2) != 1 and kv_heads > 1:
+        return f"it needs each token's scales contiguous, got strides {k_scale.stride()}"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "it needs an sm_90 GPU (H100/H200)"
+    return None
+
+
+if GLUON_USABLE:
+    _PAGE, _STAGES, _ID_CHUNK = gl.constexpr(PAGE), gl.constexpr(STAGES), gl.constexpr(ID_CHUNK)
+    _WARPS = gl.constexpr(CONSUMER_WARPS)
+    _ROWS = gl.constexpr(2 * PAGE * HEADS_PER_PROGRAM)  # rows of a slot: (page, token, head)
+    _LN2 = gl.constexpr(math.log(2.0))
+
+    @gluon.jit
+    def _int8x4_to_fp16(codes):
+        """int8 codes -> fp16, exact, four per LOP3 + 2 PRMT + 2 HSUB2 (``int_float.int8_words_to_fp16``'s
+        trick), in the codes' own layout: each thread's four consecutive elements must share a register."""
+        return gl.inline_asm_elementwise(
+            """{ .reg .b32 u, high, bias;
+            xor.b32 u, $2, 0x80808080;
+            mov.b32 high, 0x64646464;
+            mov.b32 bias, 0x64806480;
+            prmt.b32 $0, u, high, 0x5140;
+            prmt.b32 $1, u, high, 0x5342;
+            sub.f16x2 $0, $0, bias;
+            sub.f16x2 $1, $1, bias; }""",
+            "=r,=r,r", [codes], dtype=gl.float16, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _split_range(b, context_lens, num_splits):
+        """This program's split of its sequence: pages [first, first + n) of which the context ends at ``end``."""
+        ctx = gl.load(context_lens + b)
+        pages = gl.cdiv(ctx, _PAGE)
+        per_split = gl.cdiv(gl.cdiv(pages, num_splits), 2) * 2  # whole slots: only the last may be half full
+        first = gl.program_id(2) * per_split
+        n = gl.maximum(gl.minimum(per_split, pages - first), 0)
+        return ctx, first, n
+
+    @gluon.jit
+    def _issue(k_desc, v_desc, k_smem, v_smem, full, step, ids, n_pages, head):
+        """Start the copies of slot ``step % STAGES``: pages 2 step and 2 step + 1 of the split (block ids ``ids``),
+        K and V of both heads, one [16, 2, head_dim] box per page and tensor."""
+        slot = step % _STAGES
+        two = 2 * step + 1 < n_pages  # the split's last slot may hold one page
+        page_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes  # K and V
+        mbarrier.expect(full.index(slot), 2 * page_bytes, pred=two)
+        mbarrier.expect(full.index(slot), page_bytes, pred=not two)
+        first_id, second_id = ids
+        tma_load(k_desc, [first_id * _PAGE, head, 0], full.index(slot), k_smem.index(slot).slice(0, _PAGE))
+        tma_load(v_desc, [first_id * _PAGE, head, 0], full.index(slot), v_smem.index(slot).slice(0, _PAGE))
+        if two:
+            tma_load(k_desc, [second_id * _PAGE, head, 0], full.index(slot), k_smem.index(slot).slice(_PAGE, _PAGE))
+            tma_load(v_desc, [second_id * _PAGE, head, 0], full.index(slot), v_smem.index(slot).slice(_PAGE, _PAGE))
+
+    @gluon.jit
+    def _slot_ids(table, step, n_pages):
+        """The block ids of slot ``step``'s two pages (0 where the split has none: never copied)."""
+        page = 2 * step
+        return (gl.load(table + page, mask=page < n_pages, other=0),
+                gl.load(table + page + 1, mask=page + 1 < n_pages, other=0))
+
+    @gluon.jit
+    def _query(Q, stride_qb, stride_qh, b, first_head, GROUP: gl.constexpr, NCOL: gl.constexpr,
+               HEAD_DIM: gl.constexpr, layout: gl.constexpr, unit_layout: gl.constexpr):
+        """Q^T [warps, HEAD_DIM, NCOL], one copy a warp, for the program's two KV heads' query heads (column c is
+        query head first_head + c, zero past 2 * GROUP) in fp16, each column divided by the power of two at or
+        below its largest |value| (``kv_dequant.per_token_query``); and those factors [warps, NCOL]."""
+        load: gl.constexpr = gl.BlockedLayout([1, HEAD_DIM // 32, 1], [1, 32, 1], [_WARPS, 1, 1], [1, 2, 0])
+        copy = gl.arange(0, _WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, load)))[:, None, None]
+        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, load)))[None, :, None]
+        cols = gl.arange(0, NCOL, layout=gl.SliceLayout(0, gl.SliceLayout(1, load)))[None, None, :]
+        mask = (cols < 2 * GROUP) & (dims >= 0) & (copy >= 0)
+        q = gl.load(Q + b * stride_qb + (first_head + cols) * stride_qh + dims + copy * 0, mask=mask,
+                    other=0.0).to(gl.float32)
+        top = gl.max(gl.abs(q), axis=1)
+        unit = (top.to(gl.int32, bitcast=True) & 0x7F800000).to(gl.float32, bitcast=True)
+        unit = gl.where(unit > 0, unit, 1.0)
+        scaled = gl.convert_layout((q / unit[:, None, :]).to(gl.float16), layout)
+        return scaled, gl.convert_layout(unit, unit_layout)
+
+    @gluon.jit
+    def _row_scales(KScale, VScale, table, step, first, ctx, kv_head, stride_sb, stride_st, layout: gl.constexpr):
+        """Slot ``step``'s per-token scales of K and V for each of its rows (page, token, head), [warps, rows / warps]
+        in fp32, 0 past the context; and which rows lie in it."""
+        rows = (gl.arange(0, _WARPS, layout=gl.SliceLayout(1, layout))[:, None] * (_ROWS // _WARPS)
+                + gl.arange(0, _ROWS // _WARPS, layout=gl.SliceLayout(0, layout))[None, :])
+        page_index = 2 * step + rows // (2 * _PAGE)
+        token = (rows // 2) % _PAGE
+        valid = (first + page_index) * _PAGE + token < ctx
+        page = gl.load(table + page_index, mask=valid, other=0).to(gl.int64)
+        at = page * stride_sb + token * stride_st + kv_head + rows % 2
+        return (gl.load(KScale + at, mask=valid, other=0.0).to(gl.float32),
+                gl.load(VScale + at, mask=valid, other=0.0).to(gl.float32), valid)
+
+    @gluon.jit
+    def _int8_decode_kernel(Q, k_desc, v_desc, KScale, VScale, O, Lse, block_tables, context_lens,
+                            qk_scale, num_splits, stride_qb, stride_qh, stride_bt, stride_sb, stride_st,
+                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                            GROUP: gl.constexpr, NCOL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                            WRITE_LSE: gl.constexpr):
+        b = gl.program_id(0)
+        kv_head = gl.program_id(1) * 2
+        first_head = kv_head * GROUP
+        ctx, first, n_pages = _split_range(b, context_lens, num_splits)
+        table = block_tables + b * stride_bt + first  # the split's block ids
+        n_steps = gl.cdiv(n_pages, 2)
+
+        slot_shape: gl.constexpr = [_STAGES, 2 * _PAGE, 2, HEAD_DIM]
+        k_smem = gl.allocate_shared_memory(gl.int8, slot_shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.int8, slot_shape, v_desc.layout)
+        scratch_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, HEAD_DIM], gl.float16)
+        v_scratch = gl.allocate_shared_memory(gl.float16, [_ROWS, HEAD_DIM], scratch_layout)
+        full = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(_STAGES):
+            mbarrier.init(full.index(i), count=1)
+        fence_async_shared()
+        for i in gl.static_range(_STAGES - 1):  # the ring's first slots; the loop keeps STAGES - 1 in flight
+            if i < n_steps:
+                _issue(k_desc, v_desc, k_smem, v_smem, full, i, _slot_ids(table, i, n_pages), n_pages, kv_head)
+
+        # Each warp owns 16 of a slot's 64 rows, with a softmax of its own: products batched over the warps, so
+        # that no step needs another warp's values (merged once, at the end).
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_WARPS, 1, 1],
+                                                      instr_shape=[1, 16, 8])
+        rows_l: gl.constexpr = gl.SliceLayout(2, mma)  # [warps, 16]
+        cols_l: gl.constexpr = gl.SliceLayout(1, mma)  # [warps, NCOL]
+        # K's codes and Q four channels to a register (k_width 4); V and the weights two, as fp16 products take them.
+        k_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+        q_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+        v_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        # V's codes 16 bytes a thread, as the swizzled slot keeps them together.
+        v_load: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HEAD_DIM // 16), HEAD_DIM // 16], [_WARPS, 1],
+                                                [1, 0])
+        WARP_ROWS: gl.constexpr = _ROWS // _WARPS
+
+        q, q_unit = _query(Q, stride_qb, stride_qh, b, first_head, GROUP, NCOL, HEAD_DIM, q_op, cols_l)
+        cols = gl.arange(0, NCOL, layout=gl.SliceLayout(0, cols_l))
+        col_scale = q_unit * qk_scale
+        col_head = gl.where(cols < 2 * GROUP, cols // GROUP, -1)  # -1: a padding column meets no row
+        row_head = gl.arange(0, WARP_ROWS, layout=gl.SliceLayout(0, rows_l)) % 2
+        meets_head = gl.expand_dims(gl.expand_dims(row_head, 0), 2) == gl.expand_dims(gl.expand_dims(col_head, 0), 1)
+
+        m_i = gl.full([_WARPS, NCOL], float("-inf"), gl.float32, layout=cols_l)
+        l_i = gl.zeros([_WARPS, NCOL], gl.float32, layout=cols_l)
+        acc = gl.zeros([_WARPS, HEAD_DIM, NCOL], gl.float32, layout=mma)
+        v_unit = gl.zeros([_WARPS, NCOL], gl.float32, layout=cols_l)  # the largest V scale met so far, per column
+        # Loaded one step ahead, so that their latency hides behind a step's work: the block ids of the next slot
+        # to copy, and the next step's scales.
+        ids = _slot_ids(table, _STAGES - 1, n_pages)
+        k_scale, v_scale, valid = _row_scales(KScale, VScale, table, 0, first, ctx, kv_head, stride_sb, stride_st,
+                                              rows_l)
+        for step in range(n_steps):
+            # Every warp is done with the slot read last step (this barrier): refill it, STAGES - 1 steps ahead.
+            gl.thread_barrier()
+            ahead = step + _STAGES - 1
+            if ahead < n_steps:
+                _issue(k_desc, v_desc, k_smem, v_smem, full, ahead, ids, n_pages, kv_head)
+            ids = _slot_ids(table, ahead + 1, n_pages)
+            next_scales = _row_scales(KScale, VScale, table, step + 1, first, ctx, kv_head, stride_sb, stride_st,
+                                      rows_l)
+
+            slot = step % _STAGES
+            mbarrier.wait(full.index(slot), (step // _STAGES) & 1)
+            k_codes = k_smem.index(slot).reshape([_WARPS, WARP_ROWS, HEAD_DIM]).load(k_op)
+            v_codes = v_smem.index(slot).reshape([_ROWS, HEAD_DIM]).load(v_load)
+
+            scores = mma_v2(_int8x4_to_fp16(k_codes), q, gl.zeros([_WARPS, WARP_ROWS, NCOL], gl.float32, layout=mma))
+            scores = scores * col_scale[:, None, :] * k_scale[:, :, None]
+            meets = valid[:, :, None] & meets_head
+            scores = gl.where(meets, scores, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+            m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)  # a column no row of the warp met yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(scores - m_safe[:, None, :])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            # V's scales weigh the values, relative to the largest a column has met (acc holds the output over it),
+            # so that the weights stay in [0, 1]: fp16's range.
+            v_new = gl.maximum(v_unit, gl.max(gl.where(meets, v_scale[:, :, None], 0.0), axis=1))
+            v_safe = gl.where(v_new > 0, v_new, 1.0)
+            p = gl.convert_layout((p * v_scale[:, :, None] * (1.0 / v_safe)[:, None, :]).to(gl.float16), p_op)
+
+            v_scratch.store(_int8x4_to_fp16(v_codes))
+            v_t = v_scratch.reshape([_WARPS, WARP_ROWS, HEAD_DIM]).permute((0, 2, 1)).load(v_op)
+            acc = mma_v2(v_t, p, acc * (alpha * gl.where(v_unit > 0, v_unit, 1.0) / v_safe)[:, None, :])
+            v_unit = v_new
+            m_i = m_new
+            k_scale, v_scale, valid = next_scales
+
+        # The warps' softmaxes merged (paged_attention.merge_attention_partials' algebra); an empty split ran no
+        # step: l = 0, out 0 and lse -inf, as paged_attention's partials.
+        m_all = gl.max(m_i, axis=0)
+        m_all_safe = gl.where(m_all > float("-inf"), m_all, 0.0)
+        weight = gl.exp2(m_i - m_all_safe[None, :])
+        l_all = gl.sum(l_i * weight, axis=0)
+        out = gl.sum(acc * (weight * v_unit)[:, None, :], axis=0)
+        nonempty = l_all > 0
+        l_all = gl.convert_layout(l_all, gl.SliceLayout(0, gl.SliceLayout(0, mma)))
+        out = out / gl.where(l_all > 0, l_all, 1.0)[None, :]
+        store: gl.constexpr = gl.BlockedLayout([4, 1], [HEAD_DIM // 4, 32 // (HEAD_DIM // 4)], [1, _WARPS], [0, 1])
+        out = gl.convert_layout(out, store)
+        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, store))
+        out_cols = gl.arange(0, NCOL, layout=gl.SliceLayout(0, store))
+        split = gl.program_id(2)
+        o_ptrs = O + b * stride_ob + (first_head + out_cols)[None, :] * stride_oh + split * stride_os + dims[:, None]
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(out_cols < 2 * GROUP)[None, :] & (dims >= 0)[:, None])
+        if WRITE_LSE:
+            lse = gl.where(nonempty, (m_all + gl.log2(gl.where(nonempty, gl.sum(l_i * weight, axis=0), 1.0))) * _LN2,
+                           float("-inf"))
+            gl.store(Lse + b * stride_lb + (first_head + cols) * stride_lh + split, lse, mask=cols < 2 * GROUP)
+
+
+def pool_descriptor(pool: torch.Tensor) -> TensorDescriptor:
+    """The int8 pool [blocks, 16, kv_heads, head_dim] seen as [blocks * 16, kv_heads, head_dim], loaded one page of
+    two heads, [16, 2, head_dim], at a time."""
+    blocks, page, kv_heads, dim = pool.shape
+    box = [page, HEADS_PER_PROGRAM, dim]
+    return TensorDescriptor(pool, [blocks * page, kv_heads, dim], [kv_heads * dim, dim, 1], box,
+                            gl.NVMMASharedLayout.get_default_for(box, gl.int8))
+
+
+def int8_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                context_lens: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, partial: torch.Tensor,
+                lse: torch.Tensor, partial_strides: tuple[int, int, int], lse_strides: tuple[int, int],
+                num_splits: int, qk_scale: float) -> None:
+    """Launch on inputs that ``paged_decode_attention`` checked and ``unsupported`` accepted: writes ``partial``
+    (the output itself when num_splits == 1) and, with splits, ``lse``. ``qk_scale`` is the softmax scale times
+    log2(e)."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    _int8_decode_kernel[(batch, kv_heads // HEADS_PER_PROGRAM, num_splits)](
+        q, pool_descriptor(k_cache), pool_descriptor(v_cache), k_scale, v_scale, partial, lse, block_tables,
+        context_lens, qk_scale, num_splits, q.stride(0), q.stride(1), block_tables.stride(0),
+        k_scale.stride(0), k_scale.stride(1), *partial_strides, *lse_strides,
+        GROUP=group, NCOL=max(8, 1 << (2 * group - 1).bit_length()), HEAD_DIM=dim, WRITE_LSE=num_splits > 1,
+        num_warps=CONSUMER_WARPS)
