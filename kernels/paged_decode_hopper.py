@@ -50,11 +50,14 @@ if GLUON_USABLE:
 
     from minillm.kernels.flash_attention_hopper import tma_load
 
-PAGE = 16  # tokens per block: two pages x two heads = 64 rows, four warps' mma rows
+PAGE = 16  # tokens per block
+SLOT_PAGES = 4  # pages a slot: 4 x 16 tokens x 2 heads = 128 rows, 32 a warp
 HEADS_PER_PROGRAM = 2
 HEAD_DIMS = (64, 128)
-STAGES = 4  # slots of two pages (16 KB of K and V): two programs an SM, each with 48 KB in flight
+STAGES = 3  # slots of four pages (32 KB of K and V): two programs an SM, each with 64 KB in flight
 CONSUMER_WARPS = 4
+LOADER_REGS = 40
+MAX_REGISTERS = 128  # per thread at launch, 8 warps (the producer's warpgroup counts whole): two programs an SM
 ID_CHUNK = 32  # block ids loaded at once by the producer
 
 
@@ -90,67 +93,86 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor) -
 
 
 if GLUON_USABLE:
-    _PAGE, _STAGES, _ID_CHUNK = gl.constexpr(PAGE), gl.constexpr(STAGES), gl.constexpr(ID_CHUNK)
-    _WARPS = gl.constexpr(CONSUMER_WARPS)
-    _ROWS = gl.constexpr(2 * PAGE * HEADS_PER_PROGRAM)  # rows of a slot: (page, token, head)
+    _PAGE = gl.constexpr(PAGE)
     _LN2 = gl.constexpr(math.log(2.0))
+    _BIAS = gl.constexpr(1152.0)  # 1024 + 128: what _biased_fp16 adds to each code
+    _ID_CHUNK, _LOADER_REGS = gl.constexpr(ID_CHUNK), gl.constexpr(LOADER_REGS)
 
     @gluon.jit
-    def _int8x4_to_fp16(codes):
-        """int8 codes -> fp16, exact, four per LOP3 + 2 PRMT + 2 HSUB2 (``int_float.int8_words_to_fp16``'s
-        trick), in the codes' own layout: each thread's four consecutive elements must share a register."""
+    def _biased_fp16(codes):
+        """int8 codes -> code + 1152 in fp16, exact, four codes per LOP3 + 2 PRMT (``int_float.int8_words_to_fp16``'s
+        trick without its subtraction: the products take the bias out, see the module docstring), in the codes'
+        own layout: each thread's four consecutive elements must share a register."""
         return gl.inline_asm_elementwise(
-            """{ .reg .b32 u, high, bias;
+            """{ .reg .b32 u, high;
             xor.b32 u, $2, 0x80808080;
             mov.b32 high, 0x64646464;
-            mov.b32 bias, 0x64806480;
             prmt.b32 $0, u, high, 0x5140;
-            prmt.b32 $1, u, high, 0x5342;
-            sub.f16x2 $0, $0, bias;
-            sub.f16x2 $1, $1, bias; }""",
+            prmt.b32 $1, u, high, 0x5342; }""",
             "=r,=r,r", [codes], dtype=gl.float16, is_pure=True, pack=4)
 
     @gluon.jit
-    def _split_range(b, context_lens, num_splits):
-        """This program's split of its sequence: pages [first, first + n) of which the context ends at ``end``."""
+    def _biased_fp16_pairs(pairs):
+        """int16 elements, each two int8 codes (channels 2m, 2m + 1 of one token), two tokens' to a register ->
+        (channel 2m's codes, channel 2m + 1's) + 1152 in fp16, each two tokens' to a register: ``_biased_fp16``
+        with the PRMTs picking bytes 0, 2 and 1, 3."""
+        return gl.inline_asm_elementwise(
+            """{ .reg .b32 u, high;
+            xor.b32 u, $2, 0x80808080;
+            mov.b32 high, 0x64646464;
+            prmt.b32 $0, u, high, 0x4240;
+            prmt.b32 $1, u, high, 0x4341; }""",
+            "=r,=r,r", [pairs], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def _split_range(b, context_lens, num_splits, SLOT_PAGES: gl.constexpr):
+        """This program's split of its sequence: its context length, first page, and number of pages."""
         ctx = gl.load(context_lens + b)
         pages = gl.cdiv(ctx, _PAGE)
-        per_split = gl.cdiv(gl.cdiv(pages, num_splits), 2) * 2  # whole slots: only the last may be half full
+        per_split = gl.cdiv(gl.cdiv(pages, num_splits), SLOT_PAGES) * SLOT_PAGES  # whole slots but the last
         first = gl.program_id(2) * per_split
         n = gl.maximum(gl.minimum(per_split, pages - first), 0)
         return ctx, first, n
 
     @gluon.jit
-    def _issue(k_desc, v_desc, k_smem, v_smem, full, step, ids, n_pages, head):
-        """Start the copies of slot ``step % STAGES``: pages 2 step and 2 step + 1 of the split (block ids ``ids``),
-        K and V of both heads, one [16, 2, head_dim] box per page and tensor."""
-        slot = step % _STAGES
-        two = 2 * step + 1 < n_pages  # the split's last slot may hold one page
+    def _producer(k_desc, v_desc, k_smem, v_smem, full, empty, block_tables, stride_bt, context_lens, num_splits,
+                  STAGES: gl.constexpr, SLOT_PAGES: gl.constexpr):
+        """The producer warp: each page of the split, K and V of both heads as one [16, 2, head_dim] box each, into
+        slot (page // SLOT_PAGES) % STAGES once the consumers have released it; block ids 32 at a time."""
+        b = gl.program_id(0)
+        head = gl.program_id(1) * 2
+        ctx, first, n_pages = _split_range(b, context_lens, num_splits, SLOT_PAGES)
+        table = block_tables + b * stride_bt + first
+        lanes = gl.arange(0, _ID_CHUNK, layout=gl.BlockedLayout([1], [32], [1], [0]))
         page_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes  # K and V
-        mbarrier.expect(full.index(slot), 2 * page_bytes, pred=two)
-        mbarrier.expect(full.index(slot), page_bytes, pred=not two)
-        first_id, second_id = ids
-        tma_load(k_desc, [first_id * _PAGE, head, 0], full.index(slot), k_smem.index(slot).slice(0, _PAGE))
-        tma_load(v_desc, [first_id * _PAGE, head, 0], full.index(slot), v_smem.index(slot).slice(0, _PAGE))
-        if two:
-            tma_load(k_desc, [second_id * _PAGE, head, 0], full.index(slot), k_smem.index(slot).slice(_PAGE, _PAGE))
-            tma_load(v_desc, [second_id * _PAGE, head, 0], full.index(slot), v_smem.index(slot).slice(_PAGE, _PAGE))
-
-    @gluon.jit
-    def _slot_ids(table, step, n_pages):
-        """The block ids of slot ``step``'s two pages (0 where the split has none: never copied)."""
-        page = 2 * step
-        return (gl.load(table + page, mask=page < n_pages, other=0),
-                gl.load(table + page + 1, mask=page + 1 < n_pages, other=0))
+        # Each chunk's ids are loaded while the previous chunk's pages are issued: no wait between chunks.
+        next_ids = gl.load(table + lanes, mask=lanes < n_pages, other=0)
+        for chunk in range(0, n_pages, _ID_CHUNK):
+            ids = next_ids
+            next_ids = gl.load(table + chunk + _ID_CHUNK + lanes, mask=chunk + _ID_CHUNK + lanes < n_pages, other=0)
+            for jj in gl.static_range(_ID_CHUNK):
+                j = chunk + jj
+                if j < n_pages:
+                    row = gl.sum(gl.where(lanes == jj, ids, 0), axis=0) * _PAGE
+                    step = j // SLOT_PAGES
+                    slot = step % STAGES
+                    i: gl.constexpr = jj % SLOT_PAGES  # chunks start at whole slots
+                    if i == 0:
+                        mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+                        pages = gl.minimum(n_pages - j, SLOT_PAGES)  # the split's last slot may hold fewer
+                        for c in gl.static_range(SLOT_PAGES):
+                            mbarrier.expect(full.index(slot), (c + 1) * page_bytes, pred=pages == c + 1)
+                    tma_load(k_desc, [row, head, 0], full.index(slot), k_smem.index(slot).slice(i * _PAGE, _PAGE))
+                    tma_load(v_desc, [row, head, 0], full.index(slot), v_smem.index(slot).slice(i * _PAGE, _PAGE))
 
     @gluon.jit
     def _query(Q, stride_qb, stride_qh, b, first_head, GROUP: gl.constexpr, NCOL: gl.constexpr,
-               HEAD_DIM: gl.constexpr, layout: gl.constexpr, unit_layout: gl.constexpr):
+               HEAD_DIM: gl.constexpr, layout: gl.constexpr, unit_layout: gl.constexpr, WARPS: gl.constexpr):
         """Q^T [warps, HEAD_DIM, NCOL], one copy a warp, for the program's two KV heads' query heads (column c is
         query head first_head + c, zero past 2 * GROUP) in fp16, each column divided by the power of two at or
         below its largest |value| (``kv_dequant.per_token_query``); and those factors [warps, NCOL]."""
-        load: gl.constexpr = gl.BlockedLayout([1, HEAD_DIM // 32, 1], [1, 32, 1], [_WARPS, 1, 1], [1, 2, 0])
-        copy = gl.arange(0, _WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, load)))[:, None, None]
+        load: gl.constexpr = gl.BlockedLayout([1, HEAD_DIM // 32, 1], [1, 32, 1], [WARPS, 1, 1], [1, 2, 0])
+        copy = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, load)))[:, None, None]
         dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, load)))[None, :, None]
         cols = gl.arange(0, NCOL, layout=gl.SliceLayout(0, gl.SliceLayout(1, load)))[None, None, :]
         mask = (cols < 2 * GROUP) & (dims >= 0) & (copy >= 0)
@@ -163,93 +185,91 @@ if GLUON_USABLE:
         return scaled, gl.convert_layout(unit, unit_layout)
 
     @gluon.jit
-    def _row_scales(KScale, VScale, table, step, first, ctx, kv_head, stride_sb, stride_st, layout: gl.constexpr):
-        """Slot ``step``'s per-token scales of K and V for each of its rows (page, token, head), [warps, rows / warps]
-        in fp32, 0 past the context; and which rows lie in it."""
-        rows = (gl.arange(0, _WARPS, layout=gl.SliceLayout(1, layout))[:, None] * (_ROWS // _WARPS)
-                + gl.arange(0, _ROWS // _WARPS, layout=gl.SliceLayout(0, layout))[None, :])
-        page_index = 2 * step + rows // (2 * _PAGE)
+    def _row_pages(table, step, first, ctx, layout: gl.constexpr, WARPS: gl.constexpr, SLOT_PAGES: gl.constexpr):
+        """Slot ``step``'s rows (page, token, head), [warps, rows / warps]: the block id of each (0 past the context),
+        which lie in the context, and their token slots. The ids stay int32 until used: widened here, the widening
+        would wait for the load at once."""
+        WARP_ROWS: gl.constexpr = 2 * _PAGE * SLOT_PAGES // WARPS
+        rows = (gl.arange(0, WARPS, layout=gl.SliceLayout(1, layout))[:, None] * WARP_ROWS
+                + gl.arange(0, WARP_ROWS, layout=gl.SliceLayout(0, layout))[None, :])
+        page_index = SLOT_PAGES * step + rows // (2 * _PAGE)
         token = (rows // 2) % _PAGE
         valid = (first + page_index) * _PAGE + token < ctx
-        page = gl.load(table + page_index, mask=valid, other=0).to(gl.int64)
-        at = page * stride_sb + token * stride_st + kv_head + rows % 2
+        return gl.load(table + page_index, mask=valid, other=0), valid, token
+
+    @gluon.jit
+    def _row_scales(KScale, VScale, pages, kv_head, stride_sb, stride_st):
+        """The per-token scales of K and V for the rows ``_row_pages`` described, in fp32, 0 past the context."""
+        block, valid, token = pages
+        at = block.to(gl.int64) * stride_sb + token * stride_st + kv_head + gl.arange(
+            0, valid.shape[1], layout=gl.SliceLayout(0, valid.type.layout))[None, :] % 2
         return (gl.load(KScale + at, mask=valid, other=0.0).to(gl.float32),
                 gl.load(VScale + at, mask=valid, other=0.0).to(gl.float32), valid)
 
     @gluon.jit
-    def _int8_decode_kernel(Q, k_desc, v_desc, KScale, VScale, O, Lse, block_tables, context_lens,
-                            qk_scale, num_splits, stride_qb, stride_qh, stride_bt, stride_sb, stride_st,
-                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                            GROUP: gl.constexpr, NCOL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                            WRITE_LSE: gl.constexpr):
+    def _consumer(Q, KScale, VScale, O, Lse, k_smem, v_smem, full, empty, block_tables, context_lens, qk_scale,
+                  num_splits, stride_qb, stride_qh, stride_bt, stride_sb, stride_st, stride_ob, stride_oh, stride_os,
+                  stride_lb, stride_lh, GROUP: gl.constexpr, NCOL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  WRITE_LSE: gl.constexpr, SWIZZLE: gl.constexpr, STAGES: gl.constexpr, SLOT_PAGES: gl.constexpr):
+        """The consumer warps: attention over each slot the producer fills."""
+        WARPS: gl.constexpr = gl.num_warps()
+        WARP_ROWS: gl.constexpr = 2 * _PAGE * SLOT_PAGES // WARPS
         b = gl.program_id(0)
         kv_head = gl.program_id(1) * 2
         first_head = kv_head * GROUP
-        ctx, first, n_pages = _split_range(b, context_lens, num_splits)
+        ctx, first, n_pages = _split_range(b, context_lens, num_splits, SLOT_PAGES)
         table = block_tables + b * stride_bt + first  # the split's block ids
-        n_steps = gl.cdiv(n_pages, 2)
+        n_steps = gl.cdiv(n_pages, SLOT_PAGES)
 
-        slot_shape: gl.constexpr = [_STAGES, 2 * _PAGE, 2, HEAD_DIM]
-        k_smem = gl.allocate_shared_memory(gl.int8, slot_shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.int8, slot_shape, v_desc.layout)
-        scratch_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, HEAD_DIM], gl.float16)
-        v_scratch = gl.allocate_shared_memory(gl.float16, [_ROWS, HEAD_DIM], scratch_layout)
-        full = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(_STAGES):
-            mbarrier.init(full.index(i), count=1)
-        fence_async_shared()
-        for i in gl.static_range(_STAGES - 1):  # the ring's first slots; the loop keeps STAGES - 1 in flight
-            if i < n_steps:
-                _issue(k_desc, v_desc, k_smem, v_smem, full, i, _slot_ids(table, i, n_pages), n_pages, kv_head)
-
-        # Each warp owns 16 of a slot's 64 rows, with a softmax of its own: products batched over the warps, so
+        # Each warp owns WARP_ROWS of a slot's rows, with a softmax of its own: products batched over the warps, so
         # that no step needs another warp's values (merged once, at the end).
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_WARPS, 1, 1],
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
                                                       instr_shape=[1, 16, 8])
-        rows_l: gl.constexpr = gl.SliceLayout(2, mma)  # [warps, 16]
+        rows_l: gl.constexpr = gl.SliceLayout(2, mma)  # [warps, WARP_ROWS]
         cols_l: gl.constexpr = gl.SliceLayout(1, mma)  # [warps, NCOL]
-        # K's codes and Q four channels to a register (k_width 4); V and the weights two, as fp16 products take them.
+        # K's codes and Q four channels to a register (k_width 4); V and the weights two tokens.
         k_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
         q_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
         v_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        # V's codes 16 bytes a thread, as the swizzled slot keeps them together.
-        v_load: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HEAD_DIM // 16), HEAD_DIM // 16], [_WARPS, 1],
-                                                [1, 0])
-        WARP_ROWS: gl.constexpr = _ROWS // _WARPS
+        # V read as int16 pairs of channels, transposed (ldmatrix.trans moves 16-bit elements): [warps, D / 2, rows].
+        pairs_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=SWIZZLE, element_bitwidth=16, rank=3)
 
-        q, q_unit = _query(Q, stride_qb, stride_qh, b, first_head, GROUP, NCOL, HEAD_DIM, q_op, cols_l)
+        q, q_unit = _query(Q, stride_qb, stride_qh, b, first_head, GROUP, NCOL, HEAD_DIM, q_op, cols_l, WARPS)
         cols = gl.arange(0, NCOL, layout=gl.SliceLayout(0, cols_l))
         col_scale = q_unit * qk_scale
         col_head = gl.where(cols < 2 * GROUP, cols // GROUP, -1)  # -1: a padding column meets no row
         row_head = gl.arange(0, WARP_ROWS, layout=gl.SliceLayout(0, rows_l)) % 2
         meets_head = gl.expand_dims(gl.expand_dims(row_head, 0), 2) == gl.expand_dims(gl.expand_dims(col_head, 0), 1)
 
-        m_i = gl.full([_WARPS, NCOL], float("-inf"), gl.float32, layout=cols_l)
-        l_i = gl.zeros([_WARPS, NCOL], gl.float32, layout=cols_l)
-        acc = gl.zeros([_WARPS, HEAD_DIM, NCOL], gl.float32, layout=mma)
-        v_unit = gl.zeros([_WARPS, NCOL], gl.float32, layout=cols_l)  # the largest V scale met so far, per column
-        # Loaded one step ahead, so that their latency hides behind a step's work: the block ids of the next slot
-        # to copy, and the next step's scales.
-        ids = _slot_ids(table, _STAGES - 1, n_pages)
-        k_scale, v_scale, valid = _row_scales(KScale, VScale, table, 0, first, ctx, kv_head, stride_sb, stride_st,
-                                              rows_l)
+        # K's codes come biased by 1152 (_biased_fp16): each score starts from -1152 * sum(q), by the same product.
+        bias = gl.full([WARPS, WARP_ROWS, HEAD_DIM], _BIAS, gl.float16, layout=k_op)
+        score_start = -mma_v2(bias, q, gl.zeros([WARPS, WARP_ROWS, NCOL], gl.float32, layout=mma))
+
+        m_i = gl.full([WARPS, NCOL], float("-inf"), gl.float32, layout=cols_l)
+        l_i = gl.zeros([WARPS, NCOL], gl.float32, layout=cols_l)
+        v_unit = gl.zeros([WARPS, NCOL], gl.float32, layout=cols_l)  # the largest V scale met so far, per column
+        # O^T in two halves, the even channels' and the odd channels' (how V's pairs come apart).
+        acc_even = gl.zeros([WARPS, HEAD_DIM // 2, NCOL], gl.float32, layout=mma)
+        acc_odd = gl.zeros([WARPS, HEAD_DIM // 2, NCOL], gl.float32, layout=mma)
+        # The scales are loaded one step ahead and the block ids they need two, so that no step waits on memory for
+        # them (a chain of two loads per step held the warps on the H200: figures/h200/sweeps/ncu_decode_gluon.json).
+        first_pages = _row_pages(table, 0, first, ctx, rows_l, WARPS, SLOT_PAGES)
+        k_scale, v_scale, valid = _row_scales(KScale, VScale, first_pages, kv_head, stride_sb, stride_st)
+        pages = _row_pages(table, 1, first, ctx, rows_l, WARPS, SLOT_PAGES)
         for step in range(n_steps):
-            # Every warp is done with the slot read last step (this barrier): refill it, STAGES - 1 steps ahead.
-            gl.thread_barrier()
-            ahead = step + _STAGES - 1
-            if ahead < n_steps:
-                _issue(k_desc, v_desc, k_smem, v_smem, full, ahead, ids, n_pages, kv_head)
-            ids = _slot_ids(table, ahead + 1, n_pages)
-            next_scales = _row_scales(KScale, VScale, table, step + 1, first, ctx, kv_head, stride_sb, stride_st,
-                                      rows_l)
+            next_scales = _row_scales(KScale, VScale, pages, kv_head, stride_sb, stride_st)
+            pages = _row_pages(table, step + 2, first, ctx, rows_l, WARPS, SLOT_PAGES)
 
-            slot = step % _STAGES
-            mbarrier.wait(full.index(slot), (step // _STAGES) & 1)
-            k_codes = k_smem.index(slot).reshape([_WARPS, WARP_ROWS, HEAD_DIM]).load(k_op)
-            v_codes = v_smem.index(slot).reshape([_ROWS, HEAD_DIM]).load(v_load)
+            slot = step % STAGES
+            mbarrier.wait(full.index(slot), (step // STAGES) & 1)
+            k_codes = k_smem.index(slot).reshape([WARPS, WARP_ROWS, HEAD_DIM]).load(k_op)
+            v_pairs = v_smem.index(slot)._reinterpret(gl.int16, [WARPS, WARP_ROWS, HEAD_DIM // 2], pairs_layout)
+            v_pairs = v_pairs.permute((0, 2, 1)).load(v_op)
+            gl.thread_barrier()  # all four warps hold their rows: the slot may be refilled
+            mbarrier.arrive(empty.index(slot), count=1)
 
-            scores = mma_v2(_int8x4_to_fp16(k_codes), q, gl.zeros([_WARPS, WARP_ROWS, NCOL], gl.float32, layout=mma))
+            scores = mma_v2(_biased_fp16(k_codes), q, score_start)
             scores = scores * col_scale[:, None, :] * k_scale[:, :, None]
             meets = valid[:, :, None] & meets_head
             scores = gl.where(meets, scores, float("-inf"))
@@ -258,15 +278,18 @@ if GLUON_USABLE:
             alpha = gl.exp2(m_i - m_safe)
             p = gl.exp2(scores - m_safe[:, None, :])
             l_i = l_i * alpha + gl.sum(p, axis=1)
-            # V's scales weigh the values, relative to the largest a column has met (acc holds the output over it),
-            # so that the weights stay in [0, 1]: fp16's range.
+            # V's scales weigh the values, relative to the largest a column has met (the accumulators hold the output
+            # over it), so that the weights stay in [0, 1]: fp16's range.
             v_new = gl.maximum(v_unit, gl.max(gl.where(meets, v_scale[:, :, None], 0.0), axis=1))
             v_safe = gl.where(v_new > 0, v_new, 1.0)
-            p = gl.convert_layout((p * v_scale[:, :, None] * (1.0 / v_safe)[:, None, :]).to(gl.float16), p_op)
-
-            v_scratch.store(_int8x4_to_fp16(v_codes))
-            v_t = v_scratch.reshape([_WARPS, WARP_ROWS, HEAD_DIM]).permute((0, 2, 1)).load(v_op)
-            acc = mma_v2(v_t, p, acc * (alpha * gl.where(v_unit > 0, v_unit, 1.0) / v_safe)[:, None, :])
+            p = (p * v_scale[:, :, None] * (1.0 / v_safe)[:, None, :]).to(gl.float16)
+            # V's codes come biased by 1152 too: the accumulators start each step 1152 * sum(weights) lower.
+            start = -_BIAS * gl.sum(p.to(gl.float32), axis=1)[:, None, :]
+            p = gl.convert_layout(p, p_op)
+            rescale = (alpha * gl.where(v_unit > 0, v_unit, 1.0) / v_safe)[:, None, :]
+            v_even, v_odd = _biased_fp16_pairs(v_pairs)
+            acc_even = mma_v2(v_even, p, acc_even * rescale + start)
+            acc_odd = mma_v2(v_odd, p, acc_odd * rescale + start)
             v_unit = v_new
             m_i = m_new
             k_scale, v_scale, valid = next_scales
@@ -277,21 +300,48 @@ if GLUON_USABLE:
         m_all_safe = gl.where(m_all > float("-inf"), m_all, 0.0)
         weight = gl.exp2(m_i - m_all_safe[None, :])
         l_all = gl.sum(l_i * weight, axis=0)
-        out = gl.sum(acc * (weight * v_unit)[:, None, :], axis=0)
-        nonempty = l_all > 0
-        l_all = gl.convert_layout(l_all, gl.SliceLayout(0, gl.SliceLayout(0, mma)))
-        out = out / gl.where(l_all > 0, l_all, 1.0)[None, :]
-        store: gl.constexpr = gl.BlockedLayout([4, 1], [HEAD_DIM // 4, 32 // (HEAD_DIM // 4)], [1, _WARPS], [0, 1])
-        out = gl.convert_layout(out, store)
-        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, store))
-        out_cols = gl.arange(0, NCOL, layout=gl.SliceLayout(0, store))
+        value_weight = (weight * v_unit)[:, None, :]
+        store: gl.constexpr = gl.BlockedLayout([1, 2, 1], [HEAD_DIM // 4, 1, 32 // (HEAD_DIM // 4)], [1, 1, WARPS],
+                                               [1, 0, 2])
+        # [D / 2, NCOL] twice -> [D / 2, 2, NCOL]: channel 2m + j at [m, j].
+        out = gl.convert_layout(gl.permute(gl.join(gl.sum(acc_even * value_weight, axis=0),
+                                                   gl.sum(acc_odd * value_weight, axis=0)), (0, 2, 1)), store)
+        l_out = gl.convert_layout(l_all, gl.SliceLayout(0, gl.SliceLayout(1, store)))
+        out = out / gl.where(l_out > 0, l_out, 1.0)[None, None, :]
+        pairs = gl.arange(0, HEAD_DIM // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, store)))[:, None, None]
+        halves = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, store)))[None, :, None]
+        out_cols = gl.arange(0, NCOL, layout=gl.SliceLayout(0, gl.SliceLayout(1, store)))[None, None, :]
         split = gl.program_id(2)
-        o_ptrs = O + b * stride_ob + (first_head + out_cols)[None, :] * stride_oh + split * stride_os + dims[:, None]
-        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(out_cols < 2 * GROUP)[None, :] & (dims >= 0)[:, None])
+        o_ptrs = O + b * stride_ob + (first_head + out_cols) * stride_oh + split * stride_os + 2 * pairs + halves
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(out_cols < 2 * GROUP) & (pairs >= 0) & (halves >= 0))
         if WRITE_LSE:
-            lse = gl.where(nonempty, (m_all + gl.log2(gl.where(nonempty, gl.sum(l_i * weight, axis=0), 1.0))) * _LN2,
-                           float("-inf"))
+            nonempty = l_all > 0
+            lse = gl.where(nonempty, (m_all + gl.log2(gl.where(nonempty, l_all, 1.0))) * _LN2, float("-inf"))
             gl.store(Lse + b * stride_lb + (first_head + cols) * stride_lh + split, lse, mask=cols < 2 * GROUP)
+
+    @gluon.jit
+    def _int8_decode_kernel(Q, k_desc, v_desc, KScale, VScale, O, Lse, block_tables, context_lens,
+                            qk_scale, num_splits, stride_qb, stride_qh, stride_bt, stride_sb, stride_st,
+                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                            GROUP: gl.constexpr, NCOL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                            WRITE_LSE: gl.constexpr, STAGES: gl.constexpr, SLOT_PAGES: gl.constexpr):
+        slot_shape: gl.constexpr = [STAGES, SLOT_PAGES * _PAGE, 2, HEAD_DIM]
+        k_smem = gl.allocate_shared_memory(gl.int8, slot_shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.int8, slot_shape, v_desc.layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_consumer, (Q, KScale, VScale, O, Lse, k_smem, v_smem, full, empty, block_tables, context_lens, qk_scale,
+                         num_splits, stride_qb, stride_qh, stride_bt, stride_sb, stride_st, stride_ob, stride_oh,
+                         stride_os, stride_lb, stride_lh, GROUP, NCOL, HEAD_DIM, WRITE_LSE,
+                         v_desc.layout.swizzle_byte_width, STAGES, SLOT_PAGES)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, block_tables, stride_bt, context_lens,
+                         num_splits, STAGES, SLOT_PAGES)),
+        ], [1], [_LOADER_REGS])
 
 
 def pool_descriptor(pool: torch.Tensor) -> TensorDescriptor:
@@ -306,10 +356,12 @@ def pool_descriptor(pool: torch.Tensor) -> TensorDescriptor:
 def int8_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, partial: torch.Tensor,
                 lse: torch.Tensor, partial_strides: tuple[int, int, int], lse_strides: tuple[int, int],
-                num_splits: int, qk_scale: float) -> None:
+                num_splits: int, qk_scale: float, stages: int = STAGES, max_registers: int | None = MAX_REGISTERS,
+                warps: int = CONSUMER_WARPS, slot_pages: int = SLOT_PAGES) -> None:
     """Launch on inputs that ``paged_decode_attention`` checked and ``unsupported`` accepted: writes ``partial``
     (the output itself when num_splits == 1) and, with splits, ``lse``. ``qk_scale`` is the softmax scale times
-    log2(e)."""
+    log2(e). ``stages``, ``max_registers`` (per thread at launch), ``warps`` (the consumers') and ``slot_pages`` are for
+    sweeps."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -318,4 +370,4 @@ def int8_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
         context_lens, qk_scale, num_splits, q.stride(0), q.stride(1), block_tables.stride(0),
         k_scale.stride(0), k_scale.stride(1), *partial_strides, *lse_strides,
         GROUP=group, NCOL=max(8, 1 << (2 * group - 1).bit_length()), HEAD_DIM=dim, WRITE_LSE=num_splits > 1,
-        num_warps=CONSUMER_WARPS)
+        STAGES=stages, SLOT_PAGES=slot_pages, num_warps=warps, maxnreg=max_registers)

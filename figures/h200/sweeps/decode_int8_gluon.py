@@ -17,6 +17,11 @@ from launch_sweep import decode_problem, quantized_pools, save_result  # noqa: E
 from minillm.bench.kernels import time_ms  # noqa: E402
 from minillm.bench.roofline import measure_bandwidth  # noqa: E402
 from minillm.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from minillm.kernels.paged_decode_hopper import int8_decode  # noqa: E402
+
+# (pages a slot, stages, registers per thread at launch, consumer warps) of the Gluon kernel timed at B=64 besides its
+# defaults (kernels/paged_decode_hopper.py says what fits how many programs an SM).
+VARIANTS = ((4, 2, 128, 4), (2, 6, 128, 4), (2, 4, 128, 4))
 
 
 def main():
@@ -41,12 +46,24 @@ def main():
                             int8_bytes),
             "triton bf16": (lambda: paged_decode_attention(q, k_pool, v_pool, tables, lens, out=out), bf16_bytes),
         }
+        if B == 64:
+            log2e = 1.4426950408889634
+            for pages, stages, regs, warps in VARIANTS:
+                calls[f"gluon int8, {pages}-page slots, {stages} stages, maxnreg {regs}, {warps} warps"] = (
+                    lambda pages=pages, stages=stages, regs=regs, warps=warps: int8_decode(
+                        q, kq, vq, tables, lens, scales["k_scale"], scales["v_scale"], out, out,
+                        (out.stride(0), out.stride(1), 0), (0, 0), 1, D ** -0.5 * log2e, stages=stages,
+                        max_registers=regs, warps=warps, slot_pages=pages), int8_bytes)
         for name in calls:
             row[name] = {"us_rounds": []}
         for _ in range(3):
             for name, (call, nbytes) in calls.items():
                 row[name]["us_rounds"].append(time_ms(call, dev) * 1e3)
         for name, (call, nbytes) in calls.items():
+            if "int8" in name:  # every int8 candidate's answer, against the reference
+                out.fill_(float("nan"))
+                call()
+                row[name]["max_abs_error_vs_ref"] = (out.float() - want.float()).abs().max().item()
             best = min(row[name]["us_rounds"])
             row[name] |= {"us": best, "gbs": nbytes / best / 1e3, "fraction_of_bandwidth": nbytes / best / 1e3 / bandwidth}
         print(row, flush=True)
