@@ -365,7 +365,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale,
     return quant
 
 
-def _use_hopper(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None, hopper: bool | None,
+def use_hopper(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None, hopper: bool | None,
                 launch_overridden) -> bool:
     """Whether ``paged_decode_attention`` runs the Gluon int8 kernel (its docstring says when)."""
     if hopper is False or (hopper is None and launch_overridden):
@@ -405,7 +405,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the merge kernel whatever ``merge`` says (the same result).
     """
     quant = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
-    use_hopper = _use_hopper(q, k_cache, k_scale, hopper, block_n or num_warps or num_stages)
+    gluon = use_hopper(q, k_cache, k_scale, hopper, block_n or num_warps or num_stages)
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -452,7 +452,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Without scales the cache stands in for them: never read (KV_QUANT=NO_QUANT compiles no load).
     k_scales, v_scales = (k_cache, v_cache) if k_scale is None else (k_scale, v_scale)
     mode = NO_MERGE if num_splits == 1 else MERGES[merge]
-    if use_hopper:
+    if gluon:
         int8_decode(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, partial, lse, partial_strides,
                     lse_strides, num_splits, scale * math.log2(math.e))
         if num_splits > 1:

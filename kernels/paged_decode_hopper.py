@@ -124,6 +124,26 @@ if GLUON_USABLE:
             prmt.b32 $1, u, high, 0x4341; }""",
             "=r,=r,r", [pairs], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
 
+    # Names Triton 3.6 spells differently from later versions: the reinterpreting view (_reinterpret, then
+    # reinterpret) and the barrier of a partition's warps (thread_barrier, then barrier).
+    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+    _THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))
+
+    @gluon.jit
+    def _warps_barrier():
+        if _THREAD_BARRIER:
+            gl.thread_barrier()
+        else:
+            gl.barrier()
+
+    @gluon.jit
+    def _reinterpret(view, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+        """``view``'s bytes as a [shape] tensor of ``dtype`` laid out by ``layout``."""
+        if _PUBLIC_REINTERPRET:
+            return view.reinterpret(dtype, shape, layout)
+        else:
+            return view._reinterpret(dtype, shape, layout)
+
     @gluon.jit
     def _split_range(b, context_lens, num_splits, SLOT_PAGES: gl.constexpr):
         """This program's split of its sequence: its context length, first page, and number of pages."""
@@ -264,9 +284,9 @@ if GLUON_USABLE:
             slot = step % STAGES
             mbarrier.wait(full.index(slot), (step // STAGES) & 1)
             k_codes = k_smem.index(slot).reshape([WARPS, WARP_ROWS, HEAD_DIM]).load(k_op)
-            v_pairs = v_smem.index(slot)._reinterpret(gl.int16, [WARPS, WARP_ROWS, HEAD_DIM // 2], pairs_layout)
+            v_pairs = _reinterpret(v_smem.index(slot), gl.int16, [WARPS, WARP_ROWS, HEAD_DIM // 2], pairs_layout)
             v_pairs = v_pairs.permute((0, 2, 1)).load(v_op)
-            gl.thread_barrier()  # all four warps hold their rows: the slot may be refilled
+            _warps_barrier()  # all four warps hold their rows: the slot may be refilled
             mbarrier.arrive(empty.index(slot), count=1)
 
             scores = mma_v2(_biased_fp16(k_codes), q, score_start)
@@ -344,6 +364,12 @@ if GLUON_USABLE:
         ], [1], [_LOADER_REGS])
 
 
+def columns(group: int) -> int:
+    """The products' columns: both heads' query heads (2 x group), padded to a power of two of at least 8 (m16n8k16's
+    N)."""
+    return max(8, 1 << (2 * group - 1).bit_length())
+
+
 def pool_descriptor(pool: torch.Tensor) -> TensorDescriptor:
     """The int8 pool [blocks, 16, kv_heads, head_dim] seen as [blocks * 16, kv_heads, head_dim], loaded one page of
     two heads, [16, 2, head_dim], at a time."""
@@ -369,5 +395,5 @@ def int8_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
         q, pool_descriptor(k_cache), pool_descriptor(v_cache), k_scale, v_scale, partial, lse, block_tables,
         context_lens, qk_scale, num_splits, q.stride(0), q.stride(1), block_tables.stride(0),
         k_scale.stride(0), k_scale.stride(1), *partial_strides, *lse_strides,
-        GROUP=group, NCOL=max(8, 1 << (2 * group - 1).bit_length()), HEAD_DIM=dim, WRITE_LSE=num_splits > 1,
+        GROUP=group, NCOL=columns(group), HEAD_DIM=dim, WRITE_LSE=num_splits > 1,
         STAGES=stages, SLOT_PAGES=slot_pages, num_warps=warps, maxnreg=max_registers)

@@ -184,7 +184,7 @@ def paged_copy(contiguous: torch.Tensor, block_size: int, generator: torch.Gener
 
 
 def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, bandwidth_gbs: float) -> dict:
-    from minillm.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+    from minillm.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref, use_hopper
 
     B, H, Hkv, S, D = shape.batch, shape.heads, shape.kv_heads, shape.context, shape.head_dim
     quantized = shape.kv_cache_dtype != "auto"
@@ -210,7 +210,10 @@ def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, b
 
     # What the kernel reads: K and V of every token and head, scales included.
     kv_bytes = 2 * B * S * Hkv * kv_layout(shape.kv_cache_dtype, D, dtype).bytes_per_token_head()
-    row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes}
+    row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes,
+           # which kernel paged_decode_attention ran: the Gluon one for int8 on sm_90 (paged_decode_hopper.py)
+           "kernel": "gluon_hopper" if use_hopper(q, k_pool, scales.get("k_scale"), None, shape.block_n or
+                                                  shape.num_warps) else "triton"}
     qb, kb, vb = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)  # SDPA reads contiguous K/V: no paging
     if quantized:  # SDPA cannot read a quantized cache: its timing is the unquantized row's
         ms = time_ms(triton_call, device)
@@ -280,14 +283,14 @@ def format_kernel_table(result: dict) -> str:
                      f"{row.get('kernel', 'triton'):>14}{cells[0]:>9}{cells[1]:>12}{cells[2]:>12}"
                      f"{(f'{frac:.0%}' if frac else '-'):>9}")
     if runs.get("decode"):
-        lines.append(f"{'decode (B,H,Hkv,ctx,D)':<26}{'KV':>10}{'triton GB/s':>13}{'ms':>9}{'SDPA flash':>12}"
+        lines.append(f"{'decode (B,H,Hkv,ctx,D)':<26}{'KV':>10}{'kernel':>14}{'GB/s':>8}{'ms':>9}{'SDPA flash':>12}"
                      f"{'of copy BW':>12}")
     for row in runs.get("decode", []):
         s = row["shape"]
         flash = f"{row['sdpa_flash']['gbs']:.0f}" if row.get("sdpa_flash") else "-"
         kv = decode_kv_label(s)
         lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['context'], s['head_dim'])):<26}{kv:>10}"
-                     f"{row['triton']['gbs']:>13.0f}{row['triton']['ms']:>9.3f}{flash:>12}"
+                     f"{row.get('kernel', 'triton'):>14}{row['triton']['gbs']:>8.0f}{row['triton']['ms']:>9.3f}{flash:>12}"
                      f"{row['fraction_of_bandwidth']:>12.0%}")
     if runs.get("quant"):
         lines.append(format_quant_table(runs["quant"]))

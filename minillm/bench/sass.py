@@ -183,9 +183,10 @@ def wgmma_loops(kernel) -> list[dict]:
     return loops
 
 
-def compile_gluon_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int):
+def compile_gluon_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int, maxnreg: int | None = None):
     """``compile_sm90`` for a @gluon.jit kernel (layouts are explicit: no stages, no alignment hints). A tensor
-    descriptor's type is "tensordesc<bf16[64,128],NVMMASharedLayout(...)>": dtype, block shape, layout repr."""
+    descriptor's type is "tensordesc<bf16[64,128],NVMMASharedLayout(...)>": dtype, block shape, layout repr.
+    ``maxnreg``: registers per thread at launch, as the kernel's launch passes it."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 is set: unset it before importing triton to compile SASS")
     import triton
@@ -193,7 +194,8 @@ def compile_gluon_sm90(fn, signature: dict[str, str], constexprs: dict, num_warp
     from triton.experimental.gluon._runtime import GluonASTSource
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps,
+                                                                               "maxnreg": maxnreg})
 
 
 def sass_result(benchmark: str, workload: str, command: str, runs) -> dict:
