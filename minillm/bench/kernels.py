@@ -9,8 +9,11 @@ Every shape is also checked against SDPA, so a fast wrong kernel cannot pass as 
 Decode also runs on quantized caches (``kv_cache_dtype`` int8 / fp8 / int4, ``minillm/kv/quant.py``):
 its GB/s count the bytes actually read, quantized K/V plus their scales, so "keeps its bandwidth
 utilisation while reading half the bytes" shows as the same fraction of copy bandwidth at half the
-time. Their error against SDPA on the unquantized K/V is the quantization's; their error against
-``paged_decode_attention_ref`` on the same quantized cache is the kernel's.
+time. Each quantized row is timed in three interleaved rounds with the same K/V in unquantized pools
+(``utilisation_vs_unquantized``: its GB/s over theirs, best round against best round, and round by round),
+since the two kernels meet the H200's sagging clocks differently (the Gluon int8 kernel is partly bound by
+its warps' latency, the bf16 one by memory). Their error against SDPA on the unquantized K/V is the
+quantization's; their error against ``paged_decode_attention_ref`` on the same quantized cache is the kernel's.
 
 FLOPs of causal attention: 4·D per (query, key) pair and head, S(S+1)/2 pairs per sequence — the
 convention of ``bench/roofline.py``. The weight-only quantized matmuls (W8A16, W4A16 against
@@ -118,19 +121,24 @@ SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBack
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
+def time_interleaved(calls: dict, device: torch.device) -> dict:
+    """{name: {"ms" (the best round), "ms_rounds"}} for each call: on a GPU timed in turn, three rounds, since an
+    H200's clocks sag by up to ~15 % within a minute of load, and a ratio is only fair when both sides saw the same
+    ones (figures/h200/sweeps/prefill_gluon, run 18); one round on a CPU."""
+    rounds = {name: [] for name in calls}
+    for _ in range(3 if device.type == "cuda" else 1):
+        for name, call in calls.items():
+            rounds[name].append(time_ms(call, device))
+    return {name: {"ms": min(times), "ms_rounds": times} for name, times in rounds.items()}
+
+
 def time_against_sdpa(triton_call, qkv, causal: bool, device: torch.device, rate) -> dict:
-    """{"triton": ..., "sdpa_flash": ..., ...}: each {"ms" (the best round), "ms_rounds", **rate(ms)}, None where
-    torch offers no such SDPA kernel for this input. On a GPU the candidates are timed in turn, three rounds: an
-    H200's clocks sag by up to ~15 % within a minute of tensor-core load, and a ratio is only fair when both sides
-    saw the same ones (figures/h200/sweeps/prefill_gluon, run 18)."""
+    """{"triton": ..., "sdpa_flash": ..., ...}: each {"ms" (the best round), "ms_rounds", **rate(ms)}
+    (``time_interleaved``), None where torch offers no such SDPA kernel for this input."""
     timed = {"triton": triton_call}
     timed |= {name: _sdpa(backend, *qkv, causal=causal) for name, backend in SDPA_BACKENDS.items()}
-    rounds = {name: [] for name, call in timed.items() if call is not None}
-    for _ in range(3 if device.type == "cuda" else 1):
-        for name in rounds:
-            rounds[name].append(time_ms(timed[name], device))
-    return {name: {"ms": min(rounds[name]), "ms_rounds": rounds[name], **rate(min(rounds[name]))}
-            if name in rounds else None for name in timed}
+    times = time_interleaved({name: call for name, call in timed.items() if call is not None}, device)
+    return {name: times[name] | rate(times[name]["ms"]) if name in times else None for name in timed}
 
 
 def causal_flops(shape: PrefillShape) -> float:
@@ -199,6 +207,7 @@ def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, b
     lens = torch.full((B,), S, dtype=torch.int32, device=device)
     out = torch.full_like(q, float("nan"))
     scales = {}
+    plain_pools = (k_pool, v_pool)
     if quantized:
         k_pool, k_scale = quantize_kv(k_pool, shape.kv_cache_dtype)
         v_pool, v_scale = quantize_kv(v_pool, shape.kv_cache_dtype)
@@ -215,9 +224,18 @@ def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, b
            "kernel": "gluon_hopper" if use_hopper(q, k_pool, scales.get("k_scale"), None, shape.block_n or
                                                   shape.num_warps) else "triton"}
     qb, kb, vb = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)  # SDPA reads contiguous K/V: no paging
-    if quantized:  # SDPA cannot read a quantized cache: its timing is the unquantized row's
-        ms = time_ms(triton_call, device)
-        row["triton"] = {"ms": ms, "gbs": kv_bytes / ms / 1e6}
+    if quantized:
+        # SDPA cannot read a quantized cache. The same K/V unquantized (bf16 on a GPU), timed in the same rounds, is
+        # the comparison issue 6 asks for: the quantized kernel should keep the unquantized kernel's utilisation.
+        plain_bytes = 2 * B * S * Hkv * D * k.element_size()
+        plain_out = torch.empty_like(q)
+        times = time_interleaved({"triton": triton_call, "unquantized": lambda: paged_decode_attention(
+            q, *plain_pools, tables, lens, out=plain_out)}, device)
+        row["triton"] = times["triton"] | {"gbs": kv_bytes / times["triton"]["ms"] / 1e6}
+        row["unquantized"] = times["unquantized"] | {"gbs": plain_bytes / times["unquantized"]["ms"] / 1e6}
+        row["utilisation_vs_unquantized"] = row["triton"]["gbs"] / row["unquantized"]["gbs"]  # best against best
+        row["utilisation_vs_unquantized_rounds"] = [kv_bytes * plain / (plain_bytes * mine) for mine, plain in zip(
+            times["triton"]["ms_rounds"], times["unquantized"]["ms_rounds"])]
     else:
         row |= time_against_sdpa(triton_call, (qb, kb, vb), False, device, lambda ms: {"gbs": kv_bytes / ms / 1e6})
     reference = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), enable_gqa=Hkv != H)[:, :, 0]
@@ -284,14 +302,15 @@ def format_kernel_table(result: dict) -> str:
                      f"{(f'{frac:.0%}' if frac else '-'):>9}")
     if runs.get("decode"):
         lines.append(f"{'decode (B,H,Hkv,ctx,D)':<26}{'KV':>10}{'kernel':>14}{'GB/s':>8}{'ms':>9}{'SDPA flash':>12}"
-                     f"{'of copy BW':>12}")
+                     f"{'of copy BW':>12}{'of unquant.':>13}")
     for row in runs.get("decode", []):
         s = row["shape"]
         flash = f"{row['sdpa_flash']['gbs']:.0f}" if row.get("sdpa_flash") else "-"
         kv = decode_kv_label(s)
         lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['context'], s['head_dim'])):<26}{kv:>10}"
                      f"{row.get('kernel', 'triton'):>14}{row['triton']['gbs']:>8.0f}{row['triton']['ms']:>9.3f}{flash:>12}"
-                     f"{row['fraction_of_bandwidth']:>12.0%}")
+                     f"{row['fraction_of_bandwidth']:>12.0%}"
+                     + (f"{row['utilisation_vs_unquantized']:>13.0%}" if "utilisation_vs_unquantized" in row else ""))
     if runs.get("quant"):
         lines.append(format_quant_table(runs["quant"]))
     return "\n".join(lines)
