@@ -370,6 +370,9 @@ def use_hopper(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | N
     """Whether ``paged_decode_attention`` runs the Gluon int8 kernel (its docstring says when)."""
     if hopper is False or (hopper is None and launch_overridden):
         return False
+    if hopper and launch_overridden:
+        raise ValueError("hopper=True runs the Gluon int8 decode kernel, which takes no block_n / num_warps / "
+                         "num_stages (they configure the Triton kernel); pass one or the other")
     reason = hopper_unsupported(q, k_cache, k_scale) if k_scale is not None else "the cache is not quantized"
     if reason and hopper:
         raise ValueError(f"hopper=True, but the Gluon int8 decode kernel cannot run these inputs: {reason}")

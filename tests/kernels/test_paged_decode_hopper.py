@@ -95,6 +95,8 @@ def test_demanding_the_kernel_where_it_cannot_run_says_why():
     q, kq, vq, ks, vs, tables, _, ctx = quantized_paged([1, 1], [20, 9], 4, 2, 64, 16, torch.float16, "int8", seed=2)
     with pytest.raises(ValueError, match="hopper=True.*cannot run"):
         paged_decode_attention(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs, hopper=True)
+    with pytest.raises(ValueError, match="hopper=True.*block_n"):
+        paged_decode_attention(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs, hopper=True, block_n=32)
     float_q, float_cache = q.float(), kq.float()
     with pytest.raises(ValueError, match="hopper=True.*not quantized"):
         paged_decode_attention(float_q, float_cache, float_cache, tables, ctx, hopper=True)

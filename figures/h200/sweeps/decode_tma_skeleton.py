@@ -17,7 +17,7 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -27,6 +27,7 @@ from minillm.bench.kernels import time_ms  # noqa: E402
 from minillm.bench.roofline import measure_bandwidth  # noqa: E402
 from minillm.kernels.flash_attention_hopper import tma_load  # noqa: E402  (the name differs across Triton versions)
 from minillm.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from minillm.kernels.paged_decode_hopper import kv_ring  # noqa: E402  (the kernel's ring, the same instructions)
 PAGE = 16
 ID_CHUNK = gl.constexpr(32)
 
@@ -62,14 +63,7 @@ def _consumer(full, empty, n_pages, STAGES: gl.constexpr):
 def skeleton_kernel(k_desc, v_desc, tables, stride_t, context_lens, STAGES: gl.constexpr, HB: gl.constexpr,
                     HEAD_DIM: gl.constexpr):
     n_pages = gl.cdiv(gl.load(context_lens + gl.program_id(0)), 16)
-    k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HB * HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HB * HEAD_DIM], v_desc.layout)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    fence_async_shared()
+    k_smem, v_smem, full, empty = kv_ring(k_desc, v_desc, [STAGES, 16, HB * HEAD_DIM])
     gl.warp_specialize([
         (_consumer, (full, empty, n_pages, STAGES)),
         (_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, tables, stride_t, n_pages, STAGES, HB, HEAD_DIM)),
