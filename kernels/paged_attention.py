@@ -54,7 +54,7 @@ from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequan
                                         kv_quant_mode, per_token_codes, per_token_query, per_token_rows,
                                         per_token_scales, reads_int8_words, scale_heads, scale_strides, tile_channels)
 from minillm.kernels.int_float import int8_words_to_fp16
-from minillm.kernels.paged_decode_hopper import int8_decode
+from minillm.kernels.paged_decode_hopper import HEADS_PER_PROGRAM, int8_decode
 from minillm.kernels.paged_decode_hopper import unsupported as hopper_unsupported
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE, merge_by_kernel,
@@ -365,15 +365,15 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale,
     return quant
 
 
-def use_hopper(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None, hopper: bool | None,
-                launch_overridden) -> bool:
+def use_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               hopper: bool | None, launch_overridden) -> bool:
     """Whether ``paged_decode_attention`` runs the Gluon int8 kernel (its docstring says when)."""
     if hopper is False or (hopper is None and launch_overridden):
         return False
     if hopper and launch_overridden:
         raise ValueError("hopper=True runs the Gluon int8 decode kernel, which takes no block_n / num_warps / "
                          "num_stages (they configure the Triton kernel); pass one or the other")
-    reason = hopper_unsupported(q, k_cache, k_scale) if k_scale is not None else "the cache is not quantized"
+    reason = hopper_unsupported(q, k_cache, v_cache, k_scale) if k_scale is not None else "the cache is not quantized"
     if reason and hopper:
         raise ValueError(f"hopper=True, but the Gluon int8 decode kernel cannot run these inputs: {reason}")
     return reason is None
@@ -408,7 +408,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the merge kernel whatever ``merge`` says (the same result).
     """
     quant = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
-    gluon = use_hopper(q, k_cache, k_scale, hopper, block_n or num_warps or num_stages)
+    gluon = use_hopper(q, k_cache, v_cache, k_scale, hopper, block_n or num_warps or num_stages)
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -417,14 +417,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = block_n or (64 if on_gpu else 16)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's minimum), got {block_n}")
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, _num_sms(q.device))
+    if num_splits is None:  # the Gluon kernel's program takes a pair of KV heads
+        programs = kv_heads // HEADS_PER_PROGRAM if gluon else kv_heads
+        num_splits = choose_num_splits(batch, programs, block_tables.shape[1] * block_size, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     merge = DEFAULT_MERGE if merge is None else merge
     if merge not in MERGES:
         raise ValueError(f"merge must be one of {sorted(MERGES)}, got {merge!r}")
-    if merge == "last_split" and num_splits > 1 and batch * kv_heads > MAX_TILES:
+    if merge == "last_split" and num_splits > 1 and batch * kv_heads > MAX_TILES and not gluon:
         raise ValueError(f"merge='last_split' needs an arrival counter per (sequence, KV head): batch {batch} x "
                          f"{kv_heads} KV heads > {MAX_TILES} (split_k.MAX_TILES); use merge='kernel'")
     scale = dim ** -0.5 if scale is None else scale

@@ -32,17 +32,18 @@ path, a TMA ring and consumers that only wait, read the same pools at 99 % of co
   (``int_float.int8_words_to_fp16``'s trick without its two subtractions): each score starts from -1152 sum(q),
   computed once by the same product, and each step's output from -1152 sum(weights).
 - **Scales on scores and weights**, as in ``kv_dequant.py``: K's per-token scale multiplies the scores, V's the
-  weights, relative to the largest V scale a column has met (so that they stay in fp16's range), and q is divided
-  by a power of two into fp16 (``per_token_query``'s rule). The scales are loaded a step ahead and their block ids
+  weights, relative to the largest V scale a column has met (so that they stay in fp16's range; the Triton kernel
+  takes each tile's largest, so where a warp's V scales span more than about 1e4 this one rounds the smaller
+  weights more coarsely, in fp16's subnormals), and q is divided by a power of two into fp16 (``per_token_query``'s
+  rule). The scales are loaded a step ahead and their block ids
   two: loaded in one chain per step, they held the warps (figures/h200/sweeps/ncu_decode_gluon.json).
 
 Measured on the H200 (B=64, 2048 tokens, 32/8 heads, D=128): 72 µs, 91 % of copy bandwidth, where the Triton kernel
 takes 118 µs on the same pools and 125 µs on bf16 ones (103 %); 89 % of the bf16 kernel's utilisation in the same
 interleaved rounds, best against best, 80-89 % round by round (figures/h200/kernels_decode_quant.json,
 figures/h200/sweeps/decode_int8_gluon.json). What is left: the consumers are bound by their latency, not by issue
-(ncu: the warps wait at the two barriers a step, the slot's release and the one the compiler puts before the
-mbarrier wait), so a lower SM clock slows them (81 against 72 µs in one run's rounds), and registers allow two
-programs an SM.
+(ncu: the warps wait at the two barriers a step, the slot's release and one Triton 3.6 puts before the mbarrier
+wait), and registers allow two programs an SM.
 
 Split-K and the merge are ``paged_attention.py``'s: with more than one split the programs write partials and lse
 to its workspace and ``merge_by_kernel`` merges them. Not under Triton's interpreter (Gluon has none): its tests
@@ -78,7 +79,7 @@ MAX_REGISTERS = 128  # per thread at launch, 8 warps (the producer's warpgroup c
 ID_CHUNK = 32  # block ids loaded at once by the producer
 
 
-def unsupported(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor) -> str | None:
+def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor) -> str | None:
     """Why this kernel cannot run ``paged_decode_attention``'s checked int8 inputs, or None if it can."""
     if not GLUON_USABLE:
         import triton
@@ -100,9 +101,9 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor) -
     # One 3-D TMA descriptor over the pool seen as [blocks * 16, kv_heads, head_dim].
     if k_cache.stride()[1:] != (kv_heads * dim, dim, 1) or k_cache.stride(0) != page * kv_heads * dim:
         return f"it needs a contiguous pool, got strides {k_cache.stride()}"
-    if k_cache.data_ptr() % TMA_ALIGN:
-        return f"its TMA descriptor needs a {TMA_ALIGN}-byte aligned pool"
-    if k_scale.stride(2) != 1 and kv_heads > 1:
+    if k_cache.data_ptr() % TMA_ALIGN or v_cache.data_ptr() % TMA_ALIGN:
+        return f"its TMA descriptors need {TMA_ALIGN}-byte aligned pools"
+    if k_scale.stride(2) != 1:  # (v_scale's strides equal k_scale's: kv_quant_mode checked)
         return f"it needs each token's scales contiguous, got strides {k_scale.stride()}"
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "it needs an sm_90 GPU (H100/H200)"
@@ -370,7 +371,10 @@ if GLUON_USABLE:
         fence_async_shared()
         return k_smem, v_smem, full, empty
 
-    @gluon.jit
+    # As paged_attention's _split_kernel: arguments that change with the batch are not specialised, so that a new
+    # split count or table width does not compile a new variant mid-run.
+    @gluon.jit(do_not_specialize=["num_splits", "stride_bt", "stride_ob", "stride_oh", "stride_os", "stride_lb",
+                                  "stride_lh"])
     def _int8_decode_kernel(Q, k_desc, v_desc, KScale, VScale, O, Lse, block_tables, context_lens,
                             qk_scale, num_splits, stride_qb, stride_qh, stride_bt, stride_sb, stride_st,
                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
@@ -411,6 +415,11 @@ def int8_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     (the output itself when num_splits == 1) and, with splits, ``lse``. ``qk_scale`` is the softmax scale times
     log2(e). ``stages``, ``max_registers`` (per thread at launch), ``warps`` (the consumers') and ``slot_pages`` are for
     sweeps."""
+    rows = 2 * PAGE * slot_pages // warps  # a consumer warp's rows a step: a whole number of m16 tiles, even pages
+    if ID_CHUNK % slot_pages or rows % 16 or stages < 1:
+        raise ValueError(f"slot_pages must divide {ID_CHUNK} and give each of the {warps} consumer warps a multiple "
+                         f"of 16 rows (2 x 16 x slot_pages / warps), and stages must be >= 1; got slot_pages="
+                         f"{slot_pages}, warps={warps}, stages={stages}")
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads

@@ -221,7 +221,7 @@ def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, b
     kv_bytes = 2 * B * S * Hkv * kv_layout(shape.kv_cache_dtype, D, dtype).bytes_per_token_head()
     row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes,
            # which kernel paged_decode_attention ran: the Gluon one for int8 on sm_90 (paged_decode_hopper.py)
-           "kernel": "gluon_hopper" if use_hopper(q, k_pool, scales.get("k_scale"), None, shape.block_n or
+           "kernel": "gluon_hopper" if use_hopper(q, k_pool, v_pool, scales.get("k_scale"), None, shape.block_n or
                                                   shape.num_warps) else "triton"}
     qb, kb, vb = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)  # SDPA reads contiguous K/V: no paging
     if quantized:

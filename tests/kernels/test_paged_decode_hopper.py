@@ -2,7 +2,7 @@
 when ``paged_decode_attention`` picks it.
 
 Gluon has no interpreter, so the numerical tests need an sm_90 GPU; on the CPU the dispatch and its reasons are
-tested, and tests/test_hopper_sass.py compiles the kernel for sm_90.
+tested, and tests/test_decode_hopper_sass.py compiles the kernel for sm_90 and checks its loops.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm_90 GPUs only (no interpreter)")
 
 CASES = [
-    # context_lens, heads, kv_heads, head_dim, num_splits, dtype: lengths around a page (16) and a slot (32),
-    # a split count that leaves splits empty, GQA 1 (Llama-2), 2, 4 and 8 (16 columns), head_dim 64 and 128.
+    # context_lens, heads, kv_heads, head_dim, num_splits, dtype: lengths around a page (16 tokens) and a slot (64),
+    # a split count that leaves splits empty, GQA 1 (Llama-2), 2, 4 and 8 (16 columns), head_dim 64 and 128, and a
+    # split of 94 pages (the producer's last chunk of block ids partial: 32 + 32 + 30).
     ([1, 15, 16, 17, 31, 32, 33, 2048], 32, 8, 128, 1, torch.bfloat16),
+    ([63, 64, 65, 1500], 32, 8, 128, 1, torch.bfloat16),
     ([1, 15, 16, 17, 31, 32, 33, 2048], 32, 8, 128, 5, torch.bfloat16),
     ([1, 100, 333], 8, 8, 128, 1, torch.float16),
     ([70, 7, 500], 16, 2, 64, 3, torch.bfloat16),
@@ -79,15 +81,17 @@ def _inputs(dtype=torch.bfloat16, cache=torch.int8, block=16, kv_heads=8, heads=
 ])
 def test_unsupported_names_the_reason(change, reason):
     q, k_cache, k_scale = _inputs(**change)
-    assert reason in hopper.unsupported(q, k_cache, k_scale)
+    assert reason in hopper.unsupported(q, k_cache, k_cache, k_scale)
 
 
 def test_unsupported_needs_a_contiguous_pool_and_an_sm90_gpu():
     q, k_cache, k_scale = _inputs()
     wide = torch.zeros(4, 16, 8, 256, dtype=torch.int8)[..., :128]
-    assert "contiguous pool" in hopper.unsupported(q, wide, k_scale)
+    assert "contiguous pool" in hopper.unsupported(q, wide, wide, k_scale)
+    offset = torch.zeros(4 * 16 * 8 * 128 + 8, dtype=torch.int8)[8:].view(4, 16, 8, 128)  # 8 bytes past alignment
+    assert "aligned" in hopper.unsupported(q, k_cache, offset, k_scale)
     if not SM90:
-        assert hopper.unsupported(q, k_cache, k_scale) is not None
+        assert hopper.unsupported(q, k_cache, k_cache, k_scale) is not None
 
 
 @pytest.mark.skipif(SM90, reason="checks the refusal where the kernel cannot run")
@@ -95,8 +99,49 @@ def test_demanding_the_kernel_where_it_cannot_run_says_why():
     q, kq, vq, ks, vs, tables, _, ctx = quantized_paged([1, 1], [20, 9], 4, 2, 64, 16, torch.float16, "int8", seed=2)
     with pytest.raises(ValueError, match="hopper=True.*cannot run"):
         paged_decode_attention(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs, hopper=True)
+
+
+def test_demanding_the_kernel_with_launch_overrides_or_a_float_cache_is_refused():
+    q, kq, vq, ks, vs, tables, _, ctx = quantized_paged([1, 1], [20, 9], 4, 2, 64, 16, torch.float16, "int8", seed=2)
     with pytest.raises(ValueError, match="hopper=True.*block_n"):
         paged_decode_attention(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs, hopper=True, block_n=32)
     float_q, float_cache = q.float(), kq.float()
     with pytest.raises(ValueError, match="hopper=True.*not quantized"):
         paged_decode_attention(float_q, float_cache, float_cache, tables, ctx, hopper=True)
+
+
+@needs_sm90
+def test_launch_overrides_choose_the_triton_kernel(monkeypatch):
+    q, kq, vq, ks, vs, tables, _, ctx = quantized_paged([1, 1], [200, 90], 8, 2, 128, 16, torch.bfloat16, "int8",
+                                                        seed=4)
+    calls = []
+    monkeypatch.setattr("minillm.kernels.paged_attention.int8_decode", lambda *a: calls.append(1))
+    got = paged_decode_attention(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs, block_n=32)
+    assert calls == []
+    torch.testing.assert_close(got, paged_decode_attention_ref(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs),
+                               **TOL[torch.bfloat16])
+
+
+@needs_sm90
+def test_hopper_int8_decode_replays_in_a_cuda_graph():
+    """The engine captures decode in CUDA graphs and replays them after copying new lengths and block tables into
+    the same tensors: the grid and the TMA descriptors (over the pools, fixed) must not depend on them."""
+    q, kq, vq, ks, vs, tables, _, ctx = quantized_paged([1] * 4, [700, 30, 1, 333], 32, 8, 128, 16, torch.bfloat16,
+                                                        "int8", seed=6)
+    out = torch.full_like(q, float("nan"))
+    ws = PagedAttentionWorkspace.allocate(4, 32, 128, 4, q.device)
+    call = lambda: paged_decode_attention(q, kq, vq, tables, ctx, num_splits=4, out=out, workspace=ws,  # noqa: E731
+                                          k_scale=ks, v_scale=vs, hopper=True)
+    call()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    # Then each sequence reads another's blocks (the rows reversed), no further than that one's tokens: past them
+    # lie NaN slots.
+    for lens, new_tables in (([700, 30, 1, 333], tables.clone()), ([300, 1, 17, 699], tables.flip(0))):
+        ctx.copy_(torch.tensor(lens, dtype=torch.int32))
+        tables.copy_(new_tables)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(out, paged_decode_attention_ref(q, kq, vq, tables, ctx, k_scale=ks, v_scale=vs),
+                                   **TOL[torch.bfloat16])

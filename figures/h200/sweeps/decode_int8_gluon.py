@@ -2,8 +2,10 @@
 pools and on bf16 pools, and the copy bandwidth, in one process, three interleaved rounds (H200 clocks sag under
 load, so rounds interleave rather than run one candidate after another).
 
-Shapes: the bench's B=64, 2048 tokens, 32/8 heads, D=128, 16-token pages (``minillm bench kernels``' decode rows),
-and batch 1 / 8 at 2k-16k tokens (split-K). Fractions are of the copy bandwidth measured here.
+Shapes, all 32/8 heads, D=128, 16-token pages: the bench's B=64 with 2048 tokens (``minillm bench kernels``' decode
+rows, where variants of the Gluon kernel's launch are timed too), B=1 with 16384 and B=8 with 4096 (split-K), and
+B=128 with 1024. Fractions are of the copy bandwidth measured here. The history of runs is in
+decode_int8_gluon_run*.json (their "commit" says which code).
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/decode_int8_gluon.py``.
 """
 import os
