@@ -54,7 +54,7 @@ from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequan
                                         kv_quant_mode, per_token_codes, per_token_query, per_token_rows,
                                         per_token_scales, reads_int8_words, scale_heads, scale_strides, tile_channels)
 from minillm.kernels.int_float import int8_words_to_fp16
-from minillm.kernels.paged_decode_hopper import HEADS_PER_PROGRAM, int8_decode
+from minillm.kernels.paged_decode_hopper import int8_decode
 from minillm.kernels.paged_decode_hopper import unsupported as hopper_unsupported
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE, merge_by_kernel,
@@ -417,9 +417,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = block_n or (64 if on_gpu else 16)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's minimum), got {block_n}")
-    if num_splits is None:  # the Gluon kernel's program takes a pair of KV heads
-        programs = kv_heads // HEADS_PER_PROGRAM if gluon else kv_heads
-        num_splits = choose_num_splits(batch, programs, block_tables.shape[1] * block_size, _num_sms(q.device))
+    if num_splits is None:
+        # Counted in the Triton kernel's programs (one per KV head) for the Gluon kernel too, whose programs take a
+        # pair: counting pairs gave B=64 two splits (two waves, 72 -> 82 us) and B=1 twice the splits (17.7 -> 20.3
+        # us at 16k tokens) on the H200 (figures/h200/sweeps/decode_int8_gluon_run10.json).
+        num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     merge = DEFAULT_MERGE if merge is None else merge
