@@ -10,9 +10,10 @@ Decode also runs on quantized caches (``kv_cache_dtype`` int8 / fp8 / int4, ``mi
 its GB/s count the bytes actually read, quantized K/V plus their scales, so "keeps its bandwidth
 utilisation while reading half the bytes" shows as the same fraction of copy bandwidth at half the
 time. Each quantized row is timed in three interleaved rounds with the same K/V in unquantized pools
-(``utilisation_vs_unquantized``: its GB/s over theirs, best round against best round, and round by round),
-since the two kernels meet the H200's sagging clocks differently (the Gluon int8 kernel is partly bound by
-its warps' latency, the bf16 one by memory). Their error against SDPA on the unquantized K/V is the
+(``utilisation_vs_unquantized``: its GB/s over theirs, best round against best round, and round by round):
+both kernels' times vary between rounds, and a ratio is only fair within the same ones. A row's "triton"
+entry is minillm's kernel, whichever ran ("kernel": "triton" or "gluon_hopper"; the key predates the Gluon
+kernels). Their error against SDPA on the unquantized K/V is the
 quantization's; their error against ``paged_decode_attention_ref`` on the same quantized cache is the kernel's.
 
 FLOPs of causal attention: 4·D per (query, key) pair and head, S(S+1)/2 pairs per sequence — the
