@@ -26,7 +26,7 @@ Two ideas make that possible:
 the values in ``context_lens``: each program reads its sequence's length on the GPU and derives its
 split's token range there (an empty range writes a partial of weight zero). A graph captured once
 can therefore be replayed after new lengths and block tables are copied into the same tensors. The
-partials live in a ``PagedAttentionWorkspace``; pass one allocated for the largest batch and split
+partials live in a ``PagedAttentionWorkspace`` (``split_merge.py``); pass one allocated for the largest batch and split
 count and every captured graph reuses that one buffer (views of its leading rows), instead of each
 capture keeping its own allocation. Without one the wrapper allocates per call, which is fine eagerly.
 The last-split merge's arrival counters (``split_k.tile_counters``) are left at zero by every
@@ -42,8 +42,6 @@ A quantized cache (int8, fp8 or packed int4, ``minillm/kv/quant.py``) comes with
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
@@ -54,10 +52,10 @@ from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequan
                                         kv_quant_mode, per_token_codes, per_token_query, per_token_rows,
                                         per_token_scales, reads_int8_words, scale_heads, scale_strides, tile_channels)
 from minillm.kernels.int_float import int8_words_to_fp16
-from minillm.kernels.paged_decode_hopper import int8_decode
-from minillm.kernels.paged_decode_hopper import unsupported as hopper_unsupported
+from minillm.kernels.paged_decode_hopper import int8_decode, use_hopper
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
-from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE, merge_by_kernel,
+from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE,
+                                         PagedAttentionWorkspace, _num_sms, choose_num_splits, merge_by_kernel,
                                          merge_splits)
 from minillm.kv.quant import INT4_GROUP_SIZE
 
@@ -288,41 +286,6 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
 # ----------------------------------------------------------------------------- wrapper
 
 
-@dataclass
-class PagedAttentionWorkspace:
-    """Stage 1's partial results: ``out`` [max_batch, H, max_splits, D] fp32 (each split's normalised
-    output) and ``lse`` [max_batch, H, max_splits] fp32 (natural-log softmax denominators). A call
-    with batch B and S splits uses the views [:B, :, :S], so one workspace serves every smaller shape."""
-
-    out: torch.Tensor
-    lse: torch.Tensor
-
-    @classmethod
-    def allocate(cls, max_batch: int, num_heads: int, head_dim: int, max_splits: int,
-                 device: torch.device | str) -> PagedAttentionWorkspace:
-        return cls(torch.empty(max_batch, num_heads, max_splits, head_dim, dtype=torch.float32, device=device),
-                   torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device))
-
-
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
-                      min_split_tokens: int = 128) -> int:
-    """How many splits per sequence: enough stage-1 programs for about two waves over the SMs, but
-    no split shorter than ``min_split_tokens`` (two 64-token tiles: shorter splits spend more on
-    their partial's write and merge than they gain). ``max_context`` is the table's capacity
-    (max_blocks * block_size), not an actual length, so the choice depends on shapes only.
-
-    Both numbers come from a sweep of split counts (8..128) on the H200 at batch 1, 2k-32k tokens."""
-    programs = batch * num_kv_heads
-    wanted = _cdiv(2 * num_sms, programs)
-    return max(1, min(wanted, max_context // min_split_tokens))
-
-
-@lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    # No SMs under the interpreter: one, so that num_splits=None means no split on the CPU.
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale) -> tl.constexpr:
     """Everything that can be checked without reading device memory; returns the cache's KV_QUANT."""
     if q.dim() != 3:
@@ -363,20 +326,6 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale,
             raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}; all must share one device")
     check_runnable("q", q)
     return quant
-
-
-def use_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-               hopper: bool | None, launch_overridden) -> bool:
-    """Whether ``paged_decode_attention`` runs the Gluon int8 kernel (its docstring says when)."""
-    if hopper is False or (hopper is None and launch_overridden):
-        return False
-    if hopper and launch_overridden:
-        raise ValueError("hopper=True runs the Gluon int8 decode kernel, which takes no block_n / num_warps / "
-                         "num_stages (they configure the Triton kernel); pass one or the other")
-    reason = hopper_unsupported(q, k_cache, v_cache, k_scale) if k_scale is not None else "the cache is not quantized"
-    if reason and hopper:
-        raise ValueError(f"hopper=True, but the Gluon int8 decode kernel cannot run these inputs: {reason}")
-    return reason is None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -110,6 +110,22 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
     return None
 
 
+def use_hopper(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               hopper: bool | None, launch_overridden) -> bool:
+    """Whether ``paged_decode_attention`` runs this kernel (its docstring says when): ``hopper`` None (where it can
+    run), False or True (demanded: a ValueError with the reason where it cannot); ``launch_overridden``: the call
+    set the Triton kernel's launch (block_n, num_warps or num_stages)."""
+    if hopper is False or (hopper is None and launch_overridden):
+        return False
+    if hopper and launch_overridden:
+        raise ValueError("hopper=True runs the Gluon int8 decode kernel, which takes no block_n / num_warps / "
+                         "num_stages (they configure the Triton kernel); pass one or the other")
+    reason = unsupported(q, k_cache, v_cache, k_scale) if k_scale is not None else "the cache is not quantized"
+    if reason and hopper:
+        raise ValueError(f"hopper=True, but the Gluon int8 decode kernel cannot run these inputs: {reason}")
+    return reason is None
+
+
 if GLUON_USABLE:
     _PAGE = gl.constexpr(PAGE)
     _LN2 = gl.constexpr(math.log(2.0))
@@ -225,22 +241,20 @@ if GLUON_USABLE:
     @gluon.jit
     def _row_pages(table, step, first, ctx, layout: gl.constexpr, WARPS: gl.constexpr, SLOT_PAGES: gl.constexpr):
         """Slot ``step``'s rows (page, token, head), [warps, rows / warps]: the block id of each (0 past the context),
-        which lie in the context, and their token slots. The ids stay int32 until used: widened here, the widening
-        would wait for the load at once."""
+        which lie in the context, and the rows' indices in the slot. The ids stay int32 until used: widened here, the
+        widening would wait for the load at once."""
         WARP_ROWS: gl.constexpr = 2 * _PAGE * SLOT_PAGES // WARPS
         rows = (gl.arange(0, WARPS, layout=gl.SliceLayout(1, layout))[:, None] * WARP_ROWS
                 + gl.arange(0, WARP_ROWS, layout=gl.SliceLayout(0, layout))[None, :])
         page_index = SLOT_PAGES * step + rows // (2 * _PAGE)
-        token = (rows // 2) % _PAGE
-        valid = (first + page_index) * _PAGE + token < ctx
-        return gl.load(table + page_index, mask=valid, other=0), valid, token
+        valid = (first + page_index) * _PAGE + (rows // 2) % _PAGE < ctx
+        return gl.load(table + page_index, mask=valid, other=0), valid, rows
 
     @gluon.jit
     def _row_scales(KScale, VScale, pages, kv_head, stride_sb, stride_st):
         """The per-token scales of K and V for the rows ``_row_pages`` described, in fp32, 0 past the context."""
-        block, valid, token = pages
-        at = block.to(gl.int64) * stride_sb + token * stride_st + kv_head + gl.arange(
-            0, valid.shape[1], layout=gl.SliceLayout(0, valid.type.layout))[None, :] % 2
+        block, valid, rows = pages
+        at = block.to(gl.int64) * stride_sb + (rows // 2) % _PAGE * stride_st + kv_head + rows % 2
         return (gl.load(KScale + at, mask=valid, other=0.0).to(gl.float32),
                 gl.load(VScale + at, mask=valid, other=0.0).to(gl.float32), valid)
 
@@ -248,7 +262,7 @@ if GLUON_USABLE:
     def _consumer(Q, KScale, VScale, O, Lse, k_smem, v_smem, full, empty, block_tables, context_lens, qk_scale,
                   num_splits, stride_qb, stride_qh, stride_bt, stride_sb, stride_st, stride_ob, stride_oh, stride_os,
                   stride_lb, stride_lh, GROUP: gl.constexpr, NCOL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  WRITE_LSE: gl.constexpr, SWIZZLE: gl.constexpr, STAGES: gl.constexpr, SLOT_PAGES: gl.constexpr):
+                  WRITE_LSE: gl.constexpr, STAGES: gl.constexpr, SLOT_PAGES: gl.constexpr):
         """The consumer warps: attention over each slot the producer fills."""
         WARPS: gl.constexpr = gl.num_warps()
         WARP_ROWS: gl.constexpr = 2 * _PAGE * SLOT_PAGES // WARPS
@@ -271,7 +285,8 @@ if GLUON_USABLE:
         v_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         # V read as int16 pairs of channels, transposed (ldmatrix.trans moves 16-bit elements): [warps, D / 2, rows].
-        pairs_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=SWIZZLE, element_bitwidth=16, rank=3)
+        pairs_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=v_smem.layout.swizzle_byte_width,
+                                                          element_bitwidth=16, rank=3)
 
         q, q_unit = _query(Q, stride_qb, stride_qh, b, first_head, GROUP, NCOL, HEAD_DIM, q_op, cols_l, WARPS)
         cols = gl.arange(0, NCOL, layout=gl.SliceLayout(0, cols_l))
@@ -384,8 +399,7 @@ if GLUON_USABLE:
         gl.warp_specialize([
             (_consumer, (Q, KScale, VScale, O, Lse, k_smem, v_smem, full, empty, block_tables, context_lens, qk_scale,
                          num_splits, stride_qb, stride_qh, stride_bt, stride_sb, stride_st, stride_ob, stride_oh,
-                         stride_os, stride_lb, stride_lh, GROUP, NCOL, HEAD_DIM, WRITE_LSE,
-                         v_desc.layout.swizzle_byte_width, STAGES, SLOT_PAGES)),
+                         stride_os, stride_lb, stride_lh, GROUP, NCOL, HEAD_DIM, WRITE_LSE, STAGES, SLOT_PAGES)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, full, empty, block_tables, stride_bt, context_lens,
                          num_splits, STAGES, SLOT_PAGES)),
         ], [1], [_LOADER_REGS])

@@ -10,9 +10,16 @@ torch reference, says how; exercise ex04 writes it) can run in two places, and b
 - the last stage-1 program of each (sequence, KV head) to finish, inside stage 1, found with an
   arrival counter as ``split_k.py`` does for the quantized matmuls (``merge="last_split"``): one
   launch fewer per layer and token.
+
+How many splits (``choose_num_splits``) and where their partials live between the stages
+(``PagedAttentionWorkspace``) are decided here too: both decode kernels, ``paged_attention.py``'s and
+``paged_decode_hopper.py``'s, write into the one workspace and are merged by ``merge_by_kernel``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -92,3 +99,38 @@ def merge_by_kernel(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
     _merge_kernel[(batch, heads)](
         partial, lse, out, num_splits, *partial_strides, *lse_strides, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl_supported(out.device), **({"num_warps": 1} if out.is_cuda else {}))
+
+
+@dataclass
+class PagedAttentionWorkspace:
+    """Stage 1's partial results: ``out`` [max_batch, H, max_splits, D] fp32 (each split's normalised
+    output) and ``lse`` [max_batch, H, max_splits] fp32 (natural-log softmax denominators). A call
+    with batch B and S splits uses the views [:B, :, :S], so one workspace serves every smaller shape."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_batch: int, num_heads: int, head_dim: int, max_splits: int,
+                 device: torch.device | str) -> PagedAttentionWorkspace:
+        return cls(torch.empty(max_batch, num_heads, max_splits, head_dim, dtype=torch.float32, device=device),
+                   torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device))
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
+                      min_split_tokens: int = 128) -> int:
+    """How many splits per sequence: enough stage-1 programs for about two waves over the SMs, but
+    no split shorter than ``min_split_tokens`` (two 64-token tiles: shorter splits spend more on
+    their partial's write and merge than they gain). ``max_context`` is the table's capacity
+    (max_blocks * block_size), not an actual length, so the choice depends on shapes only.
+
+    Both numbers come from a sweep of split counts (8..128) on the H200 at batch 1, 2k-32k tokens."""
+    programs = batch * num_kv_heads
+    wanted = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(wanted, max_context // min_split_tokens))
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    # No SMs under the interpreter: one, so that num_splits=None means no split on the CPU.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
