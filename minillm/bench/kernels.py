@@ -310,7 +310,8 @@ def format_kernel_table(result: dict) -> str:
         flash = f"{row['sdpa_flash']['gbs']:.0f}" if row.get("sdpa_flash") else "-"
         kv = decode_kv_label(s)
         lines.append(f"{str((s['batch'], s['heads'], s['kv_heads'], s['context'], s['head_dim'])):<26}{kv:>10}"
-                     f"{row.get('kernel', 'triton'):>14}{row['triton']['gbs']:>8.0f}{row['triton']['ms']:>9.3f}{flash:>12}"
+                     f"{row.get('kernel', 'triton'):>14}{row['triton']['gbs']:>8.0f}{row['triton']['ms']:>9.3f}"
+                     f"{flash:>12}"
                      f"{row['fraction_of_bandwidth']:>12.0%}"
                      + (f"{row['utilisation_vs_unquantized']:>13.0%}" if "utilisation_vs_unquantized" in row else ""))
     if runs.get("quant"):
