@@ -106,6 +106,26 @@ if gluon is not None:
 
     # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions call it async_load.
     tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    # And the barrier of a partition's (or a program's) warps thread_barrier; later versions barrier.
+    _THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))
+
+    @gluon.jit
+    def warps_barrier():
+        if _THREAD_BARRIER:
+            gl.thread_barrier()
+        else:
+            gl.barrier()
+
+    # And the reinterpreting view of shared memory _reinterpret; later versions reinterpret.
+    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+    @gluon.jit
+    def reinterpret(view, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+        """``view``'s bytes as a [shape] tensor of ``dtype`` laid out by ``layout``."""
+        if _PUBLIC_REINTERPRET:
+            return view.reinterpret(dtype, shape, layout)
+        else:
+            return view._reinterpret(dtype, shape, layout)
 
     @gluon.jit
     def _tile(t, schedule, CAUSAL: gl.constexpr):

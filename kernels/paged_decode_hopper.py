@@ -66,7 +66,7 @@ if GLUON_USABLE:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from minillm.kernels.flash_attention_hopper import tma_load
+    from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
 
 PAGE = 16  # tokens per block
 SLOT_PAGES = 4  # pages a slot: 4 x 16 tokens x 2 heads = 128 rows, 32 a warp
@@ -157,26 +157,6 @@ if GLUON_USABLE:
             prmt.b32 $0, u, high, 0x4240;
             prmt.b32 $1, u, high, 0x4341; }""",
             "=r,=r,r", [pairs], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-
-    # Names Triton 3.6 spells differently from later versions: the reinterpreting view (_reinterpret, then
-    # reinterpret) and the barrier of a partition's warps (thread_barrier, then barrier).
-    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-    _THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))
-
-    @gluon.jit
-    def _warps_barrier():
-        if _THREAD_BARRIER:
-            gl.thread_barrier()
-        else:
-            gl.barrier()
-
-    @gluon.jit
-    def _reinterpret(view, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
-        """``view``'s bytes as a [shape] tensor of ``dtype`` laid out by ``layout``."""
-        if _PUBLIC_REINTERPRET:
-            return view.reinterpret(dtype, shape, layout)
-        else:
-            return view._reinterpret(dtype, shape, layout)
 
     @gluon.jit
     def _split_range(b, context_lens, num_splits, SLOT_PAGES: gl.constexpr):
@@ -317,9 +297,9 @@ if GLUON_USABLE:
             slot = step % STAGES
             mbarrier.wait(full.index(slot), (step // STAGES) & 1)
             k_codes = k_smem.index(slot).reshape([WARPS, WARP_ROWS, HEAD_DIM]).load(k_op)
-            v_pairs = _reinterpret(v_smem.index(slot), gl.int16, [WARPS, WARP_ROWS, HEAD_DIM // 2], pairs_layout)
+            v_pairs = reinterpret(v_smem.index(slot), gl.int16, [WARPS, WARP_ROWS, HEAD_DIM // 2], pairs_layout)
             v_pairs = v_pairs.permute((0, 2, 1)).load(v_op)
-            _warps_barrier()  # all four warps hold their rows: the slot may be refilled
+            warps_barrier()  # all four warps hold their rows: the slot may be refilled
             mbarrier.arrive(empty.index(slot), count=1)
 
             scores = mma_v2(_biased_fp16(k_codes), q, score_start)

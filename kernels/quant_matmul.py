@@ -76,6 +76,7 @@ from minillm.kernels.int_float import int8_to_float
 from minillm.kernels.quant_matmul_configs import _GPU_FP32_DOT, _INTERPRETER, _W4_DOT, _W4_GEMV, _W8_DOT, _W8_GEMV
 from minillm.kernels.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
+from minillm.kernels import w4_gemv_hopper
 from minillm.kernels.w4_dot_pairs import dequant_tile_pairs
 from minillm.kernels.w4_gemv_pairs import gemv_pairs, gemv_pairs_tiles
 from minillm.kernels.w4_sixteenths import ONE_BITS, dequant_tile, int4_tile, nibble
@@ -392,7 +393,7 @@ def _check_x(x: torch.Tensor, k: int) -> None:
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, path: str | None = None, config: dict | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, hopper: bool | None = None) -> torch.Tensor:
     """x [..., K] (fp16/bf16, or fp32) @ the INT4 weight (layout in the module docstring) -> [..., N].
 
     ``path`` forces "gemv", "dot" or "dequant" (default: GEMV for M <= GEMV_MAX_M, the dequantized
@@ -404,11 +405,19 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     (16-bit x: the tile dequantized two weights per instruction, ``w4_dot_pairs.py``); for the GEMV,
     HFMA2=True with RUN = 1, 2 (default) or 4 (16-bit math; ``w4_gemv_pairs.py``), HFMA2=True with TILES=True
     (the same math on 2-d tiles; BLOCK_KP must divide group_size / 8), or PREFETCH=True.
-    ``out`` [..., N], contiguous, receives y if given.
+    ``out`` [..., N], contiguous, receives y if given. ``hopper``: one row of bf16 x on an H100/H200 takes the
+    Gluon GEMV (``w4_gemv_hopper.py``) unless a ``config`` is pinned; False keeps the Triton GEMV, True demands the
+    Gluon one (a ValueError says why where it cannot run).
     """
     check(qweight.dim() == 2, f"qweight must be int32 [K // 8, N], got shape {tuple(qweight.shape)}")
     _check_x(x, 8 * qweight.shape[0])
     k, n, group = check_int4_layout(qweight, scales, zeros, group_size, x)
+    if path in (None, "gemv") and (x.numel() == k or hopper):
+        x_row = x.reshape(-1, k)
+        if w4_gemv_hopper.use_hopper(x_row, qweight, scales, zeros, group, hopper, config):
+            return _hopper_gemv(x_row, qweight, scales, zeros, group, x, n, out)
+    elif hopper:
+        raise ValueError(f"hopper=True runs the Gluon W4A16 GEMV, but path is {path!r}")
     if path == "dequant" or (path is None and x.numel() // k >= DEQUANT_MIN_M):
         check(config is None, f"config {config} was given, but the dequant path runs fixed tiles and cuBLAS")
         out = _output(x, n, out)
@@ -431,6 +440,18 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         check(x.dtype != torch.float32, "PAIRS dequantizes in x's 16-bit dtype; x is float32")
     weights = (qweight, scales, zeros, group, ONE_BITS, qweight.stride(0), scales.stride(0), zeros.stride(0))
     return _launch("w4", x, k, n, weights, path, config, out)
+
+
+def _hopper_gemv(x_row: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                 x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """``w4a16_matmul`` through the Gluon GEMV: y [..., N] like x."""
+    out = _output(x, n, out)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    splits = w4_gemv_hopper.splits_needed(8 * qweight.shape[0], n, sms)
+    partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
+    w4_gemv_hopper.w4_gemv(x_row, qweight, scales, zeros, group, out.view(1, n), partials,
+                           tile_counters(x.device), pdl_supported(x.device))
+    return out
 
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, path: str | None = None,

@@ -1,0 +1,96 @@
+"""Issue 6: the Gluon W4A16 GEMV (kernels/w4_gemv_hopper.py) against the Triton GEMV (autotuned, hopper=False) and
+torch's bf16 matmul on the dense weight, M = 1, in one process, three interleaved rounds (H200 clocks sag under load).
+
+Shapes: Llama-2-7B's projections (4096 x 11008, 11008 x 4096, 4096 x 4096), group 128, and 4096 x 11008 at group 64.
+Each timed call cycles through enough copies of its weights to fill twice the L2 (as ``bench/quant_kernels.py``),
+so no call finds its weight in L2. The Gluon kernels are timed at their defaults and in variants: the split-K kernel at 1, 2 and 4 tiles a
+program, the slice kernel (no split) at 1 or 2 steps a box and 4 or 8 warps.
+Every candidate's answer is checked against ``w4a16_matmul_ref`` (y poisoned before). Bytes: ``bytes_moved``.
+Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/w4a16_gemv_gluon.py``.
+"""
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch_sweep import save_result  # noqa: E402
+
+from minillm.bench.kernels import time_ms  # noqa: E402
+from minillm.bench.quant_kernels import QuantShape, _copies, bytes_moved  # noqa: E402
+from minillm.bench.roofline import measure_bandwidth  # noqa: E402
+from minillm.kernels import w4_gemv_hopper  # noqa: E402
+from minillm.kernels.quant_matmul import pack_int4, pack_int4_along_n, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
+from minillm.kernels.split_k import tile_counters  # noqa: E402
+
+
+def weights(k, n, group, dev, gen):
+    groups = -(-k // group)
+    return (pack_int4(torch.randint(0, 16, (k, n), device=dev, generator=gen)),
+            torch.rand(groups, n, dtype=torch.bfloat16, device=dev, generator=gen) * 0.01,
+            pack_int4_along_n(torch.randint(0, 16, (groups, n), device=dev, generator=gen)))
+
+
+def main():
+    dev = torch.device("cuda")
+    bandwidth = measure_bandwidth(dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    runs = {"copy_bandwidth_gbs": bandwidth, "shapes": []}
+    for k, n, group in ((4096, 11008, 128), (11008, 4096, 128), (4096, 4096, 128), (4096, 11008, 64)):
+        gen = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=dev, generator=gen)
+        shape = QuantShape(1, k, n)
+        w4_bytes = bytes_moved("w4a16", shape, 2) + (-(-k // group) - -(-k // 128)) * n * 5 // 2  # (group 64: more)
+        copies = _copies(w4_bytes, dev)
+        sets = [weights(k, n, group, dev, gen) for _ in range(copies)]
+        dense = [torch.randn(k, n, dtype=torch.bfloat16, device=dev, generator=gen) for _ in range(copies)]
+        want = w4a16_matmul_ref(x, *sets[0], group).float()
+        out = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
+        default_tiles = w4_gemv_hopper.choose_tiles(k, n, sms)
+        partials = torch.empty(128 * n, dtype=torch.float32, device=dev)
+        row = {"k": k, "n": n, "group": group, "weight_copies": copies, "default_tiles": default_tiles}
+
+        def cycled(fn, pool):
+            cycle = itertools.cycle(pool)
+            return lambda: fn(next(cycle))
+
+        calls = {"torch bf16": (cycled(lambda w: torch.matmul(x, w, out=out), dense), 2 * k * n + 2 * (k + n)),
+                 "triton gemv": (cycled(lambda w: w4a16_matmul(x, *w, group, path="gemv", out=out, hopper=False),
+                                        sets), w4_bytes),
+                 "gluon gemv": (cycled(lambda w: w4a16_matmul(x, *w, group, out=out, hopper=True), sets), w4_bytes)}
+        variants = {f"gluon split-K, {tiles} tiles": (w4_gemv_hopper.w4_gemv, dict(
+            partials=partials, counters=tile_counters(dev), tiles=tiles)) for tiles in (1, 2, 4)}
+        variants |= {f"gluon slice, {steps} steps a box, {warps} warps": (w4_gemv_hopper.w4_gemv_slice, dict(
+            steps=steps, warps=warps)) for steps in (1, 2) for warps in (4, 8)}
+        for name, (fn, kw) in variants.items():
+            calls[name] = (cycled(lambda w, fn=fn, kw=kw: fn(x, *w, group, out, pdl=True, **kw), sets), w4_bytes)
+        for name in calls:
+            row[name] = {"us_rounds": []}
+        for _ in range(3):
+            for name, (call, nbytes) in calls.items():
+                row[name]["us_rounds"].append(time_ms(call, dev) * 1e3)
+        for name, (call, nbytes) in calls.items():
+            best = min(row[name]["us_rounds"])
+            row[name] |= {"us": best, "gbs": nbytes / best / 1e3, "fraction_of_bandwidth": nbytes / best / 1e3 / bandwidth}
+            if name != "torch bf16":
+                single = {"triton gemv": lambda: w4a16_matmul(x, *sets[0], group, path="gemv", out=out, hopper=False),
+                          "gluon gemv": lambda: w4a16_matmul(x, *sets[0], group, out=out, hopper=True)}.get(name)
+                if single is None:
+                    single = lambda fk=variants[name]: fk[0](x, *sets[0], group, out, pdl=True, **fk[1])
+                out.fill_(float("nan"))
+                single()
+                torch.cuda.synchronize()
+                row[name]["max_rel_error_vs_ref"] = ((out.float() - want).abs().max() / want.abs().max()).item()
+                row[name]["speedup_vs_torch"] = row["torch bf16"]["us"] / best
+        print({key: (v if not isinstance(v, dict) else {a: b for a, b in v.items() if a != "us_rounds"})
+               for key, v in row.items()}, flush=True)
+        runs["shapes"].append(row)
+    save_result(os.environ.get("OUT", "/tmp/out"), "w4a16_gemv_gluon", "W4A16 GEMV, M = 1, bf16",
+                "bytes: bytes_moved (weights, scales, zeros, x, y); speed-ups over torch.matmul on the dense bf16 "
+                "weight in the same rounds; best of three interleaved rounds, each the best of 5 graph replays of 20 "
+                "calls", runs)
+
+
+if __name__ == "__main__":
+    main()

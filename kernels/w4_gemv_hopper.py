@@ -1,0 +1,437 @@
+"""The W4A16 GEMV (M = 1) for Hopper (sm_90), in Gluon: ``w4a16_matmul`` runs it for one row of 16-bit x on an
+H100/H200, the matmul a batch-1 decode step of an INT4 model mostly runs.
+
+Why it exists: the Triton GEMVs (``quant_matmul.py``) read Llama-2-7B's 4096 x 11008 INT4 weight at about half of the
+copy bandwidth, 2.4x faster than the bf16 matmul where the bytes allow 4x. The H200's counters said why: 4.9 warps an
+SM, each waiting on its own loads (figures/h200/sweeps/ncu_kernels.json). A plain-pointer GEMV keeps only the loads a
+warp has issued in flight, a few KB an SM, where HBM wants ~30 KB an SM in flight to stream at full rate (bandwidth x
+latency: 4.8 TB/s x ~0.8 us over 132 SMs). TMA copies change that arithmetic: a program issues the copies of all its
+tiles at once, and they complete into shared memory while it computes. The design:
+
+- **Every tile in flight from the start.** A program owns a column tile of 256 columns and TILES tiles of 16 packed
+  rows (128 inputs; 16 KB of int4 weights each, with their scales and zero points). It issues all its TMA copies
+  first, each completing on an mbarrier of its own, then computes tile after tile as they land: no ring, no refills.
+  The split over K is chosen so that the grid fits the SMs at three programs an SM (64 KB a program at TILES = 4),
+  so the whole weight (23 MB at 4096 x 11008) is requested within the first microsecond; the shared memory of 132
+  SMs (30 MB) can hold all of it.
+- **Started early (PDL).** The copies read only weights, which no kernel of a decode step writes: they are issued
+  before the program waits for the kernel ahead (which writes x), as ``pdl.py`` describes.
+- **x once per program.** x's pairs, scaled for the 16-bit products, and its sums per row are computed once per
+  program into shared memory (``_x_tables``), where the weight loop reads them as broadcasts.
+- **The HFMA2 body** of ``w4_gemv_pairs.py``: a packed int32 holds nibbles j and j + 4 as two bf16 subnormals, one
+  LOP3 takes them out as a pair and one ``fma.rn.bf16x2`` multiplies both into a 16-bit pair of sums; the eight
+  products of a packed row are summed in 16 bits, rows in fp32, and the zero point comes off once per group as
+  z s sum(x) (that module's docstring has the arithmetic and its accuracy). Each thread holds two columns of eight
+  packed rows at a time, the rows' sum in-thread.
+- **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
+  sums them in split order (deterministic) and writes y.
+
+What it takes (``unsupported`` names what is missing): bf16 x, one row (M = 1), group_size 64 or 128, N a multiple of
+32 (TMA's 16-byte row strides for the packed zero points), 16-byte aligned tensors, sm_90. fp16 x, other groups and
+M > 1 take the Triton kernels. Not under Triton's interpreter (Gluon has none): tested on an sm_90 GPU
+(tests/kernels/test_w4_gemv_hopper.py); on the CPU its loop is compiled for sm_90 and counted
+(tests/test_w4_gemv_hopper_sass.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
+from minillm.kernels.flash_attention_tma import TMA_ALIGN
+
+if GLUON_USABLE:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
+
+TILE_ROWS = 16  # packed rows a tile: 128 inputs
+SUB_ROWS = 8  # packed rows a thread holds at a time (two columns each): 16 registers of weights
+BLOCK_N = 256  # columns a tile: TMA's largest box dimension
+WARPS = 4
+GROUP_SIZES = (64, 128)
+MAX_TILES = 4  # tiles a program: 64 KB of weights in shared memory, three programs an SM
+PROGRAMS_PER_SM = 3
+FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
+
+
+def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group: int) -> str | None:
+    """Why this kernel cannot run ``w4a16_matmul``'s checked inputs (x [M, K], group the checked group size), or
+    None if it can."""
+    if not GLUON_USABLE:
+        import triton
+        return f"it is written in Gluon for Triton >= {'.'.join(map(str, MIN_TRITON))}, not {triton.__version__}"
+    if x.dtype != torch.bfloat16:
+        return f"it takes bf16 x, not {x.dtype}"
+    if x.shape[0] != 1:
+        return f"it computes one row of x (a GEMV), not {x.shape[0]}"
+    if group not in GROUP_SIZES:
+        return f"it takes group_size in {GROUP_SIZES}, not {group}"
+    n = qweight.shape[1]
+    if n % 32:
+        return f"it needs N a multiple of 32 (16-byte rows of packed zero points), not {n}"
+    tensors = {"x": x, "qweight": qweight, "scales": scales, "zeros": zeros}
+    for name, t in tensors.items():
+        if t.stride(-1) != 1 or (t.dim() == 2 and t.shape[0] > 1 and t.stride(0) != t.shape[1]):
+            return f"it needs contiguous rows, got {name} with strides {t.stride()}"
+        if t.data_ptr() % TMA_ALIGN:
+            return f"its TMA descriptors need {TMA_ALIGN}-byte aligned tensors, got {name} at {t.data_ptr():#x}"
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "it needs an sm_90 GPU (H100/H200)"
+    return None
+
+
+def use_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+               hopper: bool | None, config: dict | None) -> bool:
+    """Whether ``w4a16_matmul`` runs this kernel: ``hopper`` None (where it can run and no Triton ``config`` was
+    pinned), False, or True (demanded: a ValueError with the reason where it cannot)."""
+    if hopper is False or (hopper is None and config):
+        return False
+    if hopper and config:
+        raise ValueError(f"hopper=True runs the Gluon W4A16 GEMV, which takes no Triton config; got config {config}")
+    reason = unsupported(x, qweight, scales, zeros, group)
+    if reason and hopper:
+        raise ValueError(f"hopper=True, but the Gluon W4A16 GEMV cannot run these inputs: {reason}")
+    return reason is None
+
+
+def choose_tiles(k: int, n: int, sms: int) -> int:
+    """Tiles a program (1 .. MAX_TILES): the fewest that keep the grid within PROGRAMS_PER_SM programs an SM, so that
+    every program is resident, and its copies issued, from the start; MAX_TILES beyond (then programs queue)."""
+    tiles = -(-k // (8 * TILE_ROWS)) * -(-n // BLOCK_N)
+    wanted = -(-tiles // (PROGRAMS_PER_SM * sms))
+    return min(MAX_TILES, 1 << (wanted - 1).bit_length())  # a power of two: the x tables' rows are an arange
+
+
+if GLUON_USABLE:
+    _TILE_ROWS, _SUB_ROWS, _BLOCK_N = gl.constexpr(TILE_ROWS), gl.constexpr(SUB_ROWS), gl.constexpr(BLOCK_N)
+    _TWO_POW_32 = gl.constexpr(4294967296.0)
+    _FIX_CHUNK = gl.constexpr(FIX_CHUNK)
+
+    @gluon.jit
+    def _fma2(a, b, c):
+        """a * b + c on the pairs of bf16 held in int32s: one HFMA2."""
+        return gl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _prmt(a, b, SELECTOR: gl.constexpr):
+        """Bytes of (a, b) picked by SELECTOR: 0x5410 joins the low halves, 0x7632 the high ones (one PRMT)."""
+        if SELECTOR == 0x5410:
+            return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [a, b], dtype=gl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [a, b], dtype=gl.int32,
+                                             is_pure=True, pack=1)
+
+    @gluon.jit
+    def _wait_for_previous(PDL: gl.constexpr):
+        """``pdl.wait_for_previous``: block until the kernel ahead has finished and its writes (x) are visible."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _x_tables(XW, first_row, K_ROWS, ROWS: gl.constexpr, WARPS_: gl.constexpr):
+        """The program's ROWS packed rows of x (two bf16 a word, XW) as the products want them, in shared memory:
+        four [ROWS] int32, pair j of row r = (x_8r+j, x_8r+j+4) times 2**101 (j even) or 2**97 (j odd), and [ROWS] fp32,
+        each row's sum of x. Rows past K_ROWS are zeros."""
+        rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
+        r = first_row + gl.arange(0, ROWS, layout=rows_l)
+        ok = r < K_ROWS
+        w0 = gl.load(XW + 4 * r, mask=ok, other=0)  # inputs 8r, 8r + 1
+        w1 = gl.load(XW + 4 * r + 1, mask=ok, other=0)
+        w2 = gl.load(XW + 4 * r + 2, mask=ok, other=0)
+        w3 = gl.load(XW + 4 * r + 3, mask=ok, other=0)
+        table_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
+        pairs = (_table(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
+                 _table(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),
+                 _table(_fma2(_prmt(w1, w3, 0x5410), 0x72007200, 0)),
+                 _table(_fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0)))
+        # Exact: a bf16 is an fp32 with its low 16 bits zero.
+        total = _word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3)
+        return pairs, _table(total)
+
+    @gluon.jit
+    def _word_sum(w):
+        """The sum of the two bf16 in each int32 of w, in fp32."""
+        return (w << 16).to(gl.float32, bitcast=True) + (w & -65536).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _table(values):
+        """values [ROWS] stored in a shared-memory buffer of their own."""
+        table = gl.allocate_shared_memory(values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        table.store(values)
+        return table
+
+    @gluon.jit
+    def _tile_sum(packed, pairs, first: gl.constexpr, layout: gl.constexpr):
+        """sum over SUB_ROWS packed rows [SUB_ROWS, BLOCK_N] of sum_k x_k q_k 2**-32, per column, fp32: a shift, four
+        LOP3s and four HFMA2s make a packed row's 8 products' two 16-bit sums, which go to fp32 and are added."""
+        x_l: gl.constexpr = gl.SliceLayout(1, layout)
+        acc2 = gl.zeros([_SUB_ROWS, _BLOCK_N], gl.int32, layout=layout)  # +0.0 in both halves
+        shifted = packed >> 8  # nibbles 2, 3, 6, 7 to where 0, 1, 4, 5 were
+        for j in gl.static_range(4):
+            x_j = pairs[j].slice(first, _SUB_ROWS).load(x_l)[:, None]
+            src = packed if j < 2 else shifted
+            acc2 = _fma2(gl.broadcast(x_j, acc2)[0], src & (0x000F000F if j % 2 == 0 else 0x00F000F0), acc2)
+        halves = (acc2 << 16).to(gl.float32, bitcast=True) + (acc2 & -65536).to(gl.float32, bitcast=True)
+        return gl.sum(halves, axis=0)
+
+    @gluon.jit
+    def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS,
+                        TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr):
+        """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards."""
+        WARPS_: gl.constexpr = gl.num_warps()
+        GROUPS: gl.constexpr = _TILE_ROWS // GROUP_ROWS  # scale rows a tile
+        tile_n = gl.program_id(0)
+        split = gl.program_id(1)
+        n0 = tile_n * _BLOCK_N
+        first_row = split * (TILES * _TILE_ROWS)
+
+        # Every tile's copies first: weights, scales and zero points of tile t land on barrier t.
+        w_smem = gl.allocate_shared_memory(gl.int32, [TILES, _TILE_ROWS, _BLOCK_N], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [TILES, GROUPS, _BLOCK_N], s_desc.layout)
+        z_smem = gl.allocate_shared_memory(gl.int8, [TILES, GROUPS, _BLOCK_N // 2], z_desc.layout)
+        landed = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
+        for t in gl.static_range(TILES):
+            mbarrier.init(landed.index(t), count=1)
+        fence_async_shared()
+        for t in gl.static_range(TILES):
+            row = first_row + t * _TILE_ROWS
+            if row < K_ROWS:
+                mbarrier.expect(landed.index(t), w_desc.block_type.nbytes + s_desc.block_type.nbytes
+                                + z_desc.block_type.nbytes)
+                tma_load(w_desc, [row, n0], landed.index(t), w_smem.index(t))
+                tma_load(s_desc, [row // GROUP_ROWS, n0], landed.index(t), s_smem.index(t))
+                tma_load(z_desc, [row // GROUP_ROWS, n0 // 2], landed.index(t), z_smem.index(t))
+        _wait_for_previous(PDL)
+        pairs, sums = _x_tables(XW, first_row, K_ROWS, TILES * _TILE_ROWS, WARPS_)
+        warps_barrier()  # the tables are written
+
+        # A thread: two neighbouring columns, SUB_ROWS rows; the 128 threads span the tile's 256 columns.
+        tile_l: gl.constexpr = gl.BlockedLayout([_SUB_ROWS, 2], [1, 32], [1, WARPS_], [1, 0])
+        cols_l: gl.constexpr = gl.SliceLayout(0, tile_l)
+        bytes_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS_], [1, 0])  # a thread's byte: 2 columns
+        out = gl.zeros([_BLOCK_N], gl.float32, layout=cols_l)
+        for t in gl.static_range(TILES):
+            if first_row + t * _TILE_ROWS < K_ROWS:
+                mbarrier.wait(landed.index(t), 0)
+                for g in gl.static_range(GROUPS):
+                    # (Rows of one: an NVMMA-laid buffer keeps its rank; the sums over them only drop the axis.)
+                    scale = gl.sum(s_smem.index(t).slice(g, 1).load(tile_l).to(gl.float32), axis=0)
+                    z_byte = gl.sum(z_smem.index(t).slice(g, 1).load(bytes_l).to(gl.int32) & 255, axis=0)
+                    z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [_BLOCK_N]), cols_l)
+                    x_sum = gl.sum(sums.slice(t * _TILE_ROWS + g * GROUP_ROWS, GROUP_ROWS).load(
+                        gl.BlockedLayout([GROUP_ROWS], [32], [WARPS_], [0])), axis=0)
+                    part = gl.zeros([_BLOCK_N], gl.float32, layout=cols_l)
+                    for sub in gl.static_range(GROUP_ROWS // _SUB_ROWS):
+                        packed = w_smem.index(t).slice(g * GROUP_ROWS + sub * _SUB_ROWS, _SUB_ROWS).load(tile_l)
+                        part += _tile_sum(packed, pairs, t * _TILE_ROWS + g * GROUP_ROWS + sub * _SUB_ROWS, tile_l)
+                    # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
+                    out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
+
+        _finish(out, Y, Partials, Counters, tile_n, N, WARPS_)
+
+    @gluon.jit
+    def _finish(out, Y, Partials, Counters, tile_n, N, WARPS_: gl.constexpr):
+        """y[n0 : n0 + 256] = out, or with splits ``split_k.finish``'s fix-up: each program stores its fp32 partial, the
+        last of the column tile to arrive sums them, FIX_CHUNK splits a load (one round trip to L2 each, where a
+        load a split took ~0.07 us each: figures/h200/sweeps/w4a16_gemv_probe.json), and writes y."""
+        cols_l: gl.constexpr = out.type.layout
+        n = tile_n * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=cols_l)
+        splits = gl.num_programs(1)
+        if splits == 1:
+            gl.store(Y + n, out.to(Y.dtype.element_ty), mask=n < N)
+        else:
+            gl.store(Partials + gl.program_id(1) * N + n, out, mask=n < N)
+            warps_barrier()  # every thread's partial stored before the arrival (split_k.last_arrival)
+            if gl.atomic_add(Counters + tile_n, 1, sem="acq_rel") == splits - 1:
+                gl.store(Counters + tile_n, 0)
+                fix_l: gl.constexpr = gl.BlockedLayout([_FIX_CHUNK, 2], [1, 32], [1, WARPS_], [1, 0])
+                rows = gl.arange(0, _FIX_CHUNK, layout=gl.SliceLayout(1, fix_l))[:, None]
+                cols = gl.convert_layout(n, gl.SliceLayout(0, fix_l))[None, :]
+                total = gl.zeros([_BLOCK_N], gl.float32, layout=gl.SliceLayout(0, fix_l))
+                for first in range(0, splits, _FIX_CHUNK):  # chunks in split order, each summed in a fixed order
+                    ok = (first + rows < splits) & (cols < N)
+                    total += gl.sum(gl.load(Partials + (first + rows) * N + cols, mask=ok, other=0.0,
+                                            cache_modifier=".cg"), axis=0)
+                total = gl.convert_layout(total, cols_l)
+                gl.store(Y + n, total.to(Y.dtype.element_ty), mask=n < N)
+
+    @gluon.jit
+    def _slice_x_tables(XW, K_ROWS, shape: gl.constexpr, layout: gl.constexpr, pairs, sums):
+        """All of x into the shared tables at once (loads for every box in flight together: a loop over boxes waited
+        ~0.7 us a box): ``pairs[j]`` [BOXES, GB, H, 8] int32 (``_x_tables``' pair j of each row) and ``sums``
+        [BOXES, GB, H] fp32 (each octet of rows' sum of x). ``shape`` = [BOXES, GB, H, 8]: boxes, groups of a box,
+        octets of a group, rows of an octet. Rows past K_ROWS are zeros."""
+        b = gl.arange(0, shape[0], layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
+        g = gl.arange(0, shape[1], layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
+        h = gl.arange(0, shape[2], layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout))))
+        i = gl.arange(0, shape[3], layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
+        r = ((b[:, None, None, None] * shape[1] + g[None, :, None, None]) * shape[2] + h[None, None, :, None]) \
+            * shape[3] + i[None, None, None, :]
+        ok = r < K_ROWS
+        w0 = gl.load(XW + 4 * r, mask=ok, other=0)
+        w1 = gl.load(XW + 4 * r + 1, mask=ok, other=0)
+        w2 = gl.load(XW + 4 * r + 2, mask=ok, other=0)
+        w3 = gl.load(XW + 4 * r + 3, mask=ok, other=0)
+        # The tables' layouts have a rank less than their buffers (for .index(box)); stores go through full-rank
+        # views of the same bytes.
+        whole: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        reinterpret(pairs[0], gl.int32, shape, whole).store(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0))
+        reinterpret(pairs[1], gl.int32, shape, whole).store(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0))
+        reinterpret(pairs[2], gl.int32, shape, whole).store(_fma2(_prmt(w1, w3, 0x5410), 0x72007200, 0))
+        reinterpret(pairs[3], gl.int32, shape, whole).store(_fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0))
+        reinterpret(sums, gl.float32, [shape[0], shape[1], shape[2]], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])).store(
+            gl.sum(_word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3), axis=3))
+
+    @gluon.jit
+    def _w4_gemv_slice_kernel(XW, w_desc, s_desc, z_desc, Y, K_ROWS, BOXES: gl.constexpr, STEPS: gl.constexpr,
+                              PDL: gl.constexpr):
+        """Program: y[n0 : n0 + WIDTH] over all of K, no split. The weight is read as [groups, octets of a group, 8,
+        N] (w_desc), BOXES boxes of [GB, H, 8, WIDTH], GB = STEPS x G_STEP groups a box; a step is G_STEP groups, one
+        per warp and row of lanes, each lane holding 8 rows (an octet) x 2 columns."""
+        WARPS_: gl.constexpr = gl.num_warps()
+        GB: gl.constexpr = w_desc.block_type.shape[0]
+        H: gl.constexpr = w_desc.block_type.shape[1]
+        WIDTH: gl.constexpr = w_desc.block_type.shape[3]
+        G_STEP: gl.constexpr = GB // STEPS
+        LANES_N: gl.constexpr = WIDTH // 2
+        n0 = gl.program_id(0) * WIDTH
+
+        w_smem = gl.allocate_shared_memory(gl.int32, [BOXES, GB, H, 8, WIDTH], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [BOXES, GB, WIDTH], s_desc.layout)
+        # (Rows enough for 128 bytes a box: TMA writes to 128-byte aligned shared memory.)
+        z_smem = gl.allocate_shared_memory(gl.int8, [BOXES, max(GB, 256 // WIDTH), WIDTH // 2], z_desc.layout)
+        landed = gl.allocate_shared_memory(gl.int64, [BOXES, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(BOXES):
+            mbarrier.init(landed.index(b), count=1)
+        fence_async_shared()
+        for b in range(BOXES):
+            mbarrier.expect(landed.index(b), w_desc.block_type.nbytes + s_desc.block_type.nbytes
+                            + z_desc.block_type.nbytes)
+            tma_load(w_desc, [b * GB, 0, 0, n0], landed.index(b), w_smem.index(b))
+            tma_load(s_desc, [b * GB, n0], landed.index(b), s_smem.index(b))
+            tma_load(z_desc, [b * GB, n0 // 2], landed.index(b), z_smem.index(b).slice(0, GB))
+        _wait_for_previous(PDL)
+
+        # A step's tile [G_STEP, H, 8, WIDTH]: groups over warps (and lanes, when a group is one octet), octets over
+        # lanes, a lane's 8 rows x 2 columns in registers.
+        tile_l: gl.constexpr = gl.BlockedLayout([1, 1, 8, 2], [32 // LANES_N // H, H, 1, LANES_N], [WARPS_, 1, 1, 1],
+                                                [3, 2, 1, 0])
+        # The tables cover a power of two of boxes (an arange's length); x's rows past K are zeros.
+        BOXES_P2: gl.constexpr = triton.next_power_of_2(BOXES)
+        prep_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1], [1, 32 // H // 8, H, 8], [1, WARPS_, 1, 1], [3, 2, 1, 0])
+        # (A layout of one rank less than the buffer: what .index(box) leaves.)
+        table_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        pairs = (gl.allocate_shared_memory(gl.int32, [BOXES_P2, GB, H, 8], table_l),
+                 gl.allocate_shared_memory(gl.int32, [BOXES_P2, GB, H, 8], table_l),
+                 gl.allocate_shared_memory(gl.int32, [BOXES_P2, GB, H, 8], table_l),
+                 gl.allocate_shared_memory(gl.int32, [BOXES_P2, GB, H, 8], table_l))
+        sums = gl.allocate_shared_memory(gl.float32, [BOXES_P2, GB, H], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        _slice_x_tables(XW, K_ROWS, [BOXES_P2, GB, H, 8], prep_l, pairs, sums)
+        warps_barrier()  # the tables are written
+
+        x_l: gl.constexpr = gl.SliceLayout(3, tile_l)
+        gw_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tile_l))  # [G_STEP, WIDTH]
+        # A lane's zero-point byte (its two columns), laid out as gw_l is with one column a lane: joined with itself
+        # shifted, it is gw_l without a move.
+        bytes_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.BlockedLayout(
+            [1, 1, 8, 1], [32 // LANES_N // H, H, 1, LANES_N], [WARPS_, 1, 1, 1], [3, 2, 1, 0])))
+        acc = gl.zeros([G_STEP, H, WIDTH], gl.float32, layout=gl.SliceLayout(2, tile_l))
+        for b in range(BOXES):
+            mbarrier.wait(landed.index(b), 0)
+            for step in gl.static_range(STEPS):
+                packed = w_smem.index(b).slice(step * G_STEP, G_STEP).load(tile_l)
+                acc2 = gl.zeros([G_STEP, H, 8, WIDTH], gl.int32, layout=tile_l)
+                shifted = packed >> 8
+                for j in gl.static_range(4):
+                    x_j = pairs[j].index(b).slice(step * G_STEP, G_STEP).load(x_l)[:, :, :, None]
+                    src = packed if j < 2 else shifted
+                    acc2 = _fma2(gl.broadcast(x_j, acc2)[0], src & (0x000F000F if j % 2 == 0 else 0x00F000F0), acc2)
+                halves = (acc2 << 16).to(gl.float32, bitcast=True) + (acc2 & -65536).to(gl.float32, bitcast=True)
+                part = gl.sum(halves, axis=2)  # [G_STEP, H, WIDTH]: each lane's octet
+                scale = s_smem.index(b).slice(step * G_STEP, G_STEP).load(gw_l).to(gl.float32)
+                z_byte = z_smem.index(b).slice(step * G_STEP, G_STEP).load(bytes_l).to(gl.int32) & 255
+                z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [G_STEP, WIDTH]), gw_l)
+                x_sum = sums.index(b).slice(step * G_STEP, G_STEP).load(gl.SliceLayout(2, gl.SliceLayout(2, tile_l)))
+                # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x, each lane over its octet
+                acc += part * (scale * _TWO_POW_32)[:, None, :] - x_sum[:, :, None] * (z.to(gl.float32) * scale)[:, None, :]
+        y = gl.sum(gl.sum(acc, axis=1), axis=0)
+        n = n0 + gl.arange(0, WIDTH, layout=y.type.layout)
+        gl.store(Y + n, y.to(Y.dtype.element_ty))
+
+
+def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
+    """TMA descriptors over the packed weight [K // 8, N] (boxes of [16, 256]), the scales [groups, N] and the zero
+    points read as bytes [groups, N // 2] (a byte: two columns), boxes of a tile's groups."""
+    tile_groups = TILE_ROWS * 8 // group
+    z_bytes = zeros.view(torch.uint8)
+    boxes = ((qweight, [TILE_ROWS, BLOCK_N], gl.int32), (scales, [tile_groups, BLOCK_N], gl.bfloat16),
+             (z_bytes.view(torch.int8), [tile_groups, BLOCK_N // 2], gl.int8))
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), box,
+                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.primitive_bitwidth,
+                                                  rank=2))
+            for t, box, dtype in boxes]
+
+
+def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+            out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
+            tiles: int | None = None) -> None:
+    """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
+    fp32, at least splits x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's, for sweeps): by
+    default ``choose_tiles``."""
+    k, n = 8 * qweight.shape[0], qweight.shape[1]
+    tiles = tiles or choose_tiles(k, n, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    if tiles not in (1, 2, 4, 8):
+        raise ValueError(f"tiles must be 1, 2, 4 or 8 (a power of two, 16 KB of shared memory each), got {tiles}")
+    splits = -(-k // (8 * TILE_ROWS * tiles))
+    if splits > 1 and partials.numel() < splits * n:
+        raise ValueError(f"partials holds {partials.numel()} floats; {splits} splits x N = {n} need {splits * n}")
+    grid = (-(-n // BLOCK_N), splits)
+    _w4_gemv_kernel[grid](x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out, partials, counters,
+                          n, k // 8, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, num_warps=WARPS,
+                          launch_pdl=pdl)
+
+
+SLICE_WIDTH = 32  # columns a program of the slice kernel: 128-byte rows of packed weights
+SLICE_STEPS = 2  # steps a box: 2 x 4 groups of 128 (8 of 64) = 128 packed rows, 16 KB
+
+
+def slice_descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, width: int,
+                      steps: int):
+    """The slice kernel's descriptors: the weight as [groups, octets of a group, 8, N], boxes of [GB, H, 8, width];
+    scales [groups, N] and zero-point bytes [groups, N // 2], boxes of [GB, width] and [GB, width // 2]."""
+    k_rows, n = qweight.shape
+    h = group // 64
+    lanes_n = width // 2
+    g_step = 32 // lanes_n // h * WARPS
+    gb = g_step * steps
+    w4d = qweight.view(k_rows // (8 * h), h, 8, n)
+    z_bytes = zeros.view(torch.uint8).view(torch.int8)
+    layout = lambda bits, rank: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=rank)  # noqa
+    return (TensorDescriptor(w4d, list(w4d.shape), list(w4d.stride()), [gb, h, 8, width], layout(32, 4)),
+            TensorDescriptor(scales, list(scales.shape), list(scales.stride()), [gb, width], layout(16, 2)),
+            TensorDescriptor(z_bytes, list(z_bytes.shape), list(z_bytes.stride()), [gb, width // 2], layout(8, 2)))
+
+
+def w4_gemv_slice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                  out: torch.Tensor, pdl: bool, width: int = SLICE_WIDTH, steps: int = SLICE_STEPS,
+                  warps: int = WARPS) -> None:
+    """y = x @ W into ``out`` [1, N] by the slice kernel (no split-K): N // width programs, each over all of K."""
+    k_rows, n = qweight.shape
+    descs = slice_descriptors(qweight, scales, zeros, group, width, steps)
+    gb = descs[0].block_shape[0]
+    boxes = -(-(k_rows * 8 // group) // gb)
+    _w4_gemv_slice_kernel[(n // width,)](x.view(torch.int32), *descs, out, k_rows, BOXES=boxes, STEPS=steps,
+                                         PDL=pdl, num_warps=warps, launch_pdl=pdl)
+
+
+def splits_needed(k: int, n: int, sms: int) -> int:
+    """The splits ``w4_gemv`` launches by default: the partials it needs are this times N floats."""
+    return -(-k // (8 * TILE_ROWS * choose_tiles(k, n, sms)))

@@ -1,0 +1,140 @@
+"""The Gluon W4A16 GEMV for Hopper (kernels/w4_gemv_hopper.py) against ``w4a16_matmul_ref``, and when
+``w4a16_matmul`` picks it.
+
+Gluon has no interpreter, so the numerical tests need an sm_90 GPU; on the CPU the dispatch and its reasons are
+tested, and tests/test_w4_gemv_hopper_sass.py compiles the kernel for sm_90 and counts its instructions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.kernels import w4_gemv_hopper as hopper
+from minillm.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
+
+from test_quant_matmul import assert_matches, counters_are_clean, int4_problem, poisoned
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and hopper.GLUON_USABLE
+needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm_90 GPUs only (no interpreter)")
+
+CASES = [
+    # k, n, group, tiles: one tile and no split; K ending inside a tile and inside a group of 128 (576, SmolLM2's
+    # width: 4.5 groups); N not a multiple of 256 (the last column tile partial, TMA's zero fill); group 64 (two
+    # groups a tile); splits that leave the last program short of tiles (11008 = 86 tiles, 4 a program), and 1 to 8
+    # tiles a program.
+    (128, 256, 128, None),
+    (576, 608, 128, None),
+    (576, 96, 64, 2),
+    (4096, 1024, 128, 1),
+    (4096, 1024, 64, 8),
+    (11008, 512, 128, None),
+    (11008, 544, 64, 4),
+    (2048, 4096, 128, 2),
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("k,n,group,tiles", CASES)
+def test_hopper_w4_gemv_matches_ref(k, n, group, tiles, monkeypatch):
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + group)
+    calls = []
+    launch = hopper.w4_gemv
+    monkeypatch.setattr(hopper, "w4_gemv", lambda *a, **kw: calls.append(1) or launch(*a, **kw, tiles=tiles))
+    out = poisoned((1, n), torch.bfloat16)
+    y = w4a16_matmul(x, qweight, scales, zeros, group, out=out)
+    assert calls == [1] and y is out
+    want = w4a16_matmul_ref(x, qweight, scales, zeros, group)
+    assert_matches(y, want, torch.bfloat16)
+    assert counters_are_clean()
+    triton = w4a16_matmul(x, qweight, scales, zeros, group, hopper=False)
+    torch.testing.assert_close(y.float(), triton.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())
+
+
+SLICE_CASES = [(128, 32, 128), (4096, 1024, 128), (4096, 1024, 64), (11008, 512, 128), (1152, 4096, 64)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("steps,warps", [(1, 4), (2, 4), (1, 8), (2, 8)])
+@pytest.mark.parametrize("k,n,group", SLICE_CASES)
+def test_slice_kernel_matches_ref(k, n, group, steps, warps):
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + group + 1)
+    out = poisoned((1, n), torch.bfloat16)
+    hopper.w4_gemv_slice(x, qweight, scales, zeros, group, out, pdl=True, steps=steps, warps=warps)
+    assert_matches(out, w4a16_matmul_ref(x, qweight, scales, zeros, group), torch.bfloat16)
+
+
+@needs_sm90
+@pytest.mark.parametrize("magnitude", [1e-6, 1e6])
+def test_hopper_w4_gemv_keeps_large_and_small_activations(magnitude):
+    """x is scaled by 2**101 for the 16-bit products: 1e6 must not overflow, 1e-6 not vanish into subnormals."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 1024, 512, 128, torch.bfloat16, seed=3)
+    x = (x.float() * magnitude).to(torch.bfloat16)
+    y = w4a16_matmul(x, qweight, scales, zeros, 128, hopper=True)
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
+
+
+@needs_sm90
+def test_hopper_w4_gemv_replays_in_a_cuda_graph():
+    """Split-K arrival counters reset by the last program: replays with new x each stay right."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 4096, 1024, 128, torch.bfloat16, seed=11)
+    h = x.clone()
+    w4a16_matmul(h, qweight, scales, zeros, 128, hopper=True)  # the counters exist before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w4a16_matmul(h, qweight, scales, zeros, 128, hopper=True)
+    for seed in range(3):
+        h.copy_(int4_problem(1, 4096, 8, 128, torch.bfloat16, seed=30 + seed)[0])
+        y.fill_(float("nan"))
+        graph.replay()
+        assert_matches(y, w4a16_matmul_ref(h, qweight, scales, zeros, 128), torch.bfloat16)
+    assert counters_are_clean()
+
+
+@needs_sm90
+def test_hopper_w4_gemv_is_what_m1_bf16_takes_and_config_keeps_triton(monkeypatch):
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 256, 256, 128, torch.bfloat16, seed=2)
+    calls = []
+    launch = hopper.w4_gemv
+    monkeypatch.setattr(hopper, "w4_gemv", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    w4a16_matmul(x, qweight, scales, zeros, 128)
+    w4a16_matmul(x, qweight, scales, zeros, 128, hopper=False)
+    w4a16_matmul(x, qweight, scales, zeros, 128, config=dict(BLOCK_N=64, BLOCK_KP=16, SPLIT_K=2, num_warps=4))
+    w4a16_matmul(x.half(), qweight, scales.half(), zeros, 128)  # fp16: the Triton GEMV
+    assert calls == [1]
+
+
+def test_unsupported_names_the_reason():
+    """On any machine: what the kernel refuses, and hopper=True turning a refusal into a ValueError that says why."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 256, 64, 128, torch.bfloat16, seed=1)
+    if not hopper.GLUON_USABLE:
+        assert "Gluon" in hopper.unsupported(x, qweight, scales, zeros, 128)
+        return
+    assert "bf16" in hopper.unsupported(x.half(), qweight, scales.half(), zeros, 128)
+    assert "one row" in hopper.unsupported(x.expand(2, -1), qweight, scales, zeros, 128)
+    assert "group_size" in hopper.unsupported(x, qweight, scales, zeros, 32)
+    x40, q40, s40, z40, _, _ = int4_problem(1, 256, 40, 128, torch.bfloat16)
+    assert "multiple of 32" in hopper.unsupported(x40, q40, s40, z40, 128)
+    wide = torch.zeros(1, 258, dtype=torch.bfloat16, device=x.device)
+    assert "aligned" in hopper.unsupported(wide[:, 2:], qweight, scales, zeros, 128)
+    if not SM90:
+        assert "sm_90" in hopper.unsupported(x, qweight, scales, zeros, 128)
+        with pytest.raises(ValueError, match="sm_90"):
+            w4a16_matmul(x, qweight, scales, zeros, 128, hopper=True)
+    with pytest.raises(ValueError, match="bf16"):
+        w4a16_matmul(x.half(), qweight, scales.half(), zeros, 128, hopper=True)
+    with pytest.raises(ValueError, match="config"):
+        w4a16_matmul(x, qweight, scales, zeros, 128, hopper=True, config=dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=1))
+    with pytest.raises(ValueError, match="power of two"):
+        hopper.w4_gemv(x, qweight, scales, zeros, 128, x, x, x, False, tiles=3)
+    with pytest.raises(ValueError, match="path"):
+        w4a16_matmul(x, qweight, scales, zeros, 128, hopper=True, path="dot")
+
+
+@pytest.mark.parametrize("k, n, sms, tiles", [(4096, 11008, 132, 4), (11008, 4096, 132, 4), (4096, 4096, 132, 2),
+                                              (128, 256, 132, 1), (8192, 28672, 132, 4)])
+def test_choose_tiles_fits_the_grid_to_three_programs_an_sm(k, n, sms, tiles):
+    """The fewest tiles a program that keep every program resident at once (3 an SM), at most MAX_TILES."""
+    assert hopper.choose_tiles(k, n, sms) == tiles
+    programs = -(-n // hopper.BLOCK_N) * hopper.splits_needed(k, n, sms)
+    assert programs <= hopper.PROGRAMS_PER_SM * sms or tiles == hopper.MAX_TILES
