@@ -446,8 +446,7 @@ def _hopper_gemv(x_row: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                  x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
     """``w4a16_matmul`` through the Gluon GEMV: y [..., N] like x."""
     out = _output(x, n, out)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    splits = w4_gemv_hopper.splits_needed(8 * qweight.shape[0], n, sms)
+    splits = w4_gemv_hopper.splits_needed(8 * qweight.shape[0])
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     w4_gemv_hopper.w4_gemv(x_row, qweight, scales, zeros, group, out.view(1, n), partials,
                            tile_counters(x.device), pdl_supported(x.device))

@@ -1,19 +1,18 @@
-"""The W4A16 GEMV (M = 1) for Hopper (sm_90), in Gluon: ``w4a16_matmul`` runs it for one row of 16-bit x on an
+"""The W4A16 GEMV (M = 1) for Hopper (sm_90), in Gluon: ``w4a16_matmul`` runs it for one row of bf16 x on an
 H100/H200, the matmul a batch-1 decode step of an INT4 model mostly runs.
 
-Why it exists: the Triton GEMVs (``quant_matmul.py``) read Llama-2-7B's 4096 x 11008 INT4 weight at about half of the
-copy bandwidth, 2.4x faster than the bf16 matmul where the bytes allow 4x. The H200's counters said why: 4.9 warps an
-SM, each waiting on its own loads (figures/h200/sweeps/ncu_kernels.json). A plain-pointer GEMV keeps only the loads a
-warp has issued in flight, a few KB an SM, where HBM wants ~30 KB an SM in flight to stream at full rate (bandwidth x
-latency: 4.8 TB/s x ~0.8 us over 132 SMs). TMA copies change that arithmetic: a program issues the copies of all its
-tiles at once, and they complete into shared memory while it computes. The design:
+Why it exists: the Triton GEMVs (``quant_matmul.py``) read Llama-2-7B's INT4 weights at about half of the copy
+bandwidth. The H200's counters said why: 4.9 warps an SM, each waiting on its own loads
+(figures/h200/sweeps/ncu_kernels.json). A plain-pointer GEMV keeps only the loads its warps have issued in flight, a
+few KB an SM, where HBM wants ~30 KB an SM in flight to stream at full rate (bandwidth x latency: 4.8 TB/s x ~0.8 us
+over 132 SMs). TMA copies change that arithmetic: a program issues the copies of all its tiles at once, and they land
+in shared memory while it computes. The design:
 
 - **Every tile in flight from the start.** A program owns a column tile of 256 columns and TILES tiles of 16 packed
   rows (128 inputs; 16 KB of int4 weights each, with their scales and zero points). It issues all its TMA copies
   first, each completing on an mbarrier of its own, then computes tile after tile as they land: no ring, no refills.
-  The split over K is chosen so that the grid fits the SMs at three programs an SM (64 KB a program at TILES = 4),
-  so the whole weight (23 MB at 4096 x 11008) is requested within the first microsecond; the shared memory of 132
-  SMs (30 MB) can hold all of it.
+  At TILES = 2 a program holds 35 KB of shared memory, six programs an SM: the whole weight (23 MB at
+  4096 x 11008) is requested within the first microsecond.
 - **Started early (PDL).** The copies read only weights, which no kernel of a decode step writes: they are issued
   before the program waits for the kernel ahead (which writes x), as ``pdl.py`` describes.
 - **x once per program.** x's pairs, scaled for the 16-bit products, and its sums per row are computed once per
@@ -22,21 +21,29 @@ tiles at once, and they complete into shared memory while it computes. The desig
   LOP3 takes them out as a pair and one ``fma.rn.bf16x2`` multiplies both into a 16-bit pair of sums; the eight
   products of a packed row are summed in 16 bits, rows in fp32, and the zero point comes off once per group as
   z s sum(x) (that module's docstring has the arithmetic and its accuracy). Each thread holds two columns of eight
-  packed rows at a time, the rows' sum in-thread.
+  packed rows at a time, the rows' sum in-thread: about 15 instructions a packed int32 (8 weights).
 - **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
-  sums them in split order (deterministic) and writes y.
+  sums them, FIX_CHUNK partials a load, and writes y.
+
+Measured on the H200 (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 10.2 us at 4096 x 11008
+(2.3x the bf16 matmul; the Triton GEMV 11.4 us in the same run), 10.8 us at 11008 x 4096 (2.4x; Triton 12.3), 5.3 us
+at 4096 x 4096 (2.3x; Triton 7.2). Where the rest goes (figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's
+copies with no math): the copies alone take 7.0 us, 81 % of the copy bandwidth; the fix-up adds ~1.5 us (a fenced
+atomic, then the partials' round trip to L2, behind the last program) and the math ~1.5 us more, the compute of the
+tiles that land last. A kernel without split-K (each program all of K for 32 columns) copied in 6.6-6.9 us but was
+slower in all, its programs' compute behind their last tiles, but at 4096 x 4096
+(figures/h200/sweeps/w4a16_gemv_gluon_slice.json).
 
 What it takes (``unsupported`` names what is missing): bf16 x, one row (M = 1), group_size 64 or 128, N a multiple of
 32 (TMA's 16-byte row strides for the packed zero points), 16-byte aligned tensors, sm_90. fp16 x, other groups and
 M > 1 take the Triton kernels. Not under Triton's interpreter (Gluon has none): tested on an sm_90 GPU
-(tests/kernels/test_w4_gemv_hopper.py); on the CPU its loop is compiled for sm_90 and counted
+(tests/kernels/test_w4_gemv_hopper.py); on the CPU it is compiled for sm_90 and its instructions counted
 (tests/test_w4_gemv_hopper_sass.py).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
@@ -46,17 +53,15 @@ if GLUON_USABLE:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
+    from minillm.kernels.flash_attention_hopper import tma_load, warps_barrier
 
 TILE_ROWS = 16  # packed rows a tile: 128 inputs
 SUB_ROWS = 8  # packed rows a thread holds at a time (two columns each): 16 registers of weights
 BLOCK_N = 256  # columns a tile: TMA's largest box dimension
 WARPS = 4
 GROUP_SIZES = (64, 128)
-MAX_TILES = 4  # tiles a program: 64 KB of weights in shared memory, three programs an SM
-PROGRAMS_PER_SM = 3
+TILES = 2  # tiles a program: the H200 sweeps' best at each Llama-2-7B shape (1 and 4 were slower)
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
-
 
 def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group: int) -> str | None:
@@ -99,13 +104,9 @@ def use_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     return reason is None
 
 
-def choose_tiles(k: int, n: int, sms: int) -> int:
-    """Tiles a program (1 .. MAX_TILES): the fewest that keep the grid within PROGRAMS_PER_SM programs an SM, so that
-    every program is resident, and its copies issued, from the start; MAX_TILES beyond (then programs queue)."""
-    tiles = -(-k // (8 * TILE_ROWS)) * -(-n // BLOCK_N)
-    wanted = -(-tiles // (PROGRAMS_PER_SM * sms))
-    return min(MAX_TILES, 1 << (wanted - 1).bit_length())  # a power of two: the x tables' rows are an arange
-
+def choose_tiles(k: int) -> int:
+    """Tiles a program: TILES, or 1 where K is one tile."""
+    return 1 if k <= 8 * TILE_ROWS else TILES
 
 if GLUON_USABLE:
     _TILE_ROWS, _SUB_ROWS, _BLOCK_N = gl.constexpr(TILE_ROWS), gl.constexpr(SUB_ROWS), gl.constexpr(BLOCK_N)
@@ -263,109 +264,6 @@ if GLUON_USABLE:
                 total = gl.convert_layout(total, cols_l)
                 gl.store(Y + n, total.to(Y.dtype.element_ty), mask=n < N)
 
-    @gluon.jit
-    def _slice_x_tables(XW, K_ROWS, shape: gl.constexpr, layout: gl.constexpr, pairs, sums):
-        """All of x into the shared tables at once (loads for every box in flight together: a loop over boxes waited
-        ~0.7 us a box): ``pairs[j]`` [BOXES, GB, H, 8] int32 (``_x_tables``' pair j of each row) and ``sums``
-        [BOXES, GB, H] fp32 (each octet of rows' sum of x). ``shape`` = [BOXES, GB, H, 8]: boxes, groups of a box,
-        octets of a group, rows of an octet. Rows past K_ROWS are zeros."""
-        b = gl.arange(0, shape[0], layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
-        g = gl.arange(0, shape[1], layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
-        h = gl.arange(0, shape[2], layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout))))
-        i = gl.arange(0, shape[3], layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
-        r = ((b[:, None, None, None] * shape[1] + g[None, :, None, None]) * shape[2] + h[None, None, :, None]) \
-            * shape[3] + i[None, None, None, :]
-        ok = r < K_ROWS
-        w0 = gl.load(XW + 4 * r, mask=ok, other=0)
-        w1 = gl.load(XW + 4 * r + 1, mask=ok, other=0)
-        w2 = gl.load(XW + 4 * r + 2, mask=ok, other=0)
-        w3 = gl.load(XW + 4 * r + 3, mask=ok, other=0)
-        # The tables' layouts have a rank less than their buffers (for .index(box)); stores go through full-rank
-        # views of the same bytes.
-        whole: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        reinterpret(pairs[0], gl.int32, shape, whole).store(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0))
-        reinterpret(pairs[1], gl.int32, shape, whole).store(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0))
-        reinterpret(pairs[2], gl.int32, shape, whole).store(_fma2(_prmt(w1, w3, 0x5410), 0x72007200, 0))
-        reinterpret(pairs[3], gl.int32, shape, whole).store(_fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0))
-        reinterpret(sums, gl.float32, [shape[0], shape[1], shape[2]], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])).store(
-            gl.sum(_word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3), axis=3))
-
-    @gluon.jit
-    def _w4_gemv_slice_kernel(XW, w_desc, s_desc, z_desc, Y, K_ROWS, BOXES: gl.constexpr, STEPS: gl.constexpr,
-                              PDL: gl.constexpr):
-        """Program: y[n0 : n0 + WIDTH] over all of K, no split. The weight is read as [groups, octets of a group, 8,
-        N] (w_desc), BOXES boxes of [GB, H, 8, WIDTH], GB = STEPS x G_STEP groups a box; a step is G_STEP groups, one
-        per warp and row of lanes, each lane holding 8 rows (an octet) x 2 columns."""
-        WARPS_: gl.constexpr = gl.num_warps()
-        GB: gl.constexpr = w_desc.block_type.shape[0]
-        H: gl.constexpr = w_desc.block_type.shape[1]
-        WIDTH: gl.constexpr = w_desc.block_type.shape[3]
-        G_STEP: gl.constexpr = GB // STEPS
-        LANES_N: gl.constexpr = WIDTH // 2
-        n0 = gl.program_id(0) * WIDTH
-
-        w_smem = gl.allocate_shared_memory(gl.int32, [BOXES, GB, H, 8, WIDTH], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(s_desc.dtype, [BOXES, GB, WIDTH], s_desc.layout)
-        # (Rows enough for 128 bytes a box: TMA writes to 128-byte aligned shared memory.)
-        z_smem = gl.allocate_shared_memory(gl.int8, [BOXES, max(GB, 256 // WIDTH), WIDTH // 2], z_desc.layout)
-        landed = gl.allocate_shared_memory(gl.int64, [BOXES, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(BOXES):
-            mbarrier.init(landed.index(b), count=1)
-        fence_async_shared()
-        for b in range(BOXES):
-            mbarrier.expect(landed.index(b), w_desc.block_type.nbytes + s_desc.block_type.nbytes
-                            + z_desc.block_type.nbytes)
-            tma_load(w_desc, [b * GB, 0, 0, n0], landed.index(b), w_smem.index(b))
-            tma_load(s_desc, [b * GB, n0], landed.index(b), s_smem.index(b))
-            tma_load(z_desc, [b * GB, n0 // 2], landed.index(b), z_smem.index(b).slice(0, GB))
-        _wait_for_previous(PDL)
-
-        # A step's tile [G_STEP, H, 8, WIDTH]: groups over warps (and lanes, when a group is one octet), octets over
-        # lanes, a lane's 8 rows x 2 columns in registers.
-        tile_l: gl.constexpr = gl.BlockedLayout([1, 1, 8, 2], [32 // LANES_N // H, H, 1, LANES_N], [WARPS_, 1, 1, 1],
-                                                [3, 2, 1, 0])
-        # The tables cover a power of two of boxes (an arange's length); x's rows past K are zeros.
-        BOXES_P2: gl.constexpr = triton.next_power_of_2(BOXES)
-        prep_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1], [1, 32 // H // 8, H, 8], [1, WARPS_, 1, 1], [3, 2, 1, 0])
-        # (A layout of one rank less than the buffer: what .index(box) leaves.)
-        table_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-        pairs = (gl.allocate_shared_memory(gl.int32, [BOXES_P2, GB, H, 8], table_l),
-                 gl.allocate_shared_memory(gl.int32, [BOXES_P2, GB, H, 8], table_l),
-                 gl.allocate_shared_memory(gl.int32, [BOXES_P2, GB, H, 8], table_l),
-                 gl.allocate_shared_memory(gl.int32, [BOXES_P2, GB, H, 8], table_l))
-        sums = gl.allocate_shared_memory(gl.float32, [BOXES_P2, GB, H], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        _slice_x_tables(XW, K_ROWS, [BOXES_P2, GB, H, 8], prep_l, pairs, sums)
-        warps_barrier()  # the tables are written
-
-        x_l: gl.constexpr = gl.SliceLayout(3, tile_l)
-        gw_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tile_l))  # [G_STEP, WIDTH]
-        # A lane's zero-point byte (its two columns), laid out as gw_l is with one column a lane: joined with itself
-        # shifted, it is gw_l without a move.
-        bytes_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.BlockedLayout(
-            [1, 1, 8, 1], [32 // LANES_N // H, H, 1, LANES_N], [WARPS_, 1, 1, 1], [3, 2, 1, 0])))
-        acc = gl.zeros([G_STEP, H, WIDTH], gl.float32, layout=gl.SliceLayout(2, tile_l))
-        for b in range(BOXES):
-            mbarrier.wait(landed.index(b), 0)
-            for step in gl.static_range(STEPS):
-                packed = w_smem.index(b).slice(step * G_STEP, G_STEP).load(tile_l)
-                acc2 = gl.zeros([G_STEP, H, 8, WIDTH], gl.int32, layout=tile_l)
-                shifted = packed >> 8
-                for j in gl.static_range(4):
-                    x_j = pairs[j].index(b).slice(step * G_STEP, G_STEP).load(x_l)[:, :, :, None]
-                    src = packed if j < 2 else shifted
-                    acc2 = _fma2(gl.broadcast(x_j, acc2)[0], src & (0x000F000F if j % 2 == 0 else 0x00F000F0), acc2)
-                halves = (acc2 << 16).to(gl.float32, bitcast=True) + (acc2 & -65536).to(gl.float32, bitcast=True)
-                part = gl.sum(halves, axis=2)  # [G_STEP, H, WIDTH]: each lane's octet
-                scale = s_smem.index(b).slice(step * G_STEP, G_STEP).load(gw_l).to(gl.float32)
-                z_byte = z_smem.index(b).slice(step * G_STEP, G_STEP).load(bytes_l).to(gl.int32) & 255
-                z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [G_STEP, WIDTH]), gw_l)
-                x_sum = sums.index(b).slice(step * G_STEP, G_STEP).load(gl.SliceLayout(2, gl.SliceLayout(2, tile_l)))
-                # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x, each lane over its octet
-                acc += part * (scale * _TWO_POW_32)[:, None, :] - x_sum[:, :, None] * (z.to(gl.float32) * scale)[:, None, :]
-        y = gl.sum(gl.sum(acc, axis=1), axis=0)
-        n = n0 + gl.arange(0, WIDTH, layout=y.type.layout)
-        gl.store(Y + n, y.to(Y.dtype.element_ty))
-
 
 def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
     """TMA descriptors over the packed weight [K // 8, N] (boxes of [16, 256]), the scales [groups, N] and the zero
@@ -384,10 +282,10 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
             out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
             tiles: int | None = None) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
-    fp32, at least splits x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's, for sweeps): by
-    default ``choose_tiles``."""
+    fp32, at least ``splits_needed`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's, for
+    sweeps): by default ``choose_tiles``."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
-    tiles = tiles or choose_tiles(k, n, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    tiles = tiles or choose_tiles(k)
     if tiles not in (1, 2, 4, 8):
         raise ValueError(f"tiles must be 1, 2, 4 or 8 (a power of two, 16 KB of shared memory each), got {tiles}")
     splits = -(-k // (8 * TILE_ROWS * tiles))
@@ -399,39 +297,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                           launch_pdl=pdl)
 
 
-SLICE_WIDTH = 32  # columns a program of the slice kernel: 128-byte rows of packed weights
-SLICE_STEPS = 2  # steps a box: 2 x 4 groups of 128 (8 of 64) = 128 packed rows, 16 KB
 
-
-def slice_descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, width: int,
-                      steps: int):
-    """The slice kernel's descriptors: the weight as [groups, octets of a group, 8, N], boxes of [GB, H, 8, width];
-    scales [groups, N] and zero-point bytes [groups, N // 2], boxes of [GB, width] and [GB, width // 2]."""
-    k_rows, n = qweight.shape
-    h = group // 64
-    lanes_n = width // 2
-    g_step = 32 // lanes_n // h * WARPS
-    gb = g_step * steps
-    w4d = qweight.view(k_rows // (8 * h), h, 8, n)
-    z_bytes = zeros.view(torch.uint8).view(torch.int8)
-    layout = lambda bits, rank: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=rank)  # noqa
-    return (TensorDescriptor(w4d, list(w4d.shape), list(w4d.stride()), [gb, h, 8, width], layout(32, 4)),
-            TensorDescriptor(scales, list(scales.shape), list(scales.stride()), [gb, width], layout(16, 2)),
-            TensorDescriptor(z_bytes, list(z_bytes.shape), list(z_bytes.stride()), [gb, width // 2], layout(8, 2)))
-
-
-def w4_gemv_slice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                  out: torch.Tensor, pdl: bool, width: int = SLICE_WIDTH, steps: int = SLICE_STEPS,
-                  warps: int = WARPS) -> None:
-    """y = x @ W into ``out`` [1, N] by the slice kernel (no split-K): N // width programs, each over all of K."""
-    k_rows, n = qweight.shape
-    descs = slice_descriptors(qweight, scales, zeros, group, width, steps)
-    gb = descs[0].block_shape[0]
-    boxes = -(-(k_rows * 8 // group) // gb)
-    _w4_gemv_slice_kernel[(n // width,)](x.view(torch.int32), *descs, out, k_rows, BOXES=boxes, STEPS=steps,
-                                         PDL=pdl, num_warps=warps, launch_pdl=pdl)
-
-
-def splits_needed(k: int, n: int, sms: int) -> int:
+def splits_needed(k: int) -> int:
     """The splits ``w4_gemv`` launches by default: the partials it needs are this times N floats."""
-    return -(-k // (8 * TILE_ROWS * choose_tiles(k, n, sms)))
+    return -(-k // (8 * TILE_ROWS * choose_tiles(k)))

@@ -4,7 +4,8 @@
 Why: INT4 weights are a quarter of bf16's bytes, and a batch-1 decode step is bytes over bandwidth,
 so the question is how much of that 4x a kernel call keeps. For each [M, K] @ [K, N] we time torch's
 dense matmul, W8A16 and W4A16 (group size 128) on every path that applies: the GEMV and the dot up
-to M = 4, the dot and W4A16's dequantize + cuBLAS from DEQUANT_MIN_M. We report milliseconds, GB/s
+to M = 4, the dot and W4A16's dequantize + cuBLAS from DEQUANT_MIN_M (and at M = 1 on an H100/H200, where
+W4A16's GEMV is the Gluon kernel, the Triton GEMV too: "gemv_triton"). We report milliseconds, GB/s
 counting the bytes a call moves (weights, scales, zeros and x read, y written), the fraction of the
 measured copy bandwidth, and the speed-up over torch. Every kernel's output is also checked against
 its torch reference, so a fast wrong kernel shows.
@@ -76,15 +77,18 @@ def bytes_moved(fmt: str, shape: QuantShape, element_size: int) -> int:
 def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dtype, bandwidth_gbs: float) -> dict:
     from minillm.kernels.quant_matmul import DEQUANT_MIN_M, GEMV_MAX_M, autotuned_config, w4a16_matmul, \
         w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref
+    from minillm.kernels.w4_gemv_hopper import choose_tiles, use_hopper
 
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(shape.m, shape.k, dtype=dtype, device=device, generator=gen)
     size = x.element_size()
     copies = _copies(bytes_moved("w4a16", shape, size), device)
     sets = [_weights(shape, dtype, device, gen) for _ in range(copies)]
+    # "gemv_triton": W4A16's Triton GEMV where the Gluon one (w4_gemv_hopper.py) is what "gemv" runs, side by side.
     calls = {"bf16": lambda w, path: torch.matmul(x, w),
              "w8a16": lambda q, s, path: w8a16_matmul(x, q, s, path=path),
-             "w4a16": lambda q, s, z, path: w4a16_matmul(x, q, s, z, GROUP_SIZE, path=path)}
+             "w4a16": lambda q, s, z, path: w4a16_matmul(x, q, s, z, GROUP_SIZE, path=path.removesuffix("_triton"),
+                                                         hopper=False if path == "gemv_triton" else None)}
     refs = {"w8a16": w8a16_matmul_ref(x, *sets[0]["w8a16"]),
             "w4a16": w4a16_matmul_ref(x, *sets[0]["w4a16"], GROUP_SIZE)}
 
@@ -99,12 +103,16 @@ def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dty
     for fmt, ref in refs.items():
         dequant = fmt == "w4a16" and shape.m >= DEQUANT_MIN_M
         paths = ("gemv", "dot") if shape.m <= GEMV_BENCH_MAX_M else ("dot", "dequant") if dequant else ("dot",)
+        gluon = fmt == "w4a16" and use_hopper(x, *sets[0]["w4a16"], GROUP_SIZE, None, None)
+        paths += ("gemv_triton",) if gluon else ()
         result = {"auto_path": "gemv" if shape.m <= GEMV_MAX_M else "dequant" if dequant else "dot"}
         for path in paths:
             run = timed(fmt, path)
             run["speedup"] = row["torch"]["ms"] / run["ms"]
             run["config"] = "dequantize + cuBLAS" if path == "dequant" else \
-                autotuned_config(fmt[:2], path) if device.type == "cuda" else "interpreter (pinned)"
+                f"Gluon (w4_gemv_hopper.py), {choose_tiles(shape.k)} tiles a program" if gluon and path == "gemv" else \
+                autotuned_config(fmt[:2], path.removesuffix("_triton")) if device.type == "cuda" else \
+                "interpreter (pinned)"
             error = (calls[fmt](*sets[0][fmt], path=path).float() - ref.float()).abs().max()
             run["max_rel_error"] = (error / ref.float().abs().max()).item()
             result[path] = run

@@ -126,6 +126,15 @@ def main_loop(kernel) -> dict:
     return _span(kernel, lines, usage, lo, hi)
 
 
+def whole_kernel(kernel) -> dict:
+    """``main_loop``'s fields over the whole kernel, for kernels whose loops are unrolled, and "memory_opcodes": the
+    loads and stores with their modifiers (LDS.64, STG.E.128, ...), whose widths matter."""
+    lines, usage = _disassemble(kernel)
+    span = _span(kernel, lines, usage, 0, lines[-1][0])
+    span["memory_opcodes"] = dict(collections.Counter(op for _, op, _ in lines if op.startswith(("LD", "ST"))))
+    return span
+
+
 def _innermost(lines) -> list[tuple[int, int]]:
     """(start, end) of every innermost loop: no other backward branch leaves from inside it. The retries of
     mbarrier waits sit after the kernel's end and jump back into a loop, spanning it: innermost drops them."""

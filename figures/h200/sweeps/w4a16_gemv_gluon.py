@@ -3,8 +3,8 @@ torch's bf16 matmul on the dense weight, M = 1, in one process, three interleave
 
 Shapes: Llama-2-7B's projections (4096 x 11008, 11008 x 4096, 4096 x 4096), group 128, and 4096 x 11008 at group 64.
 Each timed call cycles through enough copies of its weights to fill twice the L2 (as ``bench/quant_kernels.py``),
-so no call finds its weight in L2. The Gluon kernels are timed at their defaults and in variants: the split-K kernel at 1, 2 and 4 tiles a
-program, the slice kernel (no split) at 1 or 2 steps a box and 4 or 8 warps.
+so no call finds its weight in L2. The Gluon kernel is timed at its default and at 1, 2 and 4 tiles a program. (w4a16_gemv_gluon_slice.json: a run
+with a second Gluon kernel, since removed, that split no K.)
 Every candidate's answer is checked against ``w4a16_matmul_ref`` (y poisoned before). Bytes: ``bytes_moved``.
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/w4a16_gemv_gluon.py``.
 """
@@ -61,8 +61,6 @@ def main():
                  "gluon gemv": (cycled(lambda w: w4a16_matmul(x, *w, group, out=out, hopper=True), sets), w4_bytes)}
         variants = {f"gluon split-K, {tiles} tiles": (w4_gemv_hopper.w4_gemv, dict(
             partials=partials, counters=tile_counters(dev), tiles=tiles)) for tiles in (1, 2, 4)}
-        variants |= {f"gluon slice, {steps} steps a box, {warps} warps": (w4_gemv_hopper.w4_gemv_slice, dict(
-            steps=steps, warps=warps)) for steps in (1, 2) for warps in (4, 8)}
         for name, (fn, kw) in variants.items():
             calls[name] = (cycled(lambda w, fn=fn, kw=kw: fn(x, *w, group, out, pdl=True, **kw), sets), w4_bytes)
         for name in calls:

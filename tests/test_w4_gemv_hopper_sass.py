@@ -1,0 +1,69 @@
+"""The Gluon W4A16 GEMV (kernels/w4_gemv_hopper.py) compiled for sm_90 on the CPU: what lets it keep up with HBM is
+visible in its instructions, so they are counted here (Gluon has no interpreter; the numbers are tested on an H200,
+tests/kernels/test_w4_gemv_hopper.py).
+
+Per program: three TMA copies a tile (weights, scales, zero points), issued before anything waits; the HFMA2 body's
+four products a packed int32 (two columns x 16 rows a thread a tile) and four more per thread for x's pairs; the
+weights read from shared memory 8 bytes (two columns) a row; integers become floats only for the zero points (two a
+group, a thread's two columns); no spills; shared memory for six programs an SM at the
+default two tiles. Compiled in a subprocess without TRITON_INTERPRET."""
+
+import textwrap
+
+import pytest
+
+from minillm.bench.sass import run_compile_script
+
+pytest.importorskip("triton.experimental.gluon")
+
+SCRIPT = textwrap.dedent('''
+    import json
+    from triton.experimental.gluon import language as gl
+    from minillm.bench.sass import compile_gluon_sm90, whole_kernel
+    from minillm.kernels import w4_gemv_hopper as wh
+
+    def counts(tiles, group):
+        layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
+        groups = wh.TILE_ROWS * 8 // group
+        types = {"XW": "*i32", "w_desc": f"tensordesc<i32[{wh.TILE_ROWS},{wh.BLOCK_N}],{layout(32)!r}>",
+                 "s_desc": f"tensordesc<bf16[{groups},{wh.BLOCK_N}],{layout(16)!r}>",
+                 "z_desc": f"tensordesc<i8[{groups},{wh.BLOCK_N // 2}],{layout(8)!r}>",
+                 "Y": "*bf16", "Partials": "*fp32", "Counters": "*i32"}
+        consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True)
+        fn = wh._w4_gemv_kernel
+        signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
+        span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=wh.WARPS))
+        return dict(span, opcodes=dict(span["opcodes"]))
+
+    print(json.dumps({f"{t} {g}": counts(t, g) for t, g in ((2, 128), (2, 64), (1, 128))}))
+''')
+CASES = ["2 128", "2 64", "1 128"]
+SHARED_PER_SM = 228 * 1024  # an sm_90 SM's shared memory, 1 KB of it reserved per program
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return run_compile_script(SCRIPT, tmp_path_factory.mktemp("w4_gemv_hopper_sass"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_copies_and_products(compiled, case):
+    from minillm.kernels import w4_gemv_hopper as wh
+    tiles = int(case.split()[0])
+    kernel = compiled[case]
+    ops = kernel["opcodes"]
+    packed_a_thread = tiles * wh.TILE_ROWS * wh.BLOCK_N // (32 * wh.WARPS)  # int32s of 8 weights
+    assert ops.get("UTMALDG") == 3 * tiles, ops
+    assert ops.get("HFMA2") == 4 * packed_a_thread + 4, ops  # + x's four pairs, once
+    assert kernel["memory_opcodes"].get("LDS.64") == packed_a_thread // 2, kernel["memory_opcodes"]  # 2 columns a row
+    groups = tiles * wh.TILE_ROWS * 8 // int(case.split()[1])
+    assert ops.get("I2F", 0) + ops.get("I2FP", 0) <= 2 * groups, ops  # a zero point a column and group, no weight
+    assert not any(op.startswith(("LDL", "STL")) for op in kernel["memory_opcodes"]), kernel["memory_opcodes"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resources_fit_six_programs_an_sm(compiled, case):
+    kernel = compiled[case]
+    assert kernel["stack"] == 0, kernel
+    assert 6 * (kernel["shared_bytes"] + 1024) <= SHARED_PER_SM, kernel["shared_bytes"]
+    assert 6 * 4 * 32 * kernel["registers"] <= 65536, kernel["registers"]
