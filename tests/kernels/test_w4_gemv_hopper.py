@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kernels import w4_gemv_hopper as hopper
+from minillm.kernels import split_k, w4_gemv_hopper as hopper
 from minillm.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
 
 from test_quant_matmul import assert_matches, counters_are_clean, int4_problem, poisoned
@@ -25,6 +25,7 @@ CASES = [
     # tiles a program, and 86 splits (more than a fix-up chunk of 32 partials).
     (128, 256, 128, None),
     (576, 608, 128, None),
+    (4096, 1024, 128, None),
     (576, 96, 64, 2),
     (4096, 1024, 128, 1),
     (4096, 1024, 64, 8),
@@ -37,19 +38,22 @@ CASES = [
 
 @needs_sm90
 @pytest.mark.parametrize("k,n,group,tiles", CASES)
-def test_hopper_w4_gemv_matches_ref(k, n, group, tiles, monkeypatch):
+def test_hopper_w4_gemv_matches_ref(k, n, group, tiles):
+    """Through ``w4a16_matmul`` at the default tiles; a pinned tile count launches the kernel itself, with the partials
+    its splits need."""
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + group)
-    calls = []
-    launch = hopper.w4_gemv
-    monkeypatch.setattr(hopper, "w4_gemv", lambda *a, **kw: calls.append(1) or launch(*a, **kw, tiles=tiles))
     out = poisoned((1, n), torch.bfloat16)
-    y = w4a16_matmul(x, qweight, scales, zeros, group, out=out)
-    assert calls == [1] and y is out
+    if tiles is None:
+        assert w4a16_matmul(x, qweight, scales, zeros, group, out=out) is out
+    else:
+        partials = torch.full((-(-k // (128 * tiles)) * n,), float("nan"), device=x.device)
+        hopper.w4_gemv(x, qweight, scales, zeros, group, out, partials, split_k.tile_counters(x.device), True,
+                       tiles=tiles)
     want = w4a16_matmul_ref(x, qweight, scales, zeros, group)
-    assert_matches(y, want, torch.bfloat16)
+    assert_matches(out, want, torch.bfloat16)
     assert counters_are_clean()
     triton = w4a16_matmul(x, qweight, scales, zeros, group, hopper=False)
-    torch.testing.assert_close(y.float(), triton.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())
+    torch.testing.assert_close(out.float(), triton.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())
 
 
 @needs_sm90
