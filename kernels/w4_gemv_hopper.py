@@ -25,9 +25,9 @@ in shared memory while it computes. The design:
 - **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
   sums them, FIX_CHUNK partials a load, and writes y.
 
-Measured on the H200 (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 10.2 us at 4096 x 11008
-(2.3x the bf16 matmul; the Triton GEMV 11.4 us in the same run), 10.8 us at 11008 x 4096 (2.4x; Triton 12.3), 5.3 us
-at 4096 x 4096 (2.3x; Triton 7.2). Where the rest goes (figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's
+Measured on the H200 (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 10.1 us at 4096 x 11008
+(2.45x the bf16 matmul; the Triton GEMV 11.0 us in the same run), 10.8 us at 11008 x 4096 (2.34x; Triton 12.3-15.3
+in three runs), 5.3 us at 4096 x 4096 (2.33x; Triton 6.9). Where the rest goes (figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's
 copies with no math): the copies alone take 7.0 us, 81 % of the copy bandwidth; the fix-up adds ~1.5 us (a fenced
 atomic, then the partials' round trip to L2, behind the last program) and the math ~1.5 us more, the compute of the
 tiles that land last. A kernel without split-K (each program all of K for 32 columns) copied in 6.6-6.9 us but was
