@@ -147,7 +147,6 @@ if GLUON_USABLE:
         w1 = gl.load(XW + 4 * r + 1, mask=ok, other=0)
         w2 = gl.load(XW + 4 * r + 2, mask=ok, other=0)
         w3 = gl.load(XW + 4 * r + 3, mask=ok, other=0)
-        table_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
         pairs = (_table(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
                  _table(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from launch_sweep import save_result  # noqa: E402
 
-from minillm.bench.kernels import time_ms  # noqa: E402
+from minillm.bench.kernels import time_interleaved  # noqa: E402
 from minillm.bench.quant_kernels import QuantShape, _copies, bytes_moved  # noqa: E402
 from minillm.bench.roofline import measure_bandwidth  # noqa: E402
 from minillm.kernels import w4_gemv_hopper  # noqa: E402
@@ -35,7 +35,6 @@ def weights(k, n, group, dev, gen):
 def main():
     dev = torch.device("cuda")
     bandwidth = measure_bandwidth(dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     runs = {"copy_bandwidth_gbs": bandwidth, "shapes": []}
     for k, n, group in ((4096, 11008, 128), (11008, 4096, 128), (4096, 4096, 128), (4096, 11008, 64)):
         gen = torch.Generator(device=dev).manual_seed(0)
@@ -63,14 +62,11 @@ def main():
             partials=partials, counters=tile_counters(dev), tiles=tiles)) for tiles in (1, 2, 4)}
         for name, (fn, kw) in variants.items():
             calls[name] = (cycled(lambda w, fn=fn, kw=kw: fn(x, *w, group, out, pdl=True, **kw), sets), w4_bytes)
-        for name in calls:
-            row[name] = {"us_rounds": []}
-        for _ in range(3):
-            for name, (call, nbytes) in calls.items():
-                row[name]["us_rounds"].append(time_ms(call, dev) * 1e3)
+        times = time_interleaved({name: call for name, (call, _) in calls.items()}, dev)
         for name, (call, nbytes) in calls.items():
-            best = min(row[name]["us_rounds"])
-            row[name] |= {"us": best, "gbs": nbytes / best / 1e3, "fraction_of_bandwidth": nbytes / best / 1e3 / bandwidth}
+            best = times[name]["ms"] * 1e3
+            row[name] = {"us_rounds": [ms * 1e3 for ms in times[name]["ms_rounds"]], "us": best,
+                         "gbs": nbytes / best / 1e3, "fraction_of_bandwidth": nbytes / best / 1e3 / bandwidth}
             if name != "torch bf16":
                 single = {"triton gemv": lambda: w4a16_matmul(x, *sets[0], group, path="gemv", out=out, hopper=False),
                           "gluon gemv": lambda: w4a16_matmul(x, *sets[0], group, out=out, hopper=True)}.get(name)

@@ -22,12 +22,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, os.path.dirname(__file__))
 from launch_sweep import save_result  # noqa: E402
 
-from minillm.bench.kernels import time_ms  # noqa: E402
+from minillm.bench.kernels import time_interleaved  # noqa: E402
 from minillm.bench.quant_kernels import QuantShape, _copies, bytes_moved  # noqa: E402
 from minillm.bench.roofline import measure_bandwidth  # noqa: E402
 from minillm.kernels import w4_gemv_hopper as wh  # noqa: E402
-from minillm.kernels.flash_attention_hopper import tma_load, warps_barrier  # noqa: E402
-from minillm.kernels.quant_matmul import pack_int4, pack_int4_along_n, w4a16_matmul  # noqa: E402
+from minillm.kernels.flash_attention_hopper import tma_load  # noqa: E402
+from minillm.kernels.quant_matmul import pack_int4, pack_int4_along_n  # noqa: E402
 from minillm.kernels.split_k import tile_counters  # noqa: E402
 
 
@@ -95,7 +95,6 @@ def _empty_kernel(Y):
 def main():
     dev = torch.device("cuda")
     bandwidth = measure_bandwidth(dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     runs = {"copy_bandwidth_gbs": bandwidth, "shapes": []}
     counters = tile_counters(dev)
     empty_out = torch.empty(128, dtype=torch.float32, device=dev)
@@ -135,14 +134,11 @@ def main():
                 lambda d=slice_descs, width=width, box_rows=box_rows, boxes=boxes: _slice_copies_kernel[
                     (n // width,)](next(d), slice_out, k // 8, BOXES=boxes, BOX_ROWS=box_rows, WIDTH=width,
                                    num_warps=4))
+        times = time_interleaved(calls, dev)
         for name in calls:
-            row[name] = {"us_rounds": []}
-        for _ in range(3):
-            for name, call in calls.items():
-                row[name]["us_rounds"].append(time_ms(call, dev) * 1e3)
-        for name in calls:
-            best = min(row[name]["us_rounds"])
-            row[name] |= {"us": best, "fraction_of_bandwidth": nbytes / best / 1e3 / bandwidth}
+            best = times[name]["ms"] * 1e3
+            row[name] = {"us_rounds": [ms * 1e3 for ms in times[name]["ms_rounds"]], "us": best,
+                         "fraction_of_bandwidth": nbytes / best / 1e3 / bandwidth}
         print({key: (v if not isinstance(v, dict) else round(v["us"], 2)) for key, v in row.items()}, flush=True)
         runs["shapes"].append(row)
     save_result(os.environ.get("OUT", "/tmp/out"), "w4a16_gemv_probe", "W4A16 GEMV probes, M = 1, bf16, group 128",
