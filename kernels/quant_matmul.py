@@ -27,7 +27,8 @@ Paths, chosen by M (the number of tokens):
   more bytes in flight a warp and fewer registers, which is what the H200's counters said the GEMV lacked
   (4.9 warps per SM waiting on loads, ``figures/h200/sweeps/ncu_kernels.json``). On Hopper the W4A16 GEMV is
   launched with PDL (``pdl.py``): its programs start while the kernel ahead finishes and ask L2 for their first
-  packed rows before they wait for x.
+  packed rows before they wait for x. On an H100/H200 one row of bf16 x takes a Gluon GEMV instead
+  (``w4_gemv_hopper.py``: TMA copies of every tile issued up front, 1.1-1.4x this one; ``hopper=False`` keeps this).
   At M = 1 a tensor-core dot would be 1/16 useful work plus a shared-memory round trip. The M
   programs of a column tile are neighbours in the grid, so rows after the first find its weights
   in L2; but each dequantizes them again, which is why larger M goes to the dot.
