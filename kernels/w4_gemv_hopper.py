@@ -27,10 +27,10 @@ in shared memory while it computes. The design:
 
 Measured on the H200 (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 10.1 us at 4096 x 11008
 (2.45x the bf16 matmul; the Triton GEMV 11.0 us in the same run), 10.8 us at 11008 x 4096 (2.34x; Triton 12.3-15.3
-in three runs), 5.3 us at 4096 x 4096 (2.33x; Triton 6.9). Where the rest goes (figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's
-copies with no math): the copies alone take 7.0 us, 81 % of the copy bandwidth; the fix-up adds ~1.5 us (a fenced
-atomic, then the partials' round trip to L2, behind the last program) and the math ~1.5 us more, the compute of the
-tiles that land last. A kernel without split-K (each program all of K for 32 columns) copied in 6.6-6.9 us but was
+in three runs), 5.3 us at 4096 x 4096 (2.33x; Triton 6.9). Where the rest goes
+(figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's copies with no math): the copies alone take 7.0 us, 81 %
+of the copy bandwidth; the fix-up adds ~1.5 us (a fenced atomic, then the partials' round trip to L2, behind the last
+program) and the math ~1.5 us more, the compute of the tiles that land last. A kernel without split-K (each program all of K for 32 columns) copied in 6.6-6.9 us but was
 slower in all, its programs' compute behind their last tiles, but at 4096 x 4096
 (figures/h200/sweeps/w4a16_gemv_gluon_slice.json).
 
@@ -62,6 +62,7 @@ WARPS = 4
 GROUP_SIZES = (64, 128)
 TILES = 2  # tiles a program: the H200 sweeps' best at each Llama-2-7B shape (1 and 4 were slower)
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
+
 
 def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group: int) -> str | None:
@@ -107,6 +108,7 @@ def use_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 def choose_tiles(k: int) -> int:
     """Tiles a program: TILES, or 1 where K is one tile."""
     return 1 if k <= 8 * TILE_ROWS else TILES
+
 
 if GLUON_USABLE:
     _TILE_ROWS, _SUB_ROWS, _BLOCK_N = gl.constexpr(TILE_ROWS), gl.constexpr(SUB_ROWS), gl.constexpr(BLOCK_N)
@@ -294,7 +296,6 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     _w4_gemv_kernel[grid](x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out, partials, counters,
                           n, k // 8, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, num_warps=WARPS,
                           launch_pdl=pdl)
-
 
 
 def splits_needed(k: int) -> int:

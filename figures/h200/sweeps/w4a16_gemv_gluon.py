@@ -3,8 +3,8 @@ torch's bf16 matmul on the dense weight, M = 1, in one process, three interleave
 
 Shapes: Llama-2-7B's projections (4096 x 11008, 11008 x 4096, 4096 x 4096), group 128, and 4096 x 11008 at group 64.
 Each timed call cycles through enough copies of its weights to fill twice the L2 (as ``bench/quant_kernels.py``),
-so no call finds its weight in L2. The Gluon kernel is timed at its default and at 1, 2 and 4 tiles a program. (w4a16_gemv_gluon_slice.json: a run
-with a second Gluon kernel, since removed, that split no K.)
+so no call finds its weight in L2. The Gluon kernel is timed at its default and at 1, 2 and 4 tiles a program.
+(w4a16_gemv_gluon_slice.json: a run with a second Gluon kernel, since removed, that split no K.)
 Every candidate's answer is checked against ``w4a16_matmul_ref`` (y poisoned before). Bytes: ``bytes_moved``.
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/w4a16_gemv_gluon.py``.
 """
@@ -67,13 +67,15 @@ def main():
             best = times[name]["ms"] * 1e3
             row[name] = {"us_rounds": [ms * 1e3 for ms in times[name]["ms_rounds"]], "us": best,
                          "gbs": nbytes / best / 1e3, "fraction_of_bandwidth": nbytes / best / 1e3 / bandwidth}
-            if name != "torch bf16":
-                single = {"triton gemv": lambda: w4a16_matmul(x, *sets[0], group, path="gemv", out=out, hopper=False),
-                          "gluon gemv": lambda: w4a16_matmul(x, *sets[0], group, out=out, hopper=True)}.get(name)
-                if single is None:
-                    single = lambda fk=variants[name]: fk[0](x, *sets[0], group, out, pdl=True, **fk[1])
+            if name != "torch bf16":  # each candidate's answer on the first set of weights
                 out.fill_(float("nan"))
-                single()
+                if name == "triton gemv":
+                    w4a16_matmul(x, *sets[0], group, path="gemv", out=out, hopper=False)
+                elif name == "gluon gemv":
+                    w4a16_matmul(x, *sets[0], group, out=out, hopper=True)
+                else:
+                    fn, kw = variants[name]
+                    fn(x, *sets[0], group, out, pdl=True, **kw)
                 torch.cuda.synchronize()
                 row[name]["max_rel_error_vs_ref"] = ((out.float() - want).abs().max() / want.abs().max()).item()
                 row[name]["speedup_vs_torch"] = row["torch bf16"]["us"] / best

@@ -5,8 +5,8 @@ tile and writes each program's partial (a word of each tile: nothing is computed
 ``copies, no fix-up`` writes the partial and ends. An empty kernel (one program) gives the launch's own cost in a
 graph. So: kernel - copies = the math the copies do not hide; copies - copies without fix-up = the fix-up's
 latency; copies without fix-up = the memory floor of this grid. ``slice copies``: a grid without split-K, each
-program copying a whole column slice of 16 to 64 columns (all K), to see what narrow boxes cost in HBM efficiency. Three interleaved rounds, weights cycled through
-twice the L2 as the sweep w4a16_gemv_gluon.py does.
+program copying a whole column slice of 16 to 64 columns (all K), to see what narrow boxes cost in HBM efficiency.
+Three interleaved rounds, weights cycled through twice the L2 as the sweep w4a16_gemv_gluon.py does.
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/w4a16_gemv_probe.py``.
 """
 import itertools
@@ -65,6 +65,7 @@ def _copies_kernel(w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, TIL
     else:
         n = n0 + gl.arange(0, 256, layout=cols_l)
         gl.store(Partials + split * N + n, out, mask=n < N)
+
 
 @gluon.jit
 def _slice_copies_kernel(w_desc, Out, K_ROWS, BOXES: gl.constexpr, BOX_ROWS: gl.constexpr, WIDTH: gl.constexpr):
