@@ -28,8 +28,8 @@ in shared memory while it computes. The design:
 Measured on the H200 (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 10.1 us at 4096 x 11008
 (2.45x the bf16 matmul; the Triton GEMV 11.0 us in the same run), 10.8 us at 11008 x 4096 (2.34x; Triton 12.3-15.3
 in three runs), 5.3 us at 4096 x 4096 (2.33x; Triton 6.9). Where the rest goes
-(figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's copies with no math): the copies alone take 7.0 us, 81 %
-of the copy bandwidth; the fix-up adds ~1.5 us (a fenced atomic, then the partials' round trip to L2, behind the last
+(figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's copies with no math): the copies alone take 7.0 us (81 %
+of the copy bandwidth the bench measures) where the kernel takes 10.1-10.3; the fix-up adds ~1.5 us (a fenced atomic, then the partials' round trip to L2, behind the last
 program) and the math ~1.5 us more, the compute of the tiles that land last. A kernel without split-K (each program
 all of K for 32 columns) copied in 6.6-6.9 us but was slower in all but at 4096 x 4096, its programs' compute behind
 their last tiles (figures/h200/sweeps/w4a16_gemv_gluon_slice.json).
@@ -47,6 +47,7 @@ import torch
 
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
+from minillm.kernels.split_k import MAX_TILES
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
@@ -78,14 +79,15 @@ def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if group not in GROUP_SIZES:
         return f"it takes group_size in {GROUP_SIZES}, not {group}"
     n = qweight.shape[1]
-    if n % 32:
-        return f"it needs N a multiple of 32 (16-byte rows of packed zero points), not {n}"
+    if n == 0 or n % 32:
+        return f"it needs N a positive multiple of 32 (16-byte rows of packed zero points), not {n}"
+    # x is read as int32 words, the others through TMA descriptors: 16-byte aligned bases and row strides.
     tensors = {"x": x, "qweight": qweight, "scales": scales, "zeros": zeros}
     for name, t in tensors.items():
-        if t.stride(-1) != 1 or (t.dim() == 2 and t.shape[0] > 1 and t.stride(0) != t.shape[1]):
-            return f"it needs contiguous rows, got {name} with strides {t.stride()}"
+        if t.stride(-1) != 1 or (t.dim() == 2 and t.stride(0) * t.element_size() % TMA_ALIGN and t is not x):
+            return f"it needs contiguous rows {TMA_ALIGN}-byte aligned, got {name} with strides {t.stride()}"
         if t.data_ptr() % TMA_ALIGN:
-            return f"its TMA descriptors need {TMA_ALIGN}-byte aligned tensors, got {name} at {t.data_ptr():#x}"
+            return f"it needs {TMA_ALIGN}-byte aligned tensors, got {name} at {t.data_ptr():#x}"
     if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
         return "it needs an sm_90 GPU (H100/H200)"
     return None
@@ -160,7 +162,7 @@ if GLUON_USABLE:
 
     @gluon.jit
     def _word_sum(w):
-        """The sum of the two bf16 in each int32 of w, in fp32."""
+        """The sum of the two bf16 in each int32 of w, in fp32 (a shift, a LOP3 and an FADD)."""
         return (w << 16).to(gl.float32, bitcast=True) + (w & -65536).to(gl.float32, bitcast=True)
 
     @gluon.jit
@@ -181,8 +183,7 @@ if GLUON_USABLE:
             x_j = pairs[j].slice(first, _SUB_ROWS).load(x_l)[:, None]
             src = packed if j < 2 else shifted
             acc2 = _fma2(gl.broadcast(x_j, acc2)[0], src & (0x000F000F if j % 2 == 0 else 0x00F000F0), acc2)
-        halves = (acc2 << 16).to(gl.float32, bitcast=True) + (acc2 & -65536).to(gl.float32, bitcast=True)
-        return gl.sum(halves, axis=0)
+        return gl.sum(_word_sum(acc2), axis=0)
 
     @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS,
@@ -270,9 +271,8 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     """TMA descriptors over the packed weight [K // 8, N] (boxes of [16, 256]), the scales [groups, N] and the zero
     points read as bytes [groups, N // 2] (a byte: two columns), boxes of a tile's groups."""
     tile_groups = TILE_ROWS * 8 // group
-    z_bytes = zeros.view(torch.uint8)
     boxes = ((qweight, [TILE_ROWS, BLOCK_N], gl.int32), (scales, [tile_groups, BLOCK_N], gl.bfloat16),
-             (z_bytes.view(torch.int8), [tile_groups, BLOCK_N // 2], gl.int8))
+             (zeros.view(torch.int8), [tile_groups, BLOCK_N // 2], gl.int8))
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), box,
                              gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.primitive_bitwidth,
                                                   rank=2))
@@ -283,21 +283,24 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
             out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
             tiles: int | None = None) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
-    fp32, at least ``splits_needed`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's, for
-    sweeps): by default ``choose_tiles``."""
+    fp32, at least ``splits_needed(K, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
+    for sweeps): by default ``choose_tiles``."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     tiles = tiles or choose_tiles(k)
     if tiles not in (1, 2, 4, 8):
         raise ValueError(f"tiles must be 1, 2, 4 or 8 (a power of two, 16 KB of shared memory each), got {tiles}")
-    splits = -(-k // (8 * TILE_ROWS * tiles))
+    splits = splits_needed(k, tiles)
     if splits > 1 and partials.numel() < splits * n:
         raise ValueError(f"partials holds {partials.numel()} floats; {splits} splits x N = {n} need {splits * n}")
     grid = (-(-n // BLOCK_N), splits)
+    if splits > 1 and grid[0] > MAX_TILES:
+        raise ValueError(f"N = {n} is {grid[0]} column tiles; the split-K counters hold {MAX_TILES}")
     _w4_gemv_kernel[grid](x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out, partials, counters,
                           n, k // 8, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, num_warps=WARPS,
                           launch_pdl=pdl)
 
 
-def splits_needed(k: int) -> int:
-    """The splits ``w4_gemv`` launches by default: the partials it needs are this times N floats."""
-    return -(-k // (8 * TILE_ROWS * choose_tiles(k)))
+def splits_needed(k: int, tiles: int | None = None) -> int:
+    """The splits ``w4_gemv`` launches at ``tiles`` a program (default: ``choose_tiles``): the partials it needs are
+    this times N floats."""
+    return -(-k // (8 * TILE_ROWS * (tiles or choose_tiles(k))))

@@ -66,4 +66,4 @@ def test_resources_fit_six_programs_an_sm(compiled, case):
     kernel = compiled[case]
     assert kernel["stack"] == 0, kernel
     assert 6 * (kernel["shared_bytes"] + 1024) <= SHARED_PER_SM, kernel["shared_bytes"]
-    assert 6 * 4 * 32 * kernel["registers"] <= 65536, kernel["registers"]
+    assert 6 * 4 * 32 * -(-kernel["registers"] // 8) * 8 <= 65536, kernel["registers"]  # (allocated 8 at a time)

@@ -290,17 +290,19 @@ def test_hfma2_tiles_gemv_matches_reference(dtype, k, n, group_size, config, mon
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="PDL and CUDA graphs need a GPU")
-def test_autotuned_gemv_in_a_cuda_graph_after_a_norm():
+@pytest.mark.parametrize("hopper", [False, None])
+def test_autotuned_gemv_in_a_cuda_graph_after_a_norm(hopper):
     """The decode step's way: a norm that lets the next kernel start early writes x, and the W4A16 GEMV (launched
-    with PDL on Hopper, warming L2 before it waits) reads it, replayed from a graph with new inputs each time."""
+    with PDL on Hopper, warming L2 before it waits) reads it, replayed from a graph with new inputs each time: the
+    autotuned Triton GEMV (hopper=False), and what runs by default (the Gluon GEMV on an H100/H200)."""
     from minillm.kernels.fused_layer_ops import rms_norm
     x0, qweight, scales, zeros, _, _ = int4_problem(1, 4096, 1024, 128, torch.bfloat16, seed=7)
     weight = torch.rand(4096, dtype=torch.bfloat16, device=DEVICE) + 0.5
     h = x0.clone()
-    w4a16_matmul(rms_norm(h, weight, 1e-5), qweight, scales, zeros, 128)  # autotunes outside the capture
+    w4a16_matmul(rms_norm(h, weight, 1e-5), qweight, scales, zeros, 128, hopper=hopper)  # autotunes outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = w4a16_matmul(rms_norm(h, weight, 1e-5), qweight, scales, zeros, 128)
+        y = w4a16_matmul(rms_norm(h, weight, 1e-5), qweight, scales, zeros, 128, hopper=hopper)
     for seed in range(3):
         h.copy_(int4_problem(1, 4096, 8, 128, torch.bfloat16, seed=20 + seed)[0])
         y.fill_(float("nan"))

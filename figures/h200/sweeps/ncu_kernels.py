@@ -73,7 +73,7 @@ def w4_gemv(k, n, config=None):
         k, n, config = 256, 64, None
     x = torch.randn(1, k, device=dev, dtype=dtype, generator=gen)
     q, s, z = _weights(QuantShape(1, k, n), dtype, dev, gen)["w4a16"]
-    return lambda: w4a16_matmul(x, q, s, z, GROUP_SIZE, path="gemv", config=config)
+    return lambda: w4a16_matmul(x, q, s, z, GROUP_SIZE, path="gemv", config=config, hopper=False)
 
 
 def _tiles(block_n, block_kp, split_k, warps):

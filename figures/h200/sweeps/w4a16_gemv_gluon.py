@@ -5,7 +5,7 @@ Shapes: Llama-2-7B's projections (4096 x 11008, 11008 x 4096, 4096 x 4096), grou
 Each timed call cycles through enough copies of its weights to fill twice the L2 (as ``bench/quant_kernels.py``),
 so no call finds its weight in L2. The Gluon kernel is timed at its default and at 1, 2 and 4 tiles a program.
 (w4a16_gemv_gluon_slice.json: a run with a second Gluon kernel, since removed, that split no K.)
-Every candidate's answer is checked against ``w4a16_matmul_ref`` (y poisoned before). Bytes: ``bytes_moved``.
+Every candidate's answer is compared with ``w4a16_matmul_ref`` (y poisoned before): ``max_rel_error_vs_ref``. Bytes: ``bytes_moved``.
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/w4a16_gemv_gluon.py``.
 """
 import itertools
