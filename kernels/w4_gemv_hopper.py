@@ -29,10 +29,10 @@ Measured on the H200 (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rou
 (2.45x the bf16 matmul; the Triton GEMV 11.0 us in the same run), 10.8 us at 11008 x 4096 (2.34x; Triton 12.3-15.3
 in three runs), 5.3 us at 4096 x 4096 (2.33x; Triton 6.9). Where the rest goes
 (figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's copies with no math): the copies alone take 7.0 us (81 %
-of the copy bandwidth the bench measures) where the kernel takes 10.1-10.3; the fix-up adds ~1.5 us (a fenced atomic, then the partials' round trip to L2, behind the last
-program) and the math ~1.5 us more, the compute of the tiles that land last. A kernel without split-K (each program
-all of K for 32 columns) copied in 6.6-6.9 us but was slower in all but at 4096 x 4096, its programs' compute behind
-their last tiles (figures/h200/sweeps/w4a16_gemv_gluon_slice.json).
+of the copy bandwidth the bench measures) where the kernel takes 10.1-10.3; the fix-up adds ~1.5 us (a fenced atomic,
+then the partials' round trip to L2, behind the last program) and the math ~1.5 us more, the compute of the tiles that
+land last. A kernel without split-K (each program all of K for 32 columns) copied in 6.6-6.9 us but was slower in all
+but at 4096 x 4096, its programs' compute behind their last tiles (figures/h200/sweeps/w4a16_gemv_gluon_slice.json).
 
 What it takes (``unsupported`` names what is missing): bf16 x, one row (M = 1), group_size 64 or 128, N a multiple of
 32 (TMA's 16-byte row strides for the packed zero points), 16-byte aligned tensors, sm_90. fp16 x, other groups and
