@@ -416,7 +416,9 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if path in (None, "gemv") and (x.numel() == k or hopper):
         x_row = x.reshape(-1, k)
         if w4_gemv_hopper.use_hopper(x_row, qweight, scales, zeros, group, hopper, config):
-            return _hopper_gemv(x_row, qweight, scales, zeros, group, x, n, out)
+            out = _output(x, n, out)
+            w4_gemv_hopper.gemv(x_row, qweight, scales, zeros, group, out.view(1, n))
+            return out
     elif hopper:
         raise ValueError(f"hopper=True runs the Gluon W4A16 GEMV, but path is {path!r}")
     if path == "dequant" or (path is None and x.numel() // k >= DEQUANT_MIN_M):
@@ -441,17 +443,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         check(x.dtype != torch.float32, "PAIRS dequantizes in x's 16-bit dtype; x is float32")
     weights = (qweight, scales, zeros, group, ONE_BITS, qweight.stride(0), scales.stride(0), zeros.stride(0))
     return _launch("w4", x, k, n, weights, path, config, out)
-
-
-def _hopper_gemv(x_row: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                 x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
-    """``w4a16_matmul`` through the Gluon GEMV: y [..., N] like x."""
-    out = _output(x, n, out)
-    splits = w4_gemv_hopper.splits_needed(8 * qweight.shape[0])
-    partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
-    w4_gemv_hopper.w4_gemv(x_row, qweight, scales, zeros, group, out.view(1, n), partials,
-                           tile_counters(x.device), pdl_supported(x.device))
-    return out
 
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, path: str | None = None,

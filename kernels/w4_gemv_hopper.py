@@ -47,7 +47,8 @@ import torch
 
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
-from minillm.kernels.split_k import MAX_TILES
+from minillm.kernels.pdl import supported as pdl_supported
+from minillm.kernels.split_k import MAX_TILES, tile_counters
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
@@ -298,6 +299,16 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     _w4_gemv_kernel[grid](x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out, partials, counters,
                           n, k // 8, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, num_warps=WARPS,
                           launch_pdl=pdl)
+
+
+def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+         out: torch.Tensor) -> None:
+    """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
+    where the device has it: what ``w4a16_matmul`` runs."""
+    k, n = 8 * qweight.shape[0], qweight.shape[1]
+    splits = splits_needed(k)
+    partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
+    w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device))
 
 
 def splits_needed(k: int, tiles: int | None = None) -> int:
