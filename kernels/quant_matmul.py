@@ -74,7 +74,8 @@ from minillm.kernels.checks import FLOAT_DTYPES, check, check_operand, check_run
 from minillm.kernels.int4_dequantize import check_int4_layout, w4a16_dequantize
 from minillm.kernels.int_float import int8_to_float
 # The autotuner's lists and the pinned configs (data from H200 sweeps) live in a file of their own.
-from minillm.kernels.quant_matmul_configs import _GPU_FP32_DOT, _INTERPRETER, _W4_DOT, _W4_GEMV, _W8_DOT, _W8_GEMV
+from minillm.kernels.quant_matmul_configs import (_GPU_FP32_DOT, _INTERPRETER, _W4_DOT, _W4_GEMV, _W8_DOT, _W8_GEMV,
+                                                  SPLIT_MAX_M, fit_dot_tiles, fit_gemv_variants, hfma2_runs_fit)
 from minillm.kernels.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
 from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
 from minillm.kernels import w4_gemv_hopper
@@ -93,7 +94,6 @@ GEMV_MAX_M = 1
 # H200, writing and re-reading a bf16 copy costs less there than the dot's in-loop dequantization
 # (from M = 128 the two are level, at M = 2048 the dot takes 2 to 3 times as long).
 DEQUANT_MIN_M = 128
-_SPLIT_MAX_M = 64  # above this, enough programs come from M tiles alone: no split-K, no partials
 
 
 # ----------------------------------------------------------------------------- references (torch)
@@ -253,19 +253,12 @@ def _w8_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym, QW, 
 
 # ----------------------------------------------------------------------------- launching
 
-
-def _fit_dot_tiles(configs, named_args, **kwargs):
-    """Row tiles between a quarter of M's bucket and the bucket; split-K only where M is small."""
-    bucket = {**named_args, **kwargs}["M_BUCKET"]
-    kept = [c for c in configs if bucket // 4 <= c.kwargs["BLOCK_M"] <= max(16, bucket)
-            and (c.kwargs["SPLIT_K"] == 1 or bucket <= _SPLIT_MAX_M)]
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
-
-
 # A tile of BLOCK_K inputs starts at a multiple of BLOCK_K, so it lies inside one group when the group
 # size is a multiple of BLOCK_K (or the whole column): then it loads one scale and zero per column.
 _w4_dot = triton.heuristics({"ONE_GROUP": lambda a: a["group_size"] % a["BLOCK_K"] == 0 or a["group_size"] >= a["K"]})(
     _w4_dot_kernel)
+
+
 # HFMA2 only: a tile of BLOCK_KP packed rows inside one group loads one scale and zero; N % BLOCK_N == 0, no mask.
 def _group_tiles(a: dict) -> int:
     """TILES: tiles per group, or 0 for one group over all of K. A config whose tiles do not divide the group is
@@ -288,35 +281,14 @@ _w4_gemv = triton.heuristics({
     if a.get("PDL") else 0})(_w4_gemv_kernel)
 
 
-def _hfma2_runs_fit(config: dict, group: int, k: int) -> bool:
-    """HFMA2's runs of RUN packed rows: 1, 2 or 4 of them (longer 16-bit sums lose accuracy), dividing the
-    tile and staying inside a group; with TILES (which sums one row in 16 bits and ignores RUN), whole tiles inside
-    a group (their scale is loaded once)."""
-    if config.get("TILES"):
-        return group % (8 * config["BLOCK_KP"]) == 0 or group >= k
-    run = config.get("RUN", 2)
-    return run in (1, 2, 4) and config["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k)
-
-
-def _fit_gemv_variants(configs, named_args, **kwargs):
-    """HFMA2 configs only where they run: 16-bit x, and runs of RUN packed rows (TILES: whole tiles) that divide
-    the tile and stay inside a group (``w4a16_matmul`` checks the same of a pinned config). Split-K only up to
-    _SPLIT_MAX_M rows, the most ``_launch`` sizes partials for (path="gemv" can be forced at any M)."""
-    args = {**named_args, **kwargs}
-    hfma2_runs = args["X"].dtype != torch.float32
-    return [c for c in configs
-            if (not c.kwargs.get("HFMA2") or hfma2_runs and _hfma2_runs_fit(c.kwargs, args["group_size"], args["K"]))
-            and (c.kwargs["SPLIT_K"] == 1 or args["M"] <= _SPLIT_MAX_M)]
-
-
 _KERNELS = {  # name -> (the kernel, the kernel autotuned on CUDA)
     "w4_gemv": (_w4_gemv, triton.autotune(_W4_GEMV, key=["N", "K", "M", "group_size"],
-                                          prune_configs_by={"early_config_prune": _fit_gemv_variants})(_w4_gemv)),
+                                          prune_configs_by={"early_config_prune": fit_gemv_variants})(_w4_gemv)),
     "w4_dot": (_w4_dot, triton.autotune(_W4_DOT, key=["N", "K", "M_BUCKET"],
-                                        prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w4_dot)),
+                                        prune_configs_by={"early_config_prune": fit_dot_tiles})(_w4_dot)),
     "w8_gemv": (_w8_gemv_kernel, triton.autotune(_W8_GEMV, key=["N", "K", "M"])(_w8_gemv_kernel)),
     "w8_dot": (_w8_dot_kernel, triton.autotune(_W8_DOT, key=["N", "K", "M_BUCKET"],
-                                               prune_configs_by={"early_config_prune": _fit_dot_tiles})(_w8_dot_kernel)),
+                                               prune_configs_by={"early_config_prune": fit_dot_tiles})(_w8_dot_kernel)),
 }
 # The partials an autotuned launch may need: its kernel's largest split.
 _MAX_SPLIT_K = {name: max(c.kwargs["SPLIT_K"] for c in configs)
@@ -334,7 +306,7 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
     path = path or ("gemv" if rows <= GEMV_MAX_M else "dot")
     check(path in ("gemv", "dot"), f"path is {path!r}; expected 'gemv', 'dot' or None (chosen by M)")
     name = f"{fmt}_{path}"
-    # The autotuner may pick HFMA2 for a 16-bit x (_fit_gemv_variants).
+    # The autotuner may pick HFMA2 for a 16-bit x (fit_gemv_variants).
     hfma2 = config.get("HFMA2") if config else (name == "w4_gemv" and not INTERPRET and x.dtype != torch.float32)
     if hfma2 and (x.data_ptr() % 4 or x.stride(0) % 2):
         x = x.clone(memory_format=torch.contiguous_format)  # HFMA2 reads x two inputs per int32
@@ -346,8 +318,8 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
         config = _INTERPRETER[name]
     elif config is None and x.dtype == torch.float32 and path == "dot":
         config = _GPU_FP32_DOT[name]
-    # Autotuned split-K configs exist only for M <= _SPLIT_MAX_M (see the pruning): no partials beyond.
-    splits = config["SPLIT_K"] if config else (_MAX_SPLIT_K[name] if rows <= _SPLIT_MAX_M else 1)
+    # Autotuned split-K configs exist only for M <= SPLIT_MAX_M (see the pruning): no partials beyond.
+    splits = config["SPLIT_K"] if config else (_MAX_SPLIT_K[name] if rows <= SPLIT_MAX_M else 1)
     partials = torch.empty(splits * rows * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     check(splits == 1 or triton.cdiv(n, 32) * triton.cdiv(rows, 16) <= MAX_TILES,
           f"a split-K launch with N = {n}, M = {rows} needs more than {MAX_TILES} tile counters")
@@ -430,7 +402,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         check(path == "gemv" or (path is None and rows <= GEMV_MAX_M),
               f"config {config} asks for HFMA2, a GEMV variant, but path {path!r} at M = {rows} is not the GEMV")
         check(x.dtype != torch.float32, "HFMA2 computes in x's 16-bit dtype; x is float32")
-        check(_hfma2_runs_fit(config, group, k),
+        check(hfma2_runs_fit(config, group, k),
               f"with TILES, BLOCK_KP = {config['BLOCK_KP']} must divide group_size / 8 = {group // 8}"
               if config.get("TILES") else
               f"RUN = {run} must be 1, 2 or 4 (longer 16-bit runs lose accuracy) and divide BLOCK_KP and group_size / 8")

@@ -1,5 +1,6 @@
 """The launch configurations the weight-only quantized matmuls (``quant_matmul.py``) try: the autotuner's lists
-per kernel (W4A16 / W8A16, GEMV / dot), the pinned config of Triton's CPU interpreter and of fp32 dots on a GPU.
+per kernel (W4A16 / W8A16, GEMV / dot), the pinned config of Triton's CPU interpreter and of fp32 dots on a GPU,
+and which of them fit a call (the autotuner's pruning, also the check of a pinned config).
 
 Why a file of its own: these are data with a history. Each list is small on purpose (every config is compiled and
 timed for every new autotuning key) and its rows came from H200 sweeps, which the comments name; the kernels and
@@ -8,6 +9,7 @@ their launcher read them, and the tests check every added row computes the refer
 
 from __future__ import annotations
 
+import torch
 import triton
 
 
@@ -63,3 +65,37 @@ _INTERPRETER = {"w4_gemv": dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=2), "w8_gemv": d
 # fp32 dots are exact ("ieee") and compile slowly in big tiles; fp32 on a GPU is for checks only.
 _GPU_FP32_DOT = {"w4_dot": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2),
                  "w8_dot": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)}
+
+
+# ----------------------------------------------------------------------------- which configs fit a call
+
+SPLIT_MAX_M = 64  # above this, enough programs come from M tiles alone: no split-K, no partials
+
+
+def fit_dot_tiles(configs, named_args, **kwargs):
+    """Row tiles between a quarter of M's bucket and the bucket; split-K only where M is small."""
+    bucket = {**named_args, **kwargs}["M_BUCKET"]
+    kept = [c for c in configs if bucket // 4 <= c.kwargs["BLOCK_M"] <= max(16, bucket)
+            and (c.kwargs["SPLIT_K"] == 1 or bucket <= SPLIT_MAX_M)]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
+
+
+def hfma2_runs_fit(config: dict, group: int, k: int) -> bool:
+    """HFMA2's runs of RUN packed rows: 1, 2 or 4 of them (longer 16-bit sums lose accuracy), dividing the
+    tile and staying inside a group; with TILES (which sums one row in 16 bits and ignores RUN), whole tiles inside
+    a group (their scale is loaded once)."""
+    if config.get("TILES"):
+        return group % (8 * config["BLOCK_KP"]) == 0 or group >= k
+    run = config.get("RUN", 2)
+    return run in (1, 2, 4) and config["BLOCK_KP"] % run == 0 and (group % (8 * run) == 0 or group >= k)
+
+
+def fit_gemv_variants(configs, named_args, **kwargs):
+    """HFMA2 configs only where they run: 16-bit x, and runs of RUN packed rows (TILES: whole tiles) that divide
+    the tile and stay inside a group (``w4a16_matmul`` checks the same of a pinned config). Split-K only up to
+    SPLIT_MAX_M rows, the most ``_launch`` sizes partials for (path="gemv" can be forced at any M)."""
+    args = {**named_args, **kwargs}
+    hfma2_runs = args["X"].dtype != torch.float32
+    return [c for c in configs
+            if (not c.kwargs.get("HFMA2") or hfma2_runs and hfma2_runs_fit(c.kwargs, args["group_size"], args["K"]))
+            and (c.kwargs["SPLIT_K"] == 1 or args["M"] <= SPLIT_MAX_M)]

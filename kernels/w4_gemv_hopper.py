@@ -47,6 +47,7 @@ import torch
 
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
+from minillm.kernels.int4_dequantize import check_int4_layout
 from minillm.kernels.pdl import supported as pdl_supported
 from minillm.kernels.split_k import MAX_TILES, tile_counters
 
@@ -56,9 +57,11 @@ if GLUON_USABLE:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from minillm.kernels.flash_attention_hopper import tma_load, warps_barrier
+    from minillm.kernels.fused_layer_ops import silu_mul
 
 TILE_ROWS = 16  # packed rows a tile: 128 inputs
 SUB_ROWS = 8  # packed rows a thread holds at a time (two columns each): 16 registers of weights
+RUN = 2  # packed rows whose products share 16-bit sums (w4_gemv_pairs.py's RUN: its accuracy at RUN <= 2)
 BLOCK_N = 256  # columns a tile: TMA's largest box dimension
 WARPS = 4
 GROUP_SIZES = (64, 128)
@@ -141,17 +144,18 @@ if GLUON_USABLE:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _x_tables(XW, first_row, K_ROWS, ROWS: gl.constexpr, WARPS_: gl.constexpr):
+    def _x_tables(XW, first_row, K_ROWS, ROWS: gl.constexpr, WARPS_: gl.constexpr, GATED: gl.constexpr):
         """The program's ROWS packed rows of x (two bf16 a word, XW) as the products want them, in shared memory:
         four [ROWS] int32, pair j of row r = (x_8r+j, x_8r+j+4) times 2**101 (j even) or 2**97 (j odd), and [ROWS] fp32,
-        each row's sum of x. Rows past K_ROWS are zeros."""
+        each row's sum of x. Rows past K_ROWS are zeros. GATED: XW is the MLP's gate_up row (K gates, then K ups) and
+        x = silu(gate) * up, rounded as ``fused_layer_ops.silu_and_mul`` rounds it."""
         rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
         r = first_row + gl.arange(0, ROWS, layout=rows_l)
         ok = r < K_ROWS
-        w0 = gl.load(XW + 4 * r, mask=ok, other=0)  # inputs 8r, 8r + 1
-        w1 = gl.load(XW + 4 * r + 1, mask=ok, other=0)
-        w2 = gl.load(XW + 4 * r + 2, mask=ok, other=0)
-        w3 = gl.load(XW + 4 * r + 3, mask=ok, other=0)
+        w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, GATED)  # inputs 8r, 8r + 1
+        w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, GATED)
+        w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, GATED)
+        w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, GATED)
         # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
         pairs = (_table(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
                  _table(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),
@@ -160,6 +164,28 @@ if GLUON_USABLE:
         # Exact: a bf16 is an fp32 with its low 16 bits zero.
         total = _word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3)
         return pairs, _table(total)
+
+    @gluon.jit
+    def _x_words(XW, word, ok, UP_WORDS, GATED: gl.constexpr):
+        """x's int32 words ``word`` (two bf16 each), zeros where not ok; GATED: silu(gate) * up of the gate words there
+        and the up words UP_WORDS further, each bf16 as ``fused_layer_ops.silu_mul`` computes it."""
+        w = gl.load(XW + word, mask=ok, other=0)
+        if GATED:
+            up = gl.load(XW + UP_WORDS + word, mask=ok, other=0)
+            low = silu_mul(_low_bf16(w), _low_bf16(up)).to(gl.float32).to(gl.int32, bitcast=True)
+            high = silu_mul(_high_bf16(w), _high_bf16(up)).to(gl.float32).to(gl.int32, bitcast=True)
+            w = ((low >> 16) & 0xFFFF) | (high & -65536)  # a bf16 is an fp32's high 16 bits
+        return w
+
+    @gluon.jit
+    def _low_bf16(w):
+        """The bf16 in each int32's low 16 bits."""
+        return (w << 16).to(gl.float32, bitcast=True).to(gl.bfloat16)
+
+    @gluon.jit
+    def _high_bf16(w):
+        """The bf16 in each int32's high 16 bits."""
+        return (w & -65536).to(gl.float32, bitcast=True).to(gl.bfloat16)
 
     @gluon.jit
     def _word_sum(w):
@@ -174,21 +200,25 @@ if GLUON_USABLE:
         return table
 
     @gluon.jit
-    def _tile_sum(packed, pairs, first: gl.constexpr, layout: gl.constexpr):
-        """sum over SUB_ROWS packed rows [SUB_ROWS, BLOCK_N] of sum_k x_k q_k 2**-32, per column, fp32: a shift, four
-        LOP3s and four HFMA2s make a packed row's 8 products' two 16-bit sums, which go to fp32 and are added."""
+    def _tile_sum(w_tile, row: gl.constexpr, pairs, first: gl.constexpr, layout: gl.constexpr, RUN: gl.constexpr):
+        """sum over the SUB_ROWS packed rows of w_tile from ``row`` (x's rows from ``first``) of sum_k x_k q_k 2**-32,
+        per column, fp32. A shift, four LOP3s and four HFMA2s make a packed row's 8 products' two 16-bit sums; RUN
+        rows (i and i + SUB_ROWS / RUN) share those sums, which then go to fp32 and are added."""
         x_l: gl.constexpr = gl.SliceLayout(1, layout)
-        acc2 = gl.zeros([_SUB_ROWS, _BLOCK_N], gl.int32, layout=layout)  # +0.0 in both halves
-        shifted = packed >> 8  # nibbles 2, 3, 6, 7 to where 0, 1, 4, 5 were
-        for j in gl.static_range(4):
-            x_j = pairs[j].slice(first, _SUB_ROWS).load(x_l)[:, None]
-            src = packed if j < 2 else shifted
-            acc2 = _fma2(gl.broadcast(x_j, acc2)[0], src & (0x000F000F if j % 2 == 0 else 0x00F000F0), acc2)
+        acc2 = gl.zeros([_SUB_ROWS // RUN, _BLOCK_N], gl.int32, layout=layout)  # +0.0 in both halves
+        for i in gl.static_range(RUN):
+            packed = w_tile.slice(row + i * (_SUB_ROWS // RUN), _SUB_ROWS // RUN).load(layout)
+            shifted = packed >> 8  # nibbles 2, 3, 6, 7 to where 0, 1, 4, 5 were
+            for j in gl.static_range(4):
+                x_j = pairs[j].slice(first + i * (_SUB_ROWS // RUN), _SUB_ROWS // RUN).load(x_l)[:, None]
+                src = packed if j < 2 else shifted
+                acc2 = _fma2(gl.broadcast(x_j, acc2)[0], src & (0x000F000F if j % 2 == 0 else 0x00F000F0), acc2)
         return gl.sum(_word_sum(acc2), axis=0)
 
     @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS,
-                        TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr):
+                        TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
+                        RUN: gl.constexpr):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS // GROUP_ROWS  # scale rows a tile
@@ -214,11 +244,11 @@ if GLUON_USABLE:
                 tma_load(s_desc, [row // GROUP_ROWS, n0], landed.index(t), s_smem.index(t))
                 tma_load(z_desc, [row // GROUP_ROWS, n0 // 2], landed.index(t), z_smem.index(t))
         _wait_for_previous(PDL)
-        pairs, sums = _x_tables(XW, first_row, K_ROWS, TILES * _TILE_ROWS, WARPS_)
+        pairs, sums = _x_tables(XW, first_row, K_ROWS, TILES * _TILE_ROWS, WARPS_, GATED)
         warps_barrier()  # the tables are written
 
         # A thread: two neighbouring columns, SUB_ROWS rows; the 128 threads span the tile's 256 columns.
-        tile_l: gl.constexpr = gl.BlockedLayout([_SUB_ROWS, 2], [1, 32], [1, WARPS_], [1, 0])
+        tile_l: gl.constexpr = gl.BlockedLayout([_SUB_ROWS // RUN, 2], [1, 32], [1, WARPS_], [1, 0])
         cols_l: gl.constexpr = gl.SliceLayout(0, tile_l)
         bytes_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS_], [1, 0])  # a thread's byte: 2 columns
         out = gl.zeros([_BLOCK_N], gl.float32, layout=cols_l)
@@ -234,8 +264,8 @@ if GLUON_USABLE:
                         gl.BlockedLayout([GROUP_ROWS], [32], [WARPS_], [0])), axis=0)
                     part = gl.zeros([_BLOCK_N], gl.float32, layout=cols_l)
                     for sub in gl.static_range(GROUP_ROWS // _SUB_ROWS):
-                        packed = w_smem.index(t).slice(g * GROUP_ROWS + sub * _SUB_ROWS, _SUB_ROWS).load(tile_l)
-                        part += _tile_sum(packed, pairs, t * _TILE_ROWS + g * GROUP_ROWS + sub * _SUB_ROWS, tile_l)
+                        part += _tile_sum(w_smem.index(t), g * GROUP_ROWS + sub * _SUB_ROWS, pairs,
+                                          t * _TILE_ROWS + g * GROUP_ROWS + sub * _SUB_ROWS, tile_l, RUN)
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
@@ -282,14 +312,17 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
             out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
-            tiles: int | None = None) -> None:
+            tiles: int | None = None, gated: bool = False, run: int = RUN) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
     fp32, at least ``splits_needed(K, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
-    for sweeps): by default ``choose_tiles``."""
+    for sweeps): by default ``choose_tiles``. ``gated``: x is the MLP's gate_up row [1, 2K] and the product's input
+    is silu(gate) * up (``gated_unsupported`` checked it). ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     tiles = tiles or choose_tiles(k)
     if tiles not in (1, 2, 4, 8):
         raise ValueError(f"tiles must be 1, 2, 4 or 8 (a power of two, 16 KB of shared memory each), got {tiles}")
+    if run not in (1, 2):
+        raise ValueError(f"run must be 1 or 2 (packed rows a 16-bit sum; longer runs lose accuracy), got {run}")
     splits = splits_needed(k, tiles)
     if splits > 1 and partials.numel() < splits * n:
         raise ValueError(f"partials holds {partials.numel()} floats; {splits} splits x N = {n} need {splits * n}")
@@ -297,18 +330,42 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if splits > 1 and grid[0] > MAX_TILES:
         raise ValueError(f"N = {n} is {grid[0]} column tiles; the split-K counters hold {MAX_TILES}")
     _w4_gemv_kernel[grid](x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out, partials, counters,
-                          n, k // 8, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, num_warps=WARPS,
-                          launch_pdl=pdl)
+                          n, k // 8, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated, RUN=run,
+                          num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-         out: torch.Tensor) -> None:
+         out: torch.Tensor, gated: bool = False) -> None:
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
-    where the device has it: what ``w4a16_matmul`` runs."""
+    where the device has it: what ``w4a16_matmul`` and ``gated_gemv`` run."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     splits = splits_needed(k)
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
-    w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device))
+    w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),
+            gated=gated)
+
+
+def gated_unsupported(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      group_size: int) -> str | None:
+    """Why ``gated_gemv`` cannot take this gate_up row and INT4 layer (``QuantLinear``'s layout), or None if it can."""
+    k = 8 * qweight.shape[0]
+    if gate_up.dim() < 1 or gate_up.shape[-1] != 2 * k or gate_up.numel() != 2 * k:
+        return f"it takes one gate_up row of 2K = {2 * k} inputs, not shape {tuple(gate_up.shape)}"
+    return unsupported(gate_up.reshape(1, 2 * k), qweight, scales, zeros, k if group_size in (-1, k) else group_size)
+
+
+def gated_gemv(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int) -> torch.Tensor:
+    """silu(gate) * up @ W for the MLP's one gate_up row [..., 2K] (K gates, then K ups) -> [..., N]: the down
+    projection of a batch-1 INT4 layer with SiLU-and-multiply applied as x is loaded, one kernel where there were two
+    (``gemv.py`` does the same for bf16 weights). Bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV."""
+    k, n, group = check_int4_layout(qweight, scales, zeros, group_size, gate_up)
+    reason = gated_unsupported(gate_up, qweight, scales, zeros, group_size)
+    if reason:
+        raise ValueError(f"the gated Gluon W4A16 GEMV cannot run these inputs: {reason}")
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
+    gemv(gate_up.reshape(1, 2 * k), qweight, scales, zeros, group, out.view(1, n), gated=True)
+    return out
 
 
 def splits_needed(k: int, tiles: int | None = None) -> int:

@@ -22,22 +22,25 @@ SCRIPT = textwrap.dedent('''
     from minillm.bench.sass import compile_gluon_sm90, whole_kernel
     from minillm.kernels import w4_gemv_hopper as wh
 
-    def counts(tiles, group):
+    def counts(tiles, group, gated=False, run=wh.RUN):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
         groups = wh.TILE_ROWS * 8 // group
         types = {"XW": "*i32", "w_desc": f"tensordesc<i32[{wh.TILE_ROWS},{wh.BLOCK_N}],{layout(32)!r}>",
                  "s_desc": f"tensordesc<bf16[{groups},{wh.BLOCK_N}],{layout(16)!r}>",
                  "z_desc": f"tensordesc<i8[{groups},{wh.BLOCK_N // 2}],{layout(8)!r}>",
                  "Y": "*bf16", "Partials": "*fp32", "Counters": "*i32"}
-        consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True)
+        consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True, GATED=gated, RUN=run)
         fn = wh._w4_gemv_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=wh.WARPS))
         return dict(span, opcodes=dict(span["opcodes"]))
 
-    print(json.dumps({f"{t} {g}": counts(t, g) for t, g in ((2, 128), (2, 64), (1, 128))}))
+    cases = {f"{t} {g}": counts(t, g) for t, g in ((2, 128), (2, 64), (1, 128))}
+    cases["2 128 gated"] = counts(2, 128, gated=True)
+    cases["2 128 run 1"] = counts(2, 128, run=1)
+    print(json.dumps(cases))
 ''')
-CASES = ["2 128", "2 64", "1 128"]
+CASES = ["2 128", "2 64", "1 128", "2 128 gated"]
 SHARED_PER_SM = 228 * 1024  # an sm_90 SM's shared memory, 1 KB of it reserved per program
 
 
@@ -54,11 +57,25 @@ def test_copies_and_products(compiled, case):
     ops = kernel["opcodes"]
     packed_a_thread = tiles * wh.TILE_ROWS * wh.BLOCK_N // (32 * wh.WARPS)  # int32s of 8 weights
     assert ops.get("UTMALDG") == 3 * tiles, ops
-    assert ops.get("HFMA2") == 4 * packed_a_thread + 4, ops  # + x's four pairs, once
+    if "gated" in case:  # silu(gate) * up as x is loaded: exp and reciprocal (MUFU) once per input, a few products more
+        assert ops.get("MUFU", 0) >= 2 and 4 * packed_a_thread + 4 <= ops.get("HFMA2") <= 4 * packed_a_thread + 8, ops
+    else:
+        assert ops.get("HFMA2") == 4 * packed_a_thread + 4 and "MUFU" not in ops, ops  # + x's four pairs, once
     assert kernel["memory_opcodes"].get("LDS.64") == packed_a_thread // 2, kernel["memory_opcodes"]  # 2 columns a row
     groups = tiles * wh.TILE_ROWS * 8 // int(case.split()[1])
     assert ops.get("I2F", 0) + ops.get("I2FP", 0) <= 2 * groups, ops  # a zero point a column and group, no weight
     assert not any(op.startswith(("LDL", "STL")) for op in kernel["memory_opcodes"]), kernel["memory_opcodes"]
+
+
+def test_runs_of_two_rows_halve_the_conversions_to_fp32(compiled):
+    """RUN = 2: two packed rows share a 16-bit sum, so a thread's 64 int32s a program make 32 conversions to fp32 (an
+    FADD of the halves) and 32 fewer fp32 additions than at RUN = 1: 64 FADDs fewer."""
+    from minillm.kernels import w4_gemv_hopper as wh
+    assert wh.RUN == 2
+    packed_a_thread = 2 * wh.TILE_ROWS * wh.BLOCK_N // (32 * wh.WARPS)
+    run1, run2 = compiled["2 128 run 1"]["opcodes"], compiled["2 128"]["opcodes"]
+    assert run1["FADD"] - run2["FADD"] >= 0.9 * packed_a_thread, (run1["FADD"], run2["FADD"])
+    assert run1["HFMA2"] == run2["HFMA2"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -30,8 +30,12 @@ def _summarise(prof, steps: int) -> dict:
     kernels = sum(e.count for e in device_events)
     gpu_us = sum(e.self_device_time_total for e in device_events)
     aten = sum(e.count for e in events if e.key.startswith("aten::"))
+    # The heaviest kernels by GPU time, per step: where a decode step's microseconds go.
+    heaviest = sorted(device_events, key=lambda e: -e.self_device_time_total)[:15]
     return {"kernels_per_step": kernels / steps, "gpu_ms_per_step": gpu_us / 1000 / steps,
             "aten_calls_per_step": aten / steps,
+            "heaviest_kernels": [{"name": e.key[:100], "calls_per_step": e.count / steps,
+                                  "gpu_us_per_step": e.self_device_time_total / steps} for e in heaviest],
             "top": prof.key_averages().table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total",
                                              row_limit=12)}
 
@@ -95,20 +99,24 @@ def main() -> None:
     parser.add_argument("--batching", default="static", choices=["static", "continuous"],
                         help="continuous: the paged engine (Triton kernels and CUDA-graph decode on CUDA)")
     parser.add_argument("--enforce-eager", action="store_true", help="continuous without CUDA graphs")
+    parser.add_argument("--quantization", default=None,
+                        help="quantize the weights on load, as LLM(quantization=...): rtn-int8, rtn-int4, awq-int4, "
+                        "...")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--no-hf", action="store_true", help="profile minillm only")
     parser.add_argument("--output", default=None, help="write the per-step figures as JSON here")
     args = parser.parse_args()
     llm = LLM(args.model, load_format=args.load_format, max_num_seqs=args.batch, batching=args.batching,
-              enforce_eager=args.enforce_eager, max_model_len=args.prompt_len + 3 * args.steps + 8)
+              enforce_eager=args.enforce_eager, quantization=args.quantization,
+              max_model_len=args.prompt_len + 3 * args.steps + 8)
     results = {"minillm": profile_minillm(llm, args.batch, args.prompt_len, args.steps)}
     if not args.no_hf:
         results["hf_generate"] = profile_hf(llm, args.batch, args.prompt_len, args.steps)
     for name, r in results.items():
         print(f"== {name}\n{r.pop('top')}")
     for name, r in results.items():
-        print(f"{name:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()))
+        print(f"{name:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in r.items() if k != "heaviest_kernels"))
     if args.output:
         workload = f"{args.batching} batch {args.batch}, {args.prompt_len}-token prompts, {args.steps} profiled decode steps"
         command = shlex.join(["python", "-m", "minillm.bench.profile", *sys.argv[1:]])

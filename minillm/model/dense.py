@@ -51,10 +51,14 @@ def product(x: torch.Tensor, weight: torch.Tensor, gemv, gated: bool = False) ->
 
 
 def takes_gated(layer: nn.Module, gate_up: torch.Tensor) -> bool:
-    """Whether ``layer(gate_up, gated=True)`` works: a bias-free layer built on ``product`` (``Linear``, the
-    tensor-parallel row-parallel linear) whose product of this one row goes to the GEMV. The MLP then
-    leaves SiLU-and-multiply to down_proj's GEMV (``kernels/gemv.py``) instead of launching a kernel for it. (A forward
-    hook on such a down_proj then sees gate_up as its input; calibration hooks run on many rows, never this path.)"""
+    """Whether ``layer(gate_up, gated=True)`` works: a layer that says so itself (``QuantLinear.takes_gated``), or a
+    bias-free layer built on ``product`` (``Linear``, the tensor-parallel row-parallel linear) whose product of this
+    one row goes to the GEMV. The MLP then leaves SiLU-and-multiply to down_proj's GEMV (``kernels/gemv.py``, or
+    ``w4_gemv_hopper.gated_gemv``) instead of launching a kernel for it. (A forward hook on such a down_proj then sees
+    gate_up as its input; calibration hooks run on many rows, never this path.)"""
+    own = getattr(layer, "takes_gated", None)
+    if callable(own):  # a layer with a gated kernel of its own (QuantLinear's INT4 GEMV)
+        return own(gate_up)
     weight = getattr(layer, "weight", None)
     return (getattr(layer, "bias", True) is None and isinstance(weight, torch.Tensor) and weight.dim() == 2
             and _gemv_fits(gate_up, weight, getattr(layer, "gemv", None), 2 * weight.shape[1]))

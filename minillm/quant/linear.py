@@ -123,9 +123,28 @@ class QuantLinear(nn.Module):
         original[:, self.perm] = w
         return original
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """``gated``: x is the MLP's gate_up row and the product's input is silu(gate) * up, applied by the kernel
+        as it loads x; only where ``takes_gated`` said so."""
+        if gated:
+            from minillm.kernels.w4_gemv_hopper import gated_gemv
+
+            if not self.takes_gated(x):
+                raise ValueError(f"gated=True needs an INT4 layer without act-order or bias and one bf16 gate_up row "
+                                 f"of {2 * self.in_features} on an H100/H200 (takes_gated); got {self.extra_repr()}, "
+                                 f"x {x.dtype} {tuple(x.shape)} on {x.device}")
+            return gated_gemv(x, self.qweight, self.scales, self.zeros, self.group_size)
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias
+
+    def takes_gated(self, gate_up: torch.Tensor) -> bool:
+        """Whether ``forward(gate_up, gated=True)`` works (``model.dense.takes_gated`` asks): INT4 codes in their
+        original order, no bias, and one gate_up row the Gluon GEMV takes (``w4_gemv_hopper.gated_unsupported``)."""
+        if self.bits != 4 or self.perm is not None or self.bias is not None or not gate_up.is_cuda:
+            return False
+        from minillm.kernels.w4_gemv_hopper import gated_unsupported
+
+        return gated_unsupported(gate_up, self.qweight, self.scales, self.zeros, self.group_size) is None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias (a row-parallel layer adds the bias once, after summing the ranks')."""

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels import quant_matmul, split_k
+from minillm.kernels import quant_matmul, quant_matmul_configs, split_k
 from minillm.kernels.w4_dot_pairs import dequant_tile_pairs
 from minillm.kernels.quant_matmul import (pack_int4, pack_int4_along_n, unpack_int4, unpack_int4_along_n,
                                           w4a16_matmul, w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref)
@@ -468,7 +468,7 @@ def test_gemv_autotuning_offers_hfma2_only_where_it_can_run():
     hfma2 = [c for c in configs if c.kwargs.get("HFMA2")]
     assert hfma2 and len(hfma2) < len(configs)  # both bodies compete
     x16, x32 = torch.randn(1, 4096, dtype=torch.float16), torch.randn(1, 4096)
-    fit = lambda x, group, m=1: quant_matmul._fit_gemv_variants(configs, {"X": x, "group_size": group, "K": 4096,  # noqa: E731
+    fit = lambda x, group, m=1: quant_matmul_configs.fit_gemv_variants(configs, {"X": x, "group_size": group, "K": 4096,  # noqa: E731
                                                                          "M": m})
     assert fit(x16, 128) == configs
     assert fit(x32, 128) == [c for c in configs if not c.kwargs.get("HFMA2")]
@@ -478,7 +478,7 @@ def test_gemv_autotuning_offers_hfma2_only_where_it_can_run():
     # TILES needs whole tiles inside a group: groups of 64 inputs (8 packed rows) keep tiles of 8 rows, not 16.
     assert {c.kwargs["BLOCK_KP"] for c in fit(x16, 64) if c.kwargs.get("TILES")} == {8}
     # A GEMV forced on many rows gets no split-K: _launch sizes partials only up to _SPLIT_MAX_M rows.
-    many = fit(x16, 128, m=quant_matmul._SPLIT_MAX_M + 1)
+    many = fit(x16, 128, m=quant_matmul_configs.SPLIT_MAX_M + 1)
     assert many and all(c.kwargs["SPLIT_K"] == 1 for c in many)
 
 
@@ -491,9 +491,9 @@ def test_every_added_gemv_config_computes_the_reference(config, dtype, group_siz
     """The configs the H200 sweep added, pinned as the autotuner would launch them (N = 256: whole tiles);
     groups of 32 give the tiles of 4 or 8 packed rows a scale per run, groups of 128 one per tile. A TILES config
     whose tiles do not fit in a group is one the autotuner must drop, not run."""
-    if not quant_matmul._hfma2_runs_fit(config.kwargs, group_size, 512):
+    if not quant_matmul_configs.hfma2_runs_fit(config.kwargs, group_size, 512):
         x = torch.randn(1, 512, dtype=dtype)
-        kept = quant_matmul._fit_gemv_variants([config], {"X": x, "group_size": group_size, "K": 512, "M": 1})
+        kept = quant_matmul_configs.fit_gemv_variants([config], {"X": x, "group_size": group_size, "K": 512, "M": 1})
         assert config.kwargs.get("TILES") and kept == []
         return
     x, qweight, scales, zeros, _, _ = int4_problem(1, 512, 256, group_size, dtype, seed=3)

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from minillm.kernels import split_k, w4_gemv_hopper as hopper
+from minillm.kernels.fused_layer_ops import silu_and_mul
 from minillm.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
+from minillm.quant.linear import QuantLinear
 
 from test_quant_matmul import assert_matches, counters_are_clean, int4_problem, poisoned
 
@@ -98,6 +100,84 @@ def test_hopper_w4_gemv_is_what_m1_bf16_takes_and_config_keeps_triton(monkeypatc
     w4a16_matmul(x.expand(2, -1), qweight, scales, zeros, 128)  # two rows: the Triton GEMV
     w4a16_matmul(x, qweight, scales, zeros, 128, path="dot")
     assert calls == [1]
+
+
+def gate_up_row(k: int, seed: int, device: torch.device) -> torch.Tensor:
+    """A random gate_up row [1, 2K] spread like an MLP's (gates of both signs, a few large)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, 2 * k, generator=g) * 3).to(torch.bfloat16).to(device)
+
+
+@needs_sm90
+@pytest.mark.parametrize("k,n,group", [(11008, 4096, 128), (1536, 576, 64), (576, 608, 128)])
+def test_gated_gemv_is_silu_and_mul_then_the_gemv_bit_for_bit(k, n, group):
+    """The down projection with SiLU-and-multiply applied as x is loaded: bit for bit the two kernels it replaces
+    (Llama-2-7B's down_proj, a group of 64, K ending inside a tile)."""
+    _, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n)
+    gate_up = gate_up_row(k, n, qweight.device)
+    fused = hopper.gated_gemv(gate_up, qweight, scales, zeros, group)
+    x = silu_and_mul(gate_up)
+    assert torch.equal(fused, w4a16_matmul(x, qweight, scales, zeros, group, hopper=True))
+    assert_matches(fused, w4a16_matmul_ref(x, qweight, scales, zeros, group), torch.bfloat16)
+    assert counters_are_clean()
+
+
+@needs_sm90
+def test_quant_linear_takes_gate_up_where_the_gluon_gemv_can():
+    """QuantLinear.forward(gated=True) equals forward(silu_and_mul(gate_up)); act-order, a bias or two rows refuse."""
+    k, n = 1024, 512
+    _, qweight, scales, zeros, q, z = int4_problem(1, k, n, 128, torch.bfloat16, seed=5)
+    layer = QuantLinear(k, n, 4, 128, bias=False, dtype=torch.bfloat16, device="cuda")
+    layer.qweight.copy_(qweight), layer.scales.copy_(scales), layer.zeros.copy_(zeros)
+    gate_up = gate_up_row(k, 6, qweight.device)
+    assert layer.takes_gated(gate_up) and not layer.takes_gated(gate_up.expand(2, -1))
+    assert torch.equal(layer(gate_up, gated=True), layer(silu_and_mul(gate_up)))
+    biased = QuantLinear(k, n, 4, 128, bias=True, dtype=torch.bfloat16, device="cuda")
+    assert not biased.takes_gated(gate_up)
+    with pytest.raises(ValueError, match="gated=True"):
+        biased(gate_up, gated=True)
+
+
+@needs_sm90
+def test_int4_engine_decodes_the_same_tokens_with_the_gated_gemv(monkeypatch):
+    """Batch-1 decode of SmolLM2's shapes (dummy weights: the device need not hold the model) at RTN INT4: down_proj
+    takes gate_up (one kernel less a layer) and the greedy tokens are those of SiLU-and-multiply's own kernel."""
+    from minillm import LLM, SamplingParams
+
+    calls, fused = [], hopper.gated_gemv
+    monkeypatch.setattr(hopper, "gated_gemv", lambda *a: calls.append(1) or fused(*a))
+    prompts = [list(range(5, 40)), list(range(300, 317))]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    tokens = {}
+    for gated in (True, False):
+        if not gated:
+            monkeypatch.setattr(QuantLinear, "takes_gated", lambda self, gate_up: False)
+        llm = LLM("smollm2-135m", load_format="dummy", quantization="rtn-int4", batching="continuous", max_num_seqs=1,
+                  max_model_len=128, num_kv_blocks=64)  # two engines in one process: a small cache each
+        tokens[gated] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.close()
+        if gated:
+            assert calls, "batch-1 decode never took the gated GEMV"
+            calls.clear()
+    assert not calls
+    assert tokens[True] == tokens[False]
+
+
+def test_gated_gemv_refusals_name_the_reason():
+    """On any machine: a gate_up row of the wrong width, two rows, and a layer that cannot take it."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 256, 64, 128, torch.bfloat16, seed=1)
+    assert "2K = 512" in hopper.gated_unsupported(x, qweight, scales, zeros, 128)
+    two_rows = gate_up_row(512, 2, x.device).view(2, 512)
+    assert "one gate_up row" in hopper.gated_unsupported(two_rows, qweight, scales, zeros, 128)
+    with pytest.raises(ValueError, match="2K = 512"):
+        hopper.gated_gemv(x, qweight, scales, zeros, 128)
+    with pytest.raises(ValueError, match="scales"):  # the layout checked first: scales in x's dtype
+        hopper.gated_gemv(torch.cat([x, x], 1), qweight, scales.half(), zeros, 128)
+    layer = QuantLinear(256, 64, 4, 128, bias=False, dtype=torch.bfloat16)
+    cpu_row = gate_up_row(256, 3, torch.device("cpu"))
+    assert not layer.takes_gated(cpu_row)
+    with pytest.raises(ValueError, match="takes_gated"):
+        layer(cpu_row, gated=True)
 
 
 def test_unsupported_names_the_reason():
