@@ -21,13 +21,17 @@ in shared memory while it computes. The design:
   LOP3 takes them out as a pair and one ``fma.rn.bf16x2`` multiplies both into a 16-bit pair of sums; the eight
   products of a packed row are summed in 16 bits, rows in fp32, and the zero point comes off once per group as
   z s sum(x) (that module's docstring has the arithmetic and its accuracy). Each thread holds two columns of eight
-  packed rows at a time, the rows' sum in-thread: about 15 instructions a packed int32 (8 weights).
+  packed rows at a time; rows i and i + 4 share the 16-bit sums (RUN = 2, that module's accuracy), which go to fp32
+  and are summed in-thread: about 12.5 instructions a packed int32 (8 weights), 14.5 at RUN = 1.
+- **Gated** (``gated_gemv``): for the MLP's down projection at batch 1, x is the gate_up row and the tables are built
+  from silu(gate) * up, computed by ``fused_layer_ops.silu_mul`` as x is loaded: one kernel where there were two.
 - **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
   sums them, FIX_CHUNK partials a load, and writes y.
 
-Measured on the H200 (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 10.1 us at 4096 x 11008
-(2.45x the bf16 matmul; the Triton GEMV 11.0 us in the same run), 10.8 us at 11008 x 4096 (2.34x; Triton 12.3-15.3
-in three runs), 5.3 us at 4096 x 4096 (2.33x; Triton 6.9). Where the rest goes
+Measured on the H200 (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 9.9 us at 4096 x 11008
+(2.50x the bf16 matmul; 10.2 us at RUN = 1; the Triton GEMV 12.7 us), 10.5 us at 11008 x 4096 (2.43x; 11.0 at
+RUN = 1), 5.2 us at 4096 x 4096 (2.39x); gated at 11008 x 4096 11.4 us against 11.7 for silu_and_mul and the GEMV.
+Where the rest goes
 (figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's copies with no math): the copies alone take 7.0 us (81 %
 of the copy bandwidth the bench measures) where the kernel takes 10.1-10.3; the fix-up adds ~1.5 us (a fenced atomic,
 then the partials' round trip to L2, behind the last program) and the math ~1.5 us more, the compute of the tiles that
