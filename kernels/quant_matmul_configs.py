@@ -26,7 +26,7 @@ _W4_GEMV = _configs([(64, 16, 1, 4, 3), (128, 16, 1, 4, 3), (64, 16, 2, 4, 3), (
     # The H200 sweeps' winners at M = 1 on Llama-2-7B's projections (figures/h200/sweeps/w4a16_gemv_hfma2.json,
     # w4a16_gemv_split64.json): fp32 with a prefetched tile, and the 16-bit HFMA2 body, up to 1.6x the fp32
     # GEMV where K = 4096 and, with SPLIT_K 64, 1.3x at K = 11008; the autotuner keeps whichever wins per
-    # shape (_fit_gemv_variants drops HFMA2 where it cannot run).
+    # shape (fit_gemv_variants drops HFMA2 where it cannot run).
     triton.Config(dict(BLOCK_N=64, BLOCK_KP=16, SPLIT_K=8, PREFETCH=True), num_warps=2, num_stages=3),
     triton.Config(dict(BLOCK_N=256, BLOCK_KP=8, SPLIT_K=16, HFMA2=True, RUN=2), num_warps=1, num_stages=1),
     triton.Config(dict(BLOCK_N=256, BLOCK_KP=4, SPLIT_K=32, HFMA2=True, RUN=1), num_warps=2, num_stages=1),

@@ -14,24 +14,27 @@ in shared memory while it computes. The design:
   At TILES = 2 a program holds 35 KB of shared memory, six programs an SM: the whole weight (23 MB at
   4096 x 11008) is requested within the first microsecond.
 - **Started early (PDL).** The copies read only weights, which no kernel of a decode step writes: they are issued
-  before the program waits for the kernel ahead (which writes x), as ``pdl.py`` describes.
+  before the program waits for the kernel ahead (which writes x), as ``pdl.py`` describes. Each program then lets a
+  kernel launched early behind it start (``griddepcontrol.launch_dependents``): the gated down_proj behind gate_up
+  (both W4A16 GEMVs) issues its copies during gate_up's tail, as it did behind the SiLU kernel it replaces.
 - **x once per program.** x's pairs, scaled for the 16-bit products, and its sums per row are computed once per
   program into shared memory (``_x_tables``), where the weight loop reads them as broadcasts.
 - **The HFMA2 body** of ``w4_gemv_pairs.py``: a packed int32 holds nibbles j and j + 4 as two bf16 subnormals, one
-  LOP3 takes them out as a pair and one ``fma.rn.bf16x2`` multiplies both into a 16-bit pair of sums; the eight
-  products of a packed row are summed in 16 bits, rows in fp32, and the zero point comes off once per group as
-  z s sum(x) (that module's docstring has the arithmetic and its accuracy). Each thread holds two columns of eight
-  packed rows at a time; rows i and i + 4 share the 16-bit sums (RUN = 2, that module's accuracy), which go to fp32
-  and are summed in-thread: about 12.5 instructions a packed int32 (8 weights), 14.5 at RUN = 1.
+  LOP3 takes them out as a pair and one ``fma.rn.bf16x2`` multiplies both into a 16-bit pair of sums; the
+  products of RUN = 2 packed rows are summed in 16 bits, then in fp32, and the zero point comes off once per group as
+  z s sum(x) (that module's docstring has the arithmetic and its accuracy at RUN <= 2). Each thread holds two
+  columns of eight packed rows at a time, rows i and i + 4 sharing their 16-bit sums (that module pairs neighbouring
+  rows; the sums are the same length): about 12.5 instructions a packed int32 (8 weights), 14.5 at RUN = 1.
 - **Gated** (``gated_gemv``): for the MLP's down projection at batch 1, x is the gate_up row and the tables are built
   from silu(gate) * up, computed by ``fused_layer_ops.silu_mul`` as x is loaded: one kernel where there were two.
 - **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
   sums them, FIX_CHUNK partials a load, and writes y.
 
 Measured on the H200 (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 9.9 us at 4096 x 11008
-(2.50x the bf16 matmul; 10.2 us at RUN = 1; the Triton GEMV 12.7 us), 10.5 us at 11008 x 4096 (2.43x; 11.0 at
-RUN = 1), 5.2 us at 4096 x 4096 (2.39x); gated at 11008 x 4096 11.4 us against 11.7 for silu_and_mul and the GEMV.
-Where the rest goes
+(2.50x the bf16 matmul; the Triton GEMV 12.7 us), 10.5 us at 11008 x 4096 (2.43x), 5.2 us at 4096 x 4096 (2.39x).
+RUN = 2 against 1, launched alike: 9.97 against 10.23 us and 10.57 against 10.98 us (its largest error relative to
+max |y| 6.1e-3 against 4.3e-3 at 4096 x 4096). Gated at 11008 x 4096: 11.4 us against 11.7 for silu_and_mul and the
+GEMV. Where the rest goes, at RUN = 1 (session 18's probe)
 (figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's copies with no math): the copies alone take 7.0 us (81 %
 of the copy bandwidth the bench measures) where the kernel takes 10.1-10.3; the fix-up adds ~1.5 us (a fenced atomic,
 then the partials' round trip to L2, behind the last program) and the math ~1.5 us more, the compute of the tiles that
@@ -64,8 +67,8 @@ if GLUON_USABLE:
     from minillm.kernels.fused_layer_ops import silu_mul
 
 TILE_ROWS = 16  # packed rows a tile: 128 inputs
-SUB_ROWS = 8  # packed rows a thread holds at a time (two columns each): 16 registers of weights
-RUN = 2  # packed rows whose products share 16-bit sums (w4_gemv_pairs.py's RUN: its accuracy at RUN <= 2)
+SUB_ROWS = 8  # packed rows a thread holds at a time (two columns each), loaded RUN slices of SUB_ROWS / RUN rows
+RUN = 2  # packed rows whose products share 16-bit sums (rows i and i + SUB_ROWS / RUN; w4_gemv_pairs.py's accuracy)
 BLOCK_N = 256  # columns a tile: TMA's largest box dimension
 WARPS = 4
 GROUP_SIZES = (64, 128)
@@ -140,6 +143,14 @@ if GLUON_USABLE:
         else:
             return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [a, b], dtype=gl.int32,
                                              is_pure=True, pack=1)
+
+    @gluon.jit
+    def _let_next_start(PDL: gl.constexpr):
+        """``pdl.let_next_start``: a kernel launched early behind this one may be scheduled once every program here
+        has passed this point."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
 
     @gluon.jit
     def _wait_for_previous(PDL: gl.constexpr):
@@ -247,11 +258,14 @@ if GLUON_USABLE:
                 tma_load(w_desc, [row, n0], landed.index(t), w_smem.index(t))
                 tma_load(s_desc, [row // GROUP_ROWS, n0], landed.index(t), s_smem.index(t))
                 tma_load(z_desc, [row // GROUP_ROWS, n0 // 2], landed.index(t), z_smem.index(t))
+        # The next GEMV, if launched early (the gated down_proj behind gate_up), takes SM slots as programs here end
+        # and issues its copies during this kernel's tail (fix-up, last tiles' math), as a norm ahead of it lets it.
+        _let_next_start(PDL)
         _wait_for_previous(PDL)
         pairs, sums = _x_tables(XW, first_row, K_ROWS, TILES * _TILE_ROWS, WARPS_, GATED)
         warps_barrier()  # the tables are written
 
-        # A thread: two neighbouring columns, SUB_ROWS rows; the 128 threads span the tile's 256 columns.
+        # A thread: two neighbouring columns, SUB_ROWS / RUN rows a slice; the 128 threads span the tile's 256 columns.
         tile_l: gl.constexpr = gl.BlockedLayout([_SUB_ROWS // RUN, 2], [1, 32], [1, WARPS_], [1, 0])
         cols_l: gl.constexpr = gl.SliceLayout(0, tile_l)
         bytes_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS_], [1, 0])  # a thread's byte: 2 columns
@@ -351,11 +365,15 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
 
 def gated_unsupported(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       group_size: int) -> str | None:
-    """Why ``gated_gemv`` cannot take this gate_up row and INT4 layer (``QuantLinear``'s layout), or None if it can."""
-    k = 8 * qweight.shape[0]
+    """Why ``gated_gemv`` cannot take this gate_up row and INT4 weight (``QuantLinear``'s layout, checked here too),
+    or None if it can."""
+    try:
+        k, _, group = check_int4_layout(qweight, scales, zeros, group_size, gate_up)
+    except ValueError as error:
+        return str(error)
     if gate_up.dim() < 1 or gate_up.shape[-1] != 2 * k or gate_up.numel() != 2 * k:
         return f"it takes one gate_up row of 2K = {2 * k} inputs, not shape {tuple(gate_up.shape)}"
-    return unsupported(gate_up.reshape(1, 2 * k), qweight, scales, zeros, k if group_size in (-1, k) else group_size)
+    return unsupported(gate_up.reshape(1, 2 * k), qweight, scales, zeros, group)
 
 
 def gated_gemv(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -363,10 +381,10 @@ def gated_gemv(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     """silu(gate) * up @ W for the MLP's one gate_up row [..., 2K] (K gates, then K ups) -> [..., N]: the down
     projection of a batch-1 INT4 layer with SiLU-and-multiply applied as x is loaded, one kernel where there were two
     (``gemv.py`` does the same for bf16 weights). Bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV."""
-    k, n, group = check_int4_layout(qweight, scales, zeros, group_size, gate_up)
     reason = gated_unsupported(gate_up, qweight, scales, zeros, group_size)
     if reason:
         raise ValueError(f"the gated Gluon W4A16 GEMV cannot run these inputs: {reason}")
+    k, n, group = check_int4_layout(qweight, scales, zeros, group_size, gate_up)  # (passed above) K, N, group
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
     gemv(gate_up.reshape(1, 2 * k), qweight, scales, zeros, group, out.view(1, n), gated=True)
     return out

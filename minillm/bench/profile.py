@@ -107,6 +107,9 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="profile minillm only")
     parser.add_argument("--output", default=None, help="write the per-step figures as JSON here")
     args = parser.parse_args()
+    if args.quantization and not args.no_hf:
+        parser.error("--quantization profiles minillm only (transformers' generate runs unquantized weights): "
+                     "add --no-hf")
     llm = LLM(args.model, load_format=args.load_format, max_num_seqs=args.batch, batching=args.batching,
               enforce_eager=args.enforce_eager, quantization=args.quantization,
               max_model_len=args.prompt_len + 3 * args.steps + 8)

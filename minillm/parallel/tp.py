@@ -255,8 +255,8 @@ class RowParallelQuantLinear(QuantLinear):
 
     reduced_by_next_norm = None  # see _reduced
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _reduced(self, self.matmul(x))
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        return _reduced(self, self.gated_matmul(x) if gated else self.matmul(x))  # gated: see dense.takes_gated
 
 
 def row_parallel_rtn(weight: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, ...]:

@@ -125,26 +125,41 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """``gated``: x is the MLP's gate_up row and the product's input is silu(gate) * up, applied by the kernel
-        as it loads x; only where ``takes_gated`` said so."""
+        as it loads x (``gated_matmul``); only where ``takes_gated`` said so."""
         if gated:
-            from minillm.kernels.w4_gemv_hopper import gated_gemv
-
-            if not self.takes_gated(x):
-                raise ValueError(f"gated=True needs an INT4 layer without act-order or bias and one bf16 gate_up row "
-                                 f"of {2 * self.in_features} on an H100/H200 (takes_gated); got {self.extra_repr()}, "
-                                 f"x {x.dtype} {tuple(x.shape)} on {x.device}")
-            return gated_gemv(x, self.qweight, self.scales, self.zeros, self.group_size)
+            return self.gated_matmul(x)
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
     def takes_gated(self, gate_up: torch.Tensor) -> bool:
         """Whether ``forward(gate_up, gated=True)`` works (``model.dense.takes_gated`` asks): INT4 codes in their
         original order, no bias, and one gate_up row the Gluon GEMV takes (``w4_gemv_hopper.gated_unsupported``)."""
-        if self.bits != 4 or self.perm is not None or self.bias is not None or not gate_up.is_cuda:
+        if self._gated_refusal() or not gate_up.is_cuda:
             return False
         from minillm.kernels.w4_gemv_hopper import gated_unsupported
 
         return gated_unsupported(gate_up, self.qweight, self.scales, self.zeros, self.group_size) is None
+
+    def gated_matmul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up @ W^T for the MLP's one gate_up row, by ``w4_gemv_hopper.gated_gemv`` (no bias: a layer
+        with one refuses). A ValueError names what this layer or row lacks."""
+        reason = self._gated_refusal()
+        if reason:
+            raise ValueError(f"gated=True needs an INT4 layer without act-order or bias (see takes_gated); this one "
+                             f"{reason}")
+        from minillm.kernels.w4_gemv_hopper import gated_gemv
+
+        return gated_gemv(gate_up, self.qweight, self.scales, self.zeros, self.group_size)
+
+    def _gated_refusal(self) -> str | None:
+        """What keeps this layer from the gated GEMV, whatever the row: None if nothing."""
+        if self.bits != 4:
+            return f"holds INT{self.bits} codes"
+        if self.perm is not None:
+            return "has act-order codes (x would need permuting)"
+        if self.bias is not None:
+            return "has a bias"
+        return None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias (a row-parallel layer adds the bias once, after summing the ranks')."""

@@ -477,7 +477,7 @@ def test_gemv_autotuning_offers_hfma2_only_where_it_can_run():
     assert fit(x16, 4096) == configs
     # TILES needs whole tiles inside a group: groups of 64 inputs (8 packed rows) keep tiles of 8 rows, not 16.
     assert {c.kwargs["BLOCK_KP"] for c in fit(x16, 64) if c.kwargs.get("TILES")} == {8}
-    # A GEMV forced on many rows gets no split-K: _launch sizes partials only up to _SPLIT_MAX_M rows.
+    # A GEMV forced on many rows gets no split-K: _launch sizes partials only up to SPLIT_MAX_M rows.
     many = fit(x16, 128, m=quant_matmul_configs.SPLIT_MAX_M + 1)
     assert many and all(c.kwargs["SPLIT_K"] == 1 for c in many)
 

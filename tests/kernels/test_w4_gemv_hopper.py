@@ -13,6 +13,7 @@ import torch
 from minillm.kernels import split_k, w4_gemv_hopper as hopper
 from minillm.kernels.fused_layer_ops import silu_and_mul
 from minillm.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
+from minillm.parallel.tp import RowParallelQuantLinear
 from minillm.quant.linear import QuantLinear
 
 from test_quant_matmul import assert_matches, counters_are_clean, int4_problem, poisoned
@@ -132,10 +133,12 @@ def test_quant_linear_takes_gate_up_where_the_gluon_gemv_can():
     gate_up = gate_up_row(k, 6, qweight.device)
     assert layer.takes_gated(gate_up) and not layer.takes_gated(gate_up.expand(2, -1))
     assert torch.equal(layer(gate_up, gated=True), layer(silu_and_mul(gate_up)))
-    biased = QuantLinear(k, n, 4, 128, bias=True, dtype=torch.bfloat16, device="cuda")
-    assert not biased.takes_gated(gate_up)
-    with pytest.raises(ValueError, match="gated=True"):
-        biased(gate_up, gated=True)
+    for refused, reason in ((QuantLinear(k, n, 4, 128, bias=True, dtype=torch.bfloat16, device="cuda"), "bias"),
+                            (QuantLinear(k, n, 4, 128, bias=False, act_order=True, dtype=torch.bfloat16,
+                                         device="cuda"), "act-order")):
+        assert not refused.takes_gated(gate_up)
+        with pytest.raises(ValueError, match=reason):
+            refused(gate_up, gated=True)
 
 
 @needs_sm90
@@ -173,11 +176,16 @@ def test_gated_gemv_refusals_name_the_reason():
         hopper.gated_gemv(x, qweight, scales, zeros, 128)
     with pytest.raises(ValueError, match="scales"):  # the layout checked first: scales in x's dtype
         hopper.gated_gemv(torch.cat([x, x], 1), qweight, scales.half(), zeros, 128)
-    layer = QuantLinear(256, 64, 4, 128, bias=False, dtype=torch.bfloat16)
     cpu_row = gate_up_row(256, 3, torch.device("cpu"))
-    assert not layer.takes_gated(cpu_row)
-    with pytest.raises(ValueError, match="takes_gated"):
-        layer(cpu_row, gated=True)
+    for layer in (QuantLinear(256, 64, 4, 128, bias=False, dtype=torch.bfloat16),
+                  RowParallelQuantLinear(256, 64, 4, 128, bias=False, dtype=torch.bfloat16)):  # tensor parallel
+        assert not layer.takes_gated(cpu_row)
+        with pytest.raises(ValueError, match="cannot run"):  # no TypeError: the row-parallel layer takes gated=
+            layer(cpu_row, gated=True)
+    int8 = QuantLinear(256, 64, 8, -1, bias=False, dtype=torch.bfloat16)
+    assert not int8.takes_gated(cpu_row)
+    with pytest.raises(ValueError, match="INT8"):
+        int8(cpu_row, gated=True)
 
 
 def test_unsupported_names_the_reason():

@@ -1,6 +1,6 @@
 """Issue 6's INT8-KV criterion at more sizes: the paged decode kernel over an INT8 cache against the same kernel
 over the same K/V in bf16, timed in the same interleaved rounds (``bench_decode``, as ``minillm bench kernels``),
-at B = 64 and 128 sequences and 2k to 16k tokens, GQA 32:8, D = 128. ``utilisation_vs_unquantized``: the INT8
+at B = 32, 64 and 128 sequences and 2k to 16k tokens, GQA 32:8, D = 128. ``utilisation_vs_unquantized``: the INT8
 kernel's bytes a second over the bf16 kernel's, best round against best round. Where the cache is small, a fixed
 cost (launch, the last wave, the merge) weighs twice as much on the kernel that reads half the bytes: the sizes
 show how the ratio moves with the bytes read.

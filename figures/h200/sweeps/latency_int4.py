@@ -3,12 +3,15 @@ llama2-7b (dummy weights) in bf16 and with AWQ INT4 weights, each with 1 and 8 d
 step (``num_scheduler_steps``, minillm/multi_step.py: the host's per-token work off the GPU's critical path).
 The INT4 weights are quantized once (8 calibration samples) and reloaded from a saved checkpoint for the
 second run, as ``bench tuning-path`` does. Each run is ``bench_latency``'s result (tok/s and the roofline).
+SILU_KERNEL=1 adds INT4 runs with SiLU-and-multiply as a kernel of its own (``QuantLinear.takes_gated`` off), against
+the default where batch-1 down_proj applies it in its GEMV (``w4_gemv_hopper.gated_gemv``).
 Run: PYTHONPATH=$PWD python figures/h200/sweeps/latency_int4.py -> $OUT/latency_int4.json."""
 import gc, json, os, sys, tempfile
 import torch
 from minillm import LLM
 from minillm.bench.harness import bench_latency, result_header
 from minillm.quant.checkpoint import save_quantized
+from minillm.quant.linear import QuantLinear
 
 OUT = os.environ.get("OUT", "/tmp/out"); os.makedirs(OUT, exist_ok=True)
 STEPS = [int(k) for k in os.environ.get("STEPS", "1 8").split()]
@@ -35,6 +38,12 @@ with tempfile.TemporaryDirectory() as scratch:
     for k in STEPS:
         save(f"awq_int4_k{k}", bench_latency(model=path, num_scheduler_steps=k, **{**common, "load_format": "auto"}))
         gc.collect(); torch.cuda.empty_cache()
+    if os.environ.get("SILU_KERNEL") == "1":
+        QuantLinear.takes_gated = lambda self, gate_up: False
+        for k in STEPS:
+            save(f"awq_int4_k{k}_silu_kernel", bench_latency(model=path, num_scheduler_steps=k,
+                                                             **{**common, "load_format": "auto"}))
+            gc.collect(); torch.cuda.empty_cache()
 for k in STEPS:
     bf16, int4 = (doc["runs"][f"{q}_k{k}"]["runs"]["minillm"]["mean_decode_tok_s"] for q in ("bf16", "awq_int4"))
     doc[f"int4_over_bf16_k{k}"] = int4 / bf16

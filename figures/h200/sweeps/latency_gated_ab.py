@@ -1,0 +1,31 @@
+"""A/B of the gated down_proj at batch 1 (``w4_gemv_hopper.gated_gemv``) against SiLU-and-multiply as a kernel of its
+own (``QuantLinear.takes_gated`` off), engines built one after another in one process in the order ABBA ABBA (A the
+SiLU kernel), so that a drift of the GPU's speed over the run (the first engines ran fastest) weighs on both paths
+alike: llama2-7b, dummy weights, RTN INT4 (g128; the same kernels as AWQ), the ``latency`` workload.
+Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/latency_gated_ab.py``."""
+import gc
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch_sweep import save_result  # noqa: E402
+
+from minillm.bench.harness import bench_latency  # noqa: E402
+from minillm.quant.linear import QuantLinear  # noqa: E402
+
+gated_check = QuantLinear.takes_gated
+ORDER = ["silu_kernel", "gated", "gated", "silu_kernel"] * 2
+runs = {"order": ORDER, "silu_kernel": [], "gated": []}
+for name in ORDER:
+    QuantLinear.takes_gated = gated_check if name == "gated" else (lambda self, gate_up: False)
+    result = bench_latency(model="llama2-7b", load_format="dummy", scale="gpu", num_requests=None, peers=[],
+                           batching="continuous", quantization="rtn-int4")
+    runs[name].append(result["runs"]["minillm"]["mean_decode_tok_s"])
+    print(name, f"{runs[name][-1]:.1f} tok/s", flush=True)
+    gc.collect(); torch.cuda.empty_cache()
+runs["gated_over_silu_kernel"] = sum(runs["gated"]) / sum(runs["silu_kernel"])
+print("gated / silu kernel (means):", runs["gated_over_silu_kernel"])
+save_result(os.environ.get("OUT", "/tmp/out"), "latency_gated_ab", "latency, llama2-7b RTN INT4, batch 1",
+            "mean decode tok/s of bench_latency per engine, in the order given", runs)
