@@ -367,13 +367,19 @@ def gated_unsupported(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torc
                       group_size: int) -> str | None:
     """Why ``gated_gemv`` cannot take this gate_up row and INT4 weight (``QuantLinear``'s layout, checked here too),
     or None if it can."""
+    return _gated_check(gate_up, qweight, scales, zeros, group_size)[0]
+
+
+def _gated_check(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int) -> tuple[str | None, int]:
+    """(``gated_unsupported``'s answer, the group size the launch takes): the layout is checked once."""
     try:
         k, _, group = check_int4_layout(qweight, scales, zeros, group_size, gate_up)
     except ValueError as error:
-        return str(error)
+        return str(error), 0
     if gate_up.dim() < 1 or gate_up.shape[-1] != 2 * k or gate_up.numel() != 2 * k:
-        return f"it takes one gate_up row of 2K = {2 * k} inputs, not shape {tuple(gate_up.shape)}"
-    return unsupported(gate_up.reshape(1, 2 * k), qweight, scales, zeros, group)
+        return f"it takes one gate_up row of 2K = {2 * k} inputs, not shape {tuple(gate_up.shape)}", group
+    return unsupported(gate_up.reshape(1, 2 * k), qweight, scales, zeros, group), group
 
 
 def gated_gemv(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -381,10 +387,10 @@ def gated_gemv(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     """silu(gate) * up @ W for the MLP's one gate_up row [..., 2K] (K gates, then K ups) -> [..., N]: the down
     projection of a batch-1 INT4 layer with SiLU-and-multiply applied as x is loaded, one kernel where there were two
     (``gemv.py`` does the same for bf16 weights). Bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV."""
-    reason = gated_unsupported(gate_up, qweight, scales, zeros, group_size)
+    reason, group = _gated_check(gate_up, qweight, scales, zeros, group_size)
     if reason:
         raise ValueError(f"the gated Gluon W4A16 GEMV cannot run these inputs: {reason}")
-    k, n, group = check_int4_layout(qweight, scales, zeros, group_size, gate_up)  # (passed above) K, N, group
+    k, n = 8 * qweight.shape[0], qweight.shape[1]
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
     gemv(gate_up.reshape(1, 2 * k), qweight, scales, zeros, group, out.view(1, n), gated=True)
     return out
