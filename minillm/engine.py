@@ -12,7 +12,6 @@ preemption_mode="swap", the KV copies the scheduler decided (``batch.swaps``) ru
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -184,10 +183,6 @@ class Engine:
             from minillm.kv.paged_triton import TritonPagedBatch  # imports triton: only when asked for
             make_attention = TritonPagedBatch
             self.model.enable_fused_kernels()  # the "triton" backend is all of minillm's kernels
-        ahead_mb = float(os.environ.get("MINILLM_L2_AHEAD_MB", "0"))
-        if ahead_mb > 0 and self.device.type == "cuda" and self.attention_backend == "triton":
-            from minillm.weight_prefetch import WeightPrefetch
-            self.weight_prefetch = WeightPrefetch(self.model, self.device, int(ahead_mb * 2**20))
         # CUDA graphs need the Triton kernels: the torch reference's shapes follow the context lengths.
         self.cuda_graphs = self.device.type == "cuda" and not c.enforce_eager and self.attention_backend == "triton"
         graphs = None
