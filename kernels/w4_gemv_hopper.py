@@ -51,7 +51,6 @@ M > 1 take the Triton kernels. Not under Triton's interpreter (Gluon has none): 
 from __future__ import annotations
 
 import torch
-import triton
 
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
@@ -160,20 +159,18 @@ if GLUON_USABLE:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _x_tables(XW, first_row, K_ROWS, ROWS: gl.constexpr, WARPS_: gl.constexpr, GATED: gl.constexpr,
-                  NORMED: gl.constexpr, norm):
+    def _x_tables(XW, first_row, K_ROWS, ROWS: gl.constexpr, WARPS_: gl.constexpr, GATED: gl.constexpr):
         """The program's ROWS packed rows of x (two bf16 a word, XW) as the products want them, in shared memory:
         four [ROWS] int32, pair j of row r = (x_8r+j, x_8r+j+4) times 2**101 (j even) or 2**97 (j odd), and [ROWS] fp32,
         each row's sum of x. Rows past K_ROWS are zeros. GATED: XW is the MLP's gate_up row (K gates, then K ups) and
-        x = silu(gate) * up, rounded as ``fused_layer_ops.silu_and_mul`` rounds it. NORMED: x is RMSNorm(x + residual)
-        (``_normed_words``)."""
+        x = silu(gate) * up, rounded as ``fused_layer_ops.silu_and_mul`` rounds it."""
         rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
         r = first_row + gl.arange(0, ROWS, layout=rows_l)
         ok = r < K_ROWS
-        w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, GATED, NORMED, norm)  # inputs 8r, 8r + 1
-        w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, GATED, NORMED, norm)
-        w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, GATED, NORMED, norm)
-        w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, GATED, NORMED, norm)
+        w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, GATED)  # inputs 8r, 8r + 1
+        w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, GATED)
+        w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, GATED)
+        w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, GATED)
         # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
         pairs = (_table(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
                  _table(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),
@@ -184,54 +181,16 @@ if GLUON_USABLE:
         return pairs, _table(total)
 
     @gluon.jit
-    def _x_words(XW, word, ok, UP_WORDS, GATED: gl.constexpr, NORMED: gl.constexpr, norm):
+    def _x_words(XW, word, ok, UP_WORDS, GATED: gl.constexpr):
         """x's int32 words ``word`` (two bf16 each), zeros where not ok; GATED: silu(gate) * up of the gate words there
-        and the up words UP_WORDS further, each bf16 as ``fused_layer_ops.silu_mul`` computes it; NORMED: the RMSNorm
-        of x + residual (``norm``: ``_normed_words``'s arguments), whose sum x + residual is stored on the way."""
+        and the up words UP_WORDS further, each bf16 as ``fused_layer_ops.silu_mul`` computes it."""
         w = gl.load(XW + word, mask=ok, other=0)
         if GATED:
             up = gl.load(XW + UP_WORDS + word, mask=ok, other=0)
-            w = _bf16_words(silu_mul(_low_bf16(w), _low_bf16(up)), silu_mul(_high_bf16(w), _high_bf16(up)))
-        if NORMED:
-            w = _normed_words(w, word, ok, norm)
+            low = silu_mul(_low_bf16(w), _low_bf16(up)).to(gl.float32).to(gl.int32, bitcast=True)
+            high = silu_mul(_high_bf16(w), _high_bf16(up)).to(gl.float32).to(gl.int32, bitcast=True)
+            w = ((low >> 16) & 0xFFFF) | (high & -65536)  # a bf16 is an fp32's high 16 bits
         return w
-
-    @gluon.jit
-    def _bf16_words(low, high):
-        """int32 words holding the bf16s ``low`` and ``high`` (a bf16 is an fp32's high 16 bits)."""
-        low = low.to(gl.bfloat16).to(gl.float32).to(gl.int32, bitcast=True)
-        high = high.to(gl.bfloat16).to(gl.float32).to(gl.int32, bitcast=True)
-        return ((low >> 16) & 0xFFFF) | (high & -65536)
-
-    @gluon.jit
-    def _summed_words(w, r):
-        """(x + residual) of two words of bf16 pairs, each sum rounded to bf16 as torch and ``rms_norm`` round it."""
-        return _bf16_words(_low_bf16(w).to(gl.float32) + _low_bf16(r).to(gl.float32),
-                           _high_bf16(w).to(gl.float32) + _high_bf16(r).to(gl.float32))
-
-    @gluon.jit
-    def _normed_words(w, word, ok, norm):
-        """``fused_layer_ops.rms_norm`` on x's words w at ``word``; norm = (RW, NW, SW, inv_rms, keep_sum): s = x +
-        residual (RW's words), stored to SW where ``keep_sum`` (one program a K slice), then bf16(bf16(s inv_rms)
-        weight) with the norm's weight words NW."""
-        RW, NW, SW, inv_rms, keep_sum = norm[0], norm[1], norm[2], norm[3], norm[4]
-        s = _summed_words(w, gl.load(RW + word, mask=ok, other=0))
-        gl.store(SW + word, s, mask=ok & keep_sum)
-        nw = gl.load(NW + word, mask=ok, other=0)
-        low = (_low_bf16(s).to(gl.float32) * inv_rms).to(gl.bfloat16).to(gl.float32) * _low_bf16(nw).to(gl.float32)
-        high = (_high_bf16(s).to(gl.float32) * inv_rms).to(gl.bfloat16).to(gl.float32) * _high_bf16(nw).to(gl.float32)
-        return _bf16_words(low, high)
-
-    @gluon.jit
-    def _inv_rms(XW, RW, K_WORDS, eps, NORM_WORDS: gl.constexpr, WARPS_: gl.constexpr):
-        """1 / sqrt(mean(s²) + eps) over the whole row s = x + residual (K_WORDS words of two bf16), in fp32: every
-        program reads the row (from L2) to normalise its own slice."""
-        row_l: gl.constexpr = gl.BlockedLayout([NORM_WORDS // (32 * WARPS_)], [32], [WARPS_], [0])
-        i = gl.arange(0, NORM_WORDS, layout=row_l)
-        ok = i < K_WORDS
-        s = _summed_words(gl.load(XW + i, mask=ok, other=0), gl.load(RW + i, mask=ok, other=0))
-        low, high = _low_bf16(s).to(gl.float32), _high_bf16(s).to(gl.float32)
-        return 1.0 / gl.sqrt(gl.sum(low * low + high * high, axis=0) / (2 * K_WORDS) + eps)
 
     @gluon.jit
     def _low_bf16(w):
@@ -272,12 +231,10 @@ if GLUON_USABLE:
         return gl.sum(_word_sum(acc2), axis=0)
 
     @gluon.jit
-    def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, RW, NW, SW, eps,
+    def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, NORMED: gl.constexpr = False, NORM_WORDS: gl.constexpr = 128):
-        """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. NORMED: x is
-        RMSNorm(x + residual) (residual words RW, the norm's weight words NW, eps), and the column tile 0's programs
-        store x + residual to SW; NORM_WORDS: a power of two >= x's words and 32 * warps."""
+                        RUN: gl.constexpr):
+        """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS // GROUP_ROWS  # scale rows a tile
         tile_n = gl.program_id(0)
@@ -305,11 +262,7 @@ if GLUON_USABLE:
         # and issues its copies during this kernel's tail (fix-up, last tiles' math), as a norm ahead of it lets it.
         _let_next_start(PDL)
         _wait_for_previous(PDL)
-        inv_rms = 1.0
-        if NORMED:  # the whole row's, before this program's slice can be normalised
-            inv_rms = _inv_rms(XW, RW, 4 * K_ROWS, eps, NORM_WORDS, WARPS_)
-        pairs, sums = _x_tables(XW, first_row, K_ROWS, TILES * _TILE_ROWS, WARPS_, GATED, NORMED,
-                                (RW, NW, SW, inv_rms, tile_n == 0))
+        pairs, sums = _x_tables(XW, first_row, K_ROWS, TILES * _TILE_ROWS, WARPS_, GATED)
         warps_barrier()  # the tables are written
 
         # A thread: two neighbouring columns, SUB_ROWS / RUN rows a slice; the 128 threads span the tile's 256 columns.
@@ -377,14 +330,11 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
             out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
-            tiles: int | None = None, gated: bool = False, run: int = RUN,
-            norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> None:
+            tiles: int | None = None, gated: bool = False, run: int = RUN) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
     fp32, at least ``splits_needed(K, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
     for sweeps): by default ``choose_tiles``. ``gated``: x is the MLP's gate_up row [1, 2K] and the product's input
-    is silu(gate) * up (``gated_unsupported`` checked it). ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2.
-    ``norm`` = (residual, weight, eps, sum_out): the product's input is RMSNorm(x + residual) and x + residual goes to
-    sum_out (``normed_unsupported`` checked them)."""
+    is silu(gate) * up (``gated_unsupported`` checked it). ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     tiles = tiles or choose_tiles(k)
     if tiles not in (1, 2, 4, 8):
@@ -397,23 +347,20 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     grid = (-(-n // BLOCK_N), splits)
     if splits > 1 and grid[0] > MAX_TILES:
         raise ValueError(f"N = {n} is {grid[0]} column tiles; the split-K counters hold {MAX_TILES}")
-    words = x.view(torch.int32)
-    residual, weight, eps, sum_out = norm if norm else (x, x, 0.0, x)  # without a norm: never read
-    _w4_gemv_kernel[grid](words, *_descriptors(qweight, scales, zeros, group), out, partials, counters, n, k // 8,
-                          residual.view(torch.int32), weight.view(torch.int32), sum_out.view(torch.int32), eps,
-                          TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated, RUN=run, NORMED=norm is not None,
-                          NORM_WORDS=max(32 * WARPS, triton.next_power_of_2(k // 2)), num_warps=WARPS, launch_pdl=pdl)
+    _w4_gemv_kernel[grid](x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out, partials, counters,
+                          n, k // 8, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated, RUN=run,
+                          num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-         out: torch.Tensor, gated: bool = False, norm: tuple | None = None) -> None:
+         out: torch.Tensor, gated: bool = False) -> None:
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
     where the device has it: what ``w4a16_matmul`` and ``gated_gemv`` run."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     splits = splits_needed(k)
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),
-            gated=gated, norm=norm)
+            gated=gated)
 
 
 def gated_unsupported(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -447,49 +394,6 @@ def gated_gemv(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
     gemv(gate_up.reshape(1, 2 * k), qweight, scales, zeros, group, out.view(1, n), gated=True)
     return out
-
-
-def normed_unsupported(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, qweight: torch.Tensor,
-                       scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> str | None:
-    """Why ``normed_gemv`` cannot take this row x, its residual, the norm's weight and the INT4 weight (``QuantLinear``'s
-    layout, checked here too), or None if it can."""
-    return _normed_check(x, residual, weight, qweight, scales, zeros, group_size)[0]
-
-
-def _normed_check(x, residual, weight, qweight, scales, zeros, group_size) -> tuple[str | None, int]:
-    """(``normed_unsupported``'s answer, the group size the launch takes): the layout is checked once."""
-    try:
-        k, _, group = check_int4_layout(qweight, scales, zeros, group_size, x)
-    except ValueError as error:
-        return str(error), 0
-    if x.numel() != k or x.shape[-1] != k:
-        return f"it takes one row of K = {k} inputs, not shape {tuple(x.shape)}", group
-    if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
-        return (f"it needs a contiguous residual like x ({x.dtype} {tuple(x.shape)}), got {residual.dtype} "
-                f"{tuple(residual.shape)} strides {residual.stride()}"), group
-    if weight.shape != (k,) or weight.dtype != x.dtype or not weight.is_contiguous():
-        return f"it needs the norm's weight as {x.dtype} ({k},), got {weight.dtype} {tuple(weight.shape)}", group
-    for name, t in (("residual", residual), ("norm weight", weight)):
-        if t.device != x.device or t.data_ptr() % 4:
-            return f"it reads the {name} as int32 words on x's device, got one on {t.device} at {t.data_ptr():#x}", group
-    return unsupported(x.reshape(1, k), qweight, scales, zeros, group), group
-
-
-def normed_gemv(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, qweight: torch.Tensor,
-                scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) @ W, x + residual) for one row [..., K]: the decoder layer's residual add and norm done
-    by the GEMV after them as it loads x (``fused_layer_ops.rms_norm`` with a residual, then the GEMV, in one kernel).
-    Each program reads the whole row to find its RMS, then normalises its own slice; the programs of column tile 0
-    store x + residual, each its slice. Equal to the two kernels up to the order of the sum of squares."""
-    reason, group = _normed_check(x, residual, weight, qweight, scales, zeros, group_size)
-    if reason:
-        raise ValueError(f"the normed Gluon W4A16 GEMV cannot run these inputs: {reason}")
-    k, n = 8 * qweight.shape[0], qweight.shape[1]
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(x)
-    gemv(x.reshape(1, k), qweight, scales, zeros, group, out.view(1, n),
-         norm=(residual.reshape(1, k), weight, float(eps), summed.view(1, k)))
-    return out, summed
 
 
 def splits_needed(k: int, tiles: int | None = None) -> int:

@@ -64,13 +64,6 @@ def takes_gated(layer: nn.Module, gate_up: torch.Tensor) -> bool:
             and _gemv_fits(gate_up, weight, getattr(layer, "gemv", None), 2 * weight.shape[1]))
 
 
-def takes_normed(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-    """Whether ``layer(x, norm=(residual, norm_weight, eps))`` works, returning (the product of RMSNorm(x + residual),
-    x + residual): only a layer that says so itself (``QuantLinear.takes_normed``: the Gluon INT4 GEMV at one row)."""
-    own = getattr(layer, "takes_normed", None)
-    return callable(own) and own(x, residual, norm_weight)
-
-
 class Linear(nn.Linear):
     """``nn.Linear`` with ``product``'s choice of kernel (bias-free layers only)."""
 

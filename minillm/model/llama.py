@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.model.config import ModelConfig
-from minillm.model.dense import Linear, gemv_choice, takes_gated, takes_normed
+from minillm.model.dense import Linear, gemv_choice, takes_gated
 
 
 class AttentionContext(Protocol):
@@ -113,13 +113,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, attn: AttentionContext):
-        return self.attend(self.qkv_proj(x), cos, sin, attn)
-
-    def attend(self, qkv, cos, sin, attn: AttentionContext):
-        """The layer's attention from ``qkv_proj``'s output [B, T, (H + 2 Hkv) D] on: RoPE, the context, o_proj."""
-        B, T, _ = qkv.shape
+        B, T, _ = x.shape
         H, Hkv = self.num_heads, self.num_kv_heads
-        qkv = qkv.view(B, T, H + 2 * Hkv, self.head_dim)
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim)
         if self.q_norm is not None:
             q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
@@ -149,15 +145,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up):
-        """down_proj(silu(gate) * up) from ``gate_up_proj``'s output."""
         if self.fused_ops is not None:
+            gate_up = self.gate_up_proj(x)
             if takes_gated(self.down_proj, gate_up):  # one row: down_proj's GEMV applies SiLU-and-multiply itself
                 return self.down_proj(gate_up, gated=True)
             return self.down_proj(self.fused_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -177,24 +170,13 @@ class DecoderLayer(nn.Module):
         embedding as x and no residual; every later one the previous layer's (mlp_out, residual).
         Under tensor parallelism mlp_out is down_proj's all-reduced output, or with the fused all-reduce
         (``parallel/all_reduce.py``) its unreduced one, which the next norm sums."""
-        qkv, residual = norm_then_project(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        attn_out = self.self_attn.attend(qkv, cos, sin, attn)
-        gate_up, residual = norm_then_project(self.post_attention_layernorm, self.mlp.gate_up_proj, attn_out,
-                                              residual)  # residual += attn_out
-        return self.mlp.down(gate_up), residual
-
-
-def norm_then_project(norm: RMSNorm, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
-    """(linear(norm(x + residual)), x + residual), or for the first layer, which has no residual yet,
-    (linear(norm(x)), x). Where the linear says it can (``dense.takes_normed``: at one row, an INT4 layer whose
-    GEMV normalises x as it loads it), the add, the norm and the product are one kernel; elsewhere the norm runs
-    first, as its own kernel (the all-reduce + norm of tensor parallelism's fused mode too)."""
-    if residual is None:
-        return linear(norm(x)), x
-    if norm.fused_ops is not None and norm.reduce_input is None and takes_normed(linear, x, residual, norm.weight):
-        return linear(x, norm=(residual, norm.weight, norm.eps))
-    normed, residual = norm(x, residual=residual)  # residual = x + residual
-    return linear(normed), residual
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm(x, residual=residual)  # residual = x + residual
+        attn_out = self.self_attn(normed, cos, sin, attn)
+        normed, residual = self.post_attention_layernorm(attn_out, residual=residual)  # residual += attn_out
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):

@@ -258,9 +258,6 @@ class RowParallelQuantLinear(QuantLinear):
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         return _reduced(self, self.gated_matmul(x) if gated else self.matmul(x))  # gated: see dense.takes_gated
 
-    def takes_normed(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-        return False  # no norm comes before a row-parallel layer (o_proj, down_proj): its input is a shard
-
 
 def row_parallel_rtn(weight: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, ...]:
     """RTN of this rank's input channels of a row-parallel weight [out, in / N]: codes, scales and zero

@@ -123,22 +123,18 @@ class QuantLinear(nn.Module):
         original[:, self.perm] = w
         return original
 
-    def forward(self, x: torch.Tensor, gated: bool = False, norm: tuple | None = None):
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """``gated``: x is the MLP's gate_up row and the product's input is silu(gate) * up, applied by the kernel
-        as it loads x (``gated_matmul``); only where ``takes_gated`` said so. ``norm`` = (residual, norm weight, eps):
-        the product's input is RMSNorm(x + residual), and the result is (y, x + residual) (``normed_matmul``); only
-        where ``takes_normed`` said so."""
+        as it loads x (``gated_matmul``); only where ``takes_gated`` said so."""
         if gated:
             return self.gated_matmul(x)
-        if norm is not None:
-            return self.normed_matmul(x, *norm)
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
     def takes_gated(self, gate_up: torch.Tensor) -> bool:
         """Whether ``forward(gate_up, gated=True)`` works (``model.dense.takes_gated`` asks): INT4 codes in their
         original order, no bias, and one gate_up row the Gluon GEMV takes (``w4_gemv_hopper.gated_unsupported``)."""
-        if self._fusion_refusal() or not gate_up.is_cuda:
+        if self._gated_refusal() or not gate_up.is_cuda:
             return False
         from minillm.kernels.w4_gemv_hopper import gated_unsupported
 
@@ -147,7 +143,7 @@ class QuantLinear(nn.Module):
     def gated_matmul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up @ W^T for the MLP's one gate_up row, by ``w4_gemv_hopper.gated_gemv`` (no bias: a layer
         with one refuses). A ValueError names what this layer or row lacks."""
-        reason = self._fusion_refusal()
+        reason = self._gated_refusal()
         if reason:
             raise ValueError(f"gated=True needs an INT4 layer without act-order or bias (see takes_gated); this one "
                              f"{reason}")
@@ -155,29 +151,8 @@ class QuantLinear(nn.Module):
 
         return gated_gemv(gate_up, self.qweight, self.scales, self.zeros, self.group_size)
 
-    def takes_normed(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-        """Whether ``forward(x, norm=(residual, norm_weight, eps))`` works (``model.dense.takes_normed`` asks): what
-        ``takes_gated`` needs of the layer, and one row the Gluon GEMV takes (``w4_gemv_hopper.normed_unsupported``)."""
-        if self._fusion_refusal() or not x.is_cuda:
-            return False
-        from minillm.kernels.w4_gemv_hopper import normed_unsupported
-
-        return normed_unsupported(x, residual, norm_weight, self.qweight, self.scales, self.zeros,
-                                  self.group_size) is None
-
-    def normed_matmul(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(RMSNorm(x + residual) @ W^T, x + residual) for one row, by ``w4_gemv_hopper.normed_gemv``: a decoder
-        layer's residual add and norm done by the GEMV after them. A ValueError names what this layer or row lacks."""
-        reason = self._fusion_refusal()
-        if reason:
-            raise ValueError(f"norm= needs an INT4 layer without act-order or bias (see takes_normed); this one {reason}")
-        from minillm.kernels.w4_gemv_hopper import normed_gemv
-
-        return normed_gemv(x, residual, norm_weight, eps, self.qweight, self.scales, self.zeros, self.group_size)
-
-    def _fusion_refusal(self) -> str | None:
-        """What keeps this layer from the gated and the normed GEMVs, whatever the row: None if nothing."""
+    def _gated_refusal(self) -> str | None:
+        """What keeps this layer from the gated GEMV, whatever the row: None if nothing."""
         if self.bits != 4:
             return f"holds INT{self.bits} codes"
         if self.perm is not None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minillm.kernels import split_k, w4_gemv_hopper as hopper
-from minillm.kernels.fused_layer_ops import rms_norm, rms_norm_ref, silu_and_mul
+from minillm.kernels.fused_layer_ops import silu_and_mul
 from minillm.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
 from minillm.parallel.tp import RowParallelQuantLinear
 from minillm.quant.linear import QuantLinear
@@ -164,77 +164,6 @@ def test_int4_engine_decodes_the_same_tokens_with_the_gated_gemv(monkeypatch):
             calls.clear()
     assert not calls
     assert tokens[True] == tokens[False]
-
-
-def residual_and_norm_weight(k: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random residual row [1, K] (a decoder's stream: larger than x) and an RMSNorm weight around 1."""
-    g = torch.Generator().manual_seed(seed)
-    residual = (torch.randn(1, k, generator=g) * 4).to(torch.bfloat16).to(device)
-    return residual, (1 + 0.3 * torch.randn(k, generator=g)).to(torch.bfloat16).to(device)
-
-
-@needs_sm90
-@pytest.mark.parametrize("k,n,group", [(4096, 12288, 128), (4096, 22016, 128), (576, 1536, 64), (576, 960, 128)])
-def test_normed_gemv_is_the_residual_norm_then_the_gemv(k, n, group):
-    """The residual add and RMSNorm done as x is loaded (Llama-2-7B's qkv_proj and gate_up_proj, SmolLM2's): x +
-    residual bit for bit ``rms_norm``'s, y the two kernels' up to the order of the sum of squares (which may move
-    a normalised input by one bf16 step), and both match the torch reference."""
-    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n)
-    residual, weight = residual_and_norm_weight(k, n, x.device)
-    y, summed = hopper.normed_gemv(x, residual, weight, 1e-5, qweight, scales, zeros, group)
-    normed, want_sum = rms_norm(x, weight, 1e-5, residual)
-    assert torch.equal(summed, want_sum) and torch.equal(residual, residual_and_norm_weight(k, n, x.device)[0])
-    two_kernels = w4a16_matmul(normed, qweight, scales, zeros, group, hopper=True).float()
-    assert (y.float() - two_kernels).abs().max() <= 1e-3 * two_kernels.abs().max()
-    ref_normed, _ = rms_norm_ref(x, weight, 1e-5, residual)
-    assert_matches(y, w4a16_matmul_ref(ref_normed, qweight, scales, zeros, group), torch.bfloat16)
-    assert counters_are_clean()
-
-
-@needs_sm90
-def test_int4_engine_decodes_the_same_tokens_with_the_normed_gemv(monkeypatch):
-    """Batch-1 decode of SmolLM2's shapes (dummy weights) at RTN INT4: qkv_proj and gate_up_proj take the residual
-    stream and do the add and the norm themselves (two kernels less a layer), and the greedy tokens are those of the
-    norm's own kernel."""
-    from minillm import LLM, SamplingParams
-
-    calls, fused = [], hopper.normed_gemv
-    monkeypatch.setattr(hopper, "normed_gemv", lambda *a: calls.append(1) or fused(*a))
-    prompts = [list(range(5, 40)), list(range(300, 317))]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    tokens = {}
-    for normed in (True, False):
-        if not normed:
-            monkeypatch.setattr(QuantLinear, "takes_normed", lambda self, x, residual, weight: False)
-        llm = LLM("smollm2-135m", load_format="dummy", quantization="rtn-int4", batching="continuous", max_num_seqs=1,
-                  max_model_len=128, num_kv_blocks=64)  # two engines in one process: a small cache each
-        tokens[normed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        llm.close()
-        if normed:
-            assert calls, "batch-1 decode never took the normed GEMV"
-            calls.clear()
-    assert not calls
-    assert tokens[True] == tokens[False]
-
-
-def test_normed_gemv_refusals_name_the_reason():
-    """On any machine: a residual or norm weight that does not fit x, two rows, and layers that cannot take it."""
-    x, qweight, scales, zeros, _, _ = int4_problem(1, 256, 64, 128, torch.bfloat16, seed=1)
-    residual, weight = residual_and_norm_weight(256, 2, x.device)
-    args = (qweight, scales, zeros, 128)
-    assert "one row" in hopper.normed_unsupported(x.expand(2, -1), residual.expand(2, -1), weight, *args)
-    assert "residual" in hopper.normed_unsupported(x, residual[:, :128], weight, *args)
-    assert "norm's weight" in hopper.normed_unsupported(x, residual, weight.half(), *args)
-    with pytest.raises(ValueError, match="residual"):
-        hopper.normed_gemv(x, residual.half(), weight, 1e-5, *args)
-    cpu = torch.device("cpu")
-    cpu_x, (cpu_residual, cpu_weight) = x.cpu(), residual_and_norm_weight(256, 2, cpu)
-    for layer in (QuantLinear(256, 64, 4, 128, bias=False, dtype=torch.bfloat16),
-                  RowParallelQuantLinear(256, 64, 4, 128, bias=False, dtype=torch.bfloat16)):
-        assert not layer.takes_normed(cpu_x, cpu_residual, cpu_weight)
-    int8 = QuantLinear(256, 64, 8, -1, bias=False, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="INT8"):
-        int8(cpu_x, norm=(cpu_residual, cpu_weight, 1e-5))
 
 
 def test_gated_gemv_refusals_name_the_reason():
