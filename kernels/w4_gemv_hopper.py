@@ -233,17 +233,12 @@ if GLUON_USABLE:
     @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, CLUSTER: gl.constexpr = 0):
-        """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. CLUSTER > 0:
-        the CLUSTER splits of a column tile are one thread-block cluster along the grid's x (``_finish_in_cluster``)."""
+                        RUN: gl.constexpr):
+        """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS // GROUP_ROWS  # scale rows a tile
-        if CLUSTER > 0:
-            tile_n = gl.program_id(0) // CLUSTER
-            split = gl.program_id(0) % CLUSTER  # the CTA's rank in its cluster: clusters are consecutive along x
-        else:
-            tile_n = gl.program_id(0)
-            split = gl.program_id(1)
+        tile_n = gl.program_id(0)
+        split = gl.program_id(1)
         n0 = tile_n * _BLOCK_N
         first_row = split * (TILES * _TILE_ROWS)
 
@@ -292,49 +287,7 @@ if GLUON_USABLE:
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
-        if CLUSTER > 0:
-            _finish_in_cluster(out, Y, tile_n, split, N, CLUSTER)
-        else:
-            _finish(out, Y, Partials, Counters, tile_n, N, WARPS_)
-
-    @gluon.jit
-    def _cluster_sync():
-        """Every CTA of the cluster arrives (its shared-memory writes released) and waits for the others."""
-        gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; // $0",
-                                  "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _put_in_first_cta(offset, value):
-        """Store fp32 ``value`` at byte ``offset`` of the cluster's CTA 0's shared memory (distributed shared memory:
-        ``mapa`` turns this CTA's address into CTA 0's)."""
-        gl.inline_asm_elementwise("{ .reg .b32 a; mov.u32 a, global_smem; add.u32 a, a, $1; "
-                                  "mapa.shared::cluster.u32 a, a, 0; st.shared::cluster.b32 [a], $2; mov.u32 $0, 0; }",
-                                  "=r,r,r", [offset, value.to(gl.int32, bitcast=True)], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-
-    @gluon.jit
-    def _get_own(offset):
-        """The fp32 at byte ``offset`` of this CTA's shared memory."""
-        return gl.inline_asm_elementwise("{ .reg .b32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.b32 $0, [a]; }",
-                                         "=r,r", [offset], dtype=gl.int32, is_pure=False, pack=1).to(gl.float32,
-                                                                                                    bitcast=True)
-
-    @gluon.jit
-    def _finish_in_cluster(out, Y, tile_n, split, N, CLUSTER: gl.constexpr):
-        """y[n0 : n0 + 256] = the sum of the cluster's partials, added on chip: once every CTA is done with its shared
-        memory (all of it is dead by now: tiles, tables, barriers), each stores its fp32 partial into CTA 0's, at
-        split * 1 KB, and CTA 0 sums them in split order and writes y. No atomic, no round trip to L2."""
-        cols_l: gl.constexpr = out.type.layout
-        col = gl.arange(0, _BLOCK_N, layout=cols_l)
-        _cluster_sync()
-        _put_in_first_cta((split * _BLOCK_N + col) * 4, out)
-        _cluster_sync()
-        if split == 0:
-            total = gl.zeros([_BLOCK_N], gl.float32, layout=cols_l)
-            for r in gl.static_range(CLUSTER):
-                total += _get_own((r * _BLOCK_N + col) * 4)
-            n = tile_n * _BLOCK_N + col
-            gl.store(Y + n, total.to(Y.dtype.element_ty), mask=n < N)
+        _finish(out, Y, Partials, Counters, tile_n, N, WARPS_)
 
     @gluon.jit
     def _finish(out, Y, Partials, Counters, tile_n, N, WARPS_: gl.constexpr):
@@ -377,7 +330,7 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
             out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
-            tiles: int | None = None, gated: bool = False, run: int = RUN, cluster: bool = False) -> None:
+            tiles: int | None = None, gated: bool = False, run: int = RUN) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
     fp32, at least ``splits_needed(K, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
     for sweeps): by default ``choose_tiles``. ``gated``: x is the MLP's gate_up row [1, 2K] and the product's input
@@ -394,29 +347,9 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     grid = (-(-n // BLOCK_N), splits)
     if splits > 1 and grid[0] > MAX_TILES:
         raise ValueError(f"N = {n} is {grid[0]} column tiles; the split-K counters hold {MAX_TILES}")
-    args = (x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out, partials, counters, n, k // 8)
-    consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated, RUN=run, num_warps=WARPS, launch_pdl=pdl)
-    if cluster and 1 < splits <= MAX_CLUSTER:
-        _launch_in_clusters(args, consts, grid[0], splits)
-        return
-    _w4_gemv_kernel[grid](*args, **consts)
-
-
-MAX_CLUSTER = 16  # CTAs a cluster (16: the H100/H200's largest, "non-portable"; Triton's launcher allows it)
-
-
-def _launch_in_clusters(args, consts, tiles_n: int, splits: int) -> None:
-    """Launch with each column tile's splits as one cluster: grid (tiles_n,) of clusters of ``splits`` CTAs. The
-    kernel is compiled as usual (one CTA a program); Triton's launcher makes clusters of ``num_ctas`` CTAs along x
-    (grid x times num_ctas CTAs), so the compiled kernel's num_ctas is set to the cluster size before it launches."""
-    grid = (tiles_n,)
-    kernel = _w4_gemv_kernel.warmup(*args, grid=grid, CLUSTER=splits, **consts)
-    warps, _, shared = kernel.packed_metadata
-    if shared < splits * BLOCK_N * 4:
-        raise ValueError(f"{splits} partials of {BLOCK_N} floats need {splits * BLOCK_N * 4} bytes of CTA 0's shared "
-                         f"memory; the kernel has {shared}")
-    kernel.packed_metadata = (warps, splits, shared)
-    _w4_gemv_kernel[grid](*args, CLUSTER=splits, **consts)
+    _w4_gemv_kernel[grid](x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out, partials, counters,
+                          n, k // 8, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated, RUN=run,
+                          num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
