@@ -1,5 +1,5 @@
-"""Batch-1 decode attention at the short contexts of the ``latency`` workload (128-384 tokens): how long the split
-kernel and its merge take, by split count, tile length and warps, where the table is as wide as a CUDA graph's
+"""Batch-1 decode attention at the short contexts of the ``latency`` workload (128-384 tokens, and 1024): how long the
+split kernel and its merge take, by split count, tile length and warps, where the table is as wide as a CUDA graph's
 (llama2-7b: max_model_len 4096, so ``choose_num_splits`` picks 9 splits whatever the context).
 Llama-2-7B's attention (32 heads, MHA, head_dim 128), block size 16, bf16. Each timed call cycles through 32 layers'
 K/V pools (cold, as in a decode step), 20 calls a CUDA graph, best of 5 replays.
@@ -71,4 +71,5 @@ for ctx in (128, 256, 384, 1024):
                    and r["block_n"] == 64 and r["warps"] == 4)
     print(ctx, "default", default, "best", best, flush=True)
 save_result(os.environ.get("OUT", "/tmp/out"), "decode_batch1_short", "paged decode attention, batch 1, short contexts",
-            "us per call (split kernel + merge kernel), 20 calls a graph, 32 layers' pools cycled", runs)
+            "us per call (the split kernel, and the merge kernel where there is more than one split), 20 calls a "
+            "graph, 32 layers' pools cycled", runs)

@@ -1,10 +1,10 @@
-"""What-if decomposition of a batch-1 INT4 decode step: how much of the token's time each class of small kernel holds
-on the critical path, measured by leaving it out (the answers are then wrong; only the time counts). Variants: the
-whole step; no RMSNorm kernels (a norm returns its input, and the residual add is skipped); no attention (the
-context returns q: no RoPE/KV store, no split, no merge kernel); neither. llama2-7b, dummy weights, RTN INT4, the
+"""What-if decomposition of a batch-1 decode step: how much of the token's time each class of small kernel holds on
+the critical path, measured by leaving it out (the answers are then wrong; only the time counts). Variants: the whole
+step; no RMSNorm kernels (a norm returns its input, and the residual add is skipped); no attention (the context
+returns q: no RoPE/KV store, no split, no merge kernel); neither. llama2-7b, dummy weights, RTN INT4 and bf16, the
 ``latency`` workload, engines in the order ABCD DCBA in one process (drift weighs on all alike).
-Run from the repository root on an H200: ``[QUANT=bf16] PYTHONPATH=$PWD python3 figures/h200/sweeps/latency_what_if.py``;
-latency_what_if.json holds both runs (QUANT rtn-int4, the default, and bf16)."""
+Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/latency_what_if.py`` (QUANTS:
+"rtn-int4,bf16" by default, one block of eight engines each)."""
 import gc
 import os
 import sys
@@ -32,18 +32,20 @@ def no_attention(self, layer_idx, q, k, v, rope=None):
 VARIANTS = {"whole": (norm_forward, attention_call), "no_norms": (no_norm, attention_call),
             "no_attention": (norm_forward, no_attention), "neither": (no_norm, no_attention)}
 ORDER = list(VARIANTS) + list(reversed(VARIANTS))
-quant = os.environ.get("QUANT", "rtn-int4")
-runs = {"order": ORDER, "quantization": quant, **{name: [] for name in VARIANTS}}
-for name in ORDER:
-    RMSNorm.forward, TritonPagedBatch.__call__ = VARIANTS[name]
-    result = bench_latency(model="llama2-7b", load_format="dummy", scale="gpu", num_requests=None, peers=[],
-                           batching="continuous", quantization=None if quant == "bf16" else quant)
-    runs[name].append(result["runs"]["minillm"]["mean_decode_tok_s"])
-    print(name, f"{runs[name][-1]:.1f} tok/s", flush=True)
-    gc.collect(); torch.cuda.empty_cache()
-mean_ms = {name: 2e3 / sum(runs[name]) for name in VARIANTS}
-runs["mean_ms_per_token"] = mean_ms
-runs["ms_per_token_saved"] = {name: mean_ms["whole"] - mean_ms[name] for name in VARIANTS}
-print(runs["ms_per_token_saved"])
-save_result(os.environ.get("OUT", "/tmp/out"), f"latency_what_if_{quant}", f"latency, llama2-7b {quant}, batch 1",
+runs = {}
+for quant in os.environ.get("QUANTS", "rtn-int4,bf16").split(","):
+    row = runs[quant] = {"order": ORDER, "quantization": quant, **{name: [] for name in VARIANTS}}
+    for name in ORDER:
+        RMSNorm.forward, TritonPagedBatch.__call__ = VARIANTS[name]
+        result = bench_latency(model="llama2-7b", load_format="dummy", scale="gpu", num_requests=None, peers=[],
+                               batching="continuous", quantization=None if quant == "bf16" else quant)
+        row[name].append(result["runs"]["minillm"]["mean_decode_tok_s"])
+        print(quant, name, f"{row[name][-1]:.1f} tok/s", flush=True)
+        gc.collect(); torch.cuda.empty_cache()
+    RMSNorm.forward, TritonPagedBatch.__call__ = norm_forward, attention_call
+    mean_ms = {name: 2e3 / sum(row[name]) for name in VARIANTS}  # two engines a variant
+    row["mean_ms_per_token"] = mean_ms
+    row["ms_per_token_saved"] = {name: mean_ms["whole"] - mean_ms[name] for name in VARIANTS}
+    print(quant, row["ms_per_token_saved"], flush=True)
+save_result(os.environ.get("OUT", "/tmp/out"), "latency_what_if", "latency, llama2-7b, batch 1, RTN INT4 and bf16",
             "mean decode tok/s of bench_latency per engine, in the order given; variants leave kernels out", runs)
