@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
+from minillm.kernels.fused_layer_ops import check_rope_inputs, rotated_halves
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
                                         kv_quant_mode, per_token_codes, per_token_query, per_token_rows,
                                         per_token_scales, reads_int8_words, scale_heads, scale_strides, tile_channels)
@@ -169,10 +170,11 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                   KScale, VScale, stride_sb, stride_st, stride_sh,
                   Out, stride_outb, stride_outh, Counters,
+                  NewK, NewV, Cos, Sin, Slots, stride_nk, stride_nv, stride_c,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
-                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1):
+                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1, NEW_KV: tl.constexpr = False):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
     KV_QUANT: how K/V are stored (``kv_dequant.py``). INT8_WORDS: an int8 cache for a 16-bit q, read
     as int32 words of four codes, each word turned into four fp16s in the registers it was loaded into
@@ -182,7 +184,11 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     The scale arguments come late and the merge's (Out, Counters) last, so that without them the
     kernel compiles to the instructions it had before.
     MERGE: NO_MERGE writes the output to O; otherwise O and Lse get the split's partial, and with
-    MERGE_LAST_SPLIT the last program of (b, kv_head) to finish merges all splits into Out."""
+    MERGE_LAST_SPLIT the last program of (b, kv_head) to finish merges all splits into Out.
+    NEW_KV (an unquantized cache, HEAD_DIM a power of two): q and the step's new k arrive without RoPE, and this
+    kernel does ``kv_store.rope_store_kv``'s work for its rows, with its bits: each program rotates its query heads
+    (``rotated_halves`` with the row's Cos/Sin), and the program whose split holds position ctx - 1 rotates the new k
+    of its KV head and stores it and v (NewK, NewV [B, Hkv, D]) at slot Slots[b] before it reads its tiles."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ContextLens + b)
     # Splits are whole tiles long (only a sequence's last tile is partial); from the length on the
@@ -195,7 +201,12 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     heads = kv_head * GROUP + rows
     dims, dim_ok = tile_channels(BLOCK_D, HEAD_DIM, KV_QUANT)  # the head channel of each tile column
     row_dim_mask = (rows < GROUP)[:, None] & dim_ok[None, :]
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_dim_mask, other=0.0)
+    if NEW_KV:
+        q = _rope_and_store_new_kv(Q, b, kv_head, heads, rows < GROUP, ctx, start, end, stride_qb, stride_qh, K, V,
+                                   stride_kb, stride_kt, stride_kh, NewK, NewV, Cos, Sin, Slots, stride_nk, stride_nv,
+                                   stride_c, BLOCK_SIZE, HEAD_DIM, GROUP_PAD)
+    else:
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_dim_mask, other=0.0)
     row_scale = qk_scale
     if KV_QUANT == PER_TOKEN:  # the dots run in fp16 (kv_dequant.per_token_query says why)
         q, q_unit = per_token_query(q)
@@ -283,7 +294,52 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
             tl.store(out_ptrs, merged.to(Out.dtype.element_ty), mask=row_dim_mask)
 
 
+@triton.jit
+def _rope_and_store_new_kv(Q, b, kv_head, heads, row_ok, ctx, start, end, stride_qb, stride_qh, K, V, stride_kb,
+                           stride_kt, stride_kh, NewK, NewV, Cos, Sin, Slots, stride_nk, stride_nv, stride_c,
+                           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr):
+    """``_split_kernel``'s NEW_KV work: its query heads' rows of q, rotated -> [GROUP_PAD, HEAD_DIM]; and if this
+    program's split [start, end) holds the new token (position ctx - 1), its KV head's new k, rotated, and v stored
+    at the token's slot, visible to the whole program before it reads its tiles."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    half = tl.arange(0, HALF)[None, :]
+    cos = tl.load(Cos + b * stride_c + half).to(tl.float32)
+    sin = tl.load(Sin + b * stride_c + half).to(tl.float32)
+    q1, q2 = rotated_halves(Q + b * stride_qb + heads[:, None] * stride_qh + half, row_ok[:, None], cos, sin, HALF)
+    if (ctx - 1 >= start) & (ctx - 1 < end):
+        slot = tl.load(Slots + b)
+        at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh + half
+        k1, k2 = rotated_halves(NewK + b * stride_nk + kv_head * HEAD_DIM + half, half < HALF, cos, sin, HALF)
+        tl.store(K + at, k1)
+        tl.store(K + at + HALF, k2)
+        v_at = NewV + b * stride_nv + kv_head * HEAD_DIM + half
+        tl.store(V + at, tl.load(v_at))
+        tl.store(V + at + HALF, tl.load(v_at + HALF))
+        tl.debug_barrier()  # the stores made before any thread of the program loads the tile that holds the slot
+    return tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))  # [halves] -> [head_dim]
+
+
 # ----------------------------------------------------------------------------- wrapper
+
+
+def _check_new_kv(q, k_cache, quant, new_kv) -> None:
+    """``paged_decode_attention``'s ``new_kv`` = (k, v, cos, sin, slot_mapping): what the kernel's NEW_KV reads."""
+    if len(new_kv) != 5:
+        raise ValueError(f"new_kv must be (k, v, cos, sin, slot_mapping), got {len(new_kv)} items")
+    k, v, cos, sin, slots = new_kv
+    batch, _, dim = q.shape
+    if quant != NO_QUANT:
+        raise ValueError(f"new_kv needs an unquantized cache (it stores k and v as they are), got {k_cache.dtype}")
+    kv_shape = (batch, k_cache.shape[2], dim)
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != kv_shape or t.dtype != k_cache.dtype or t.stride(2) != 1 or t.stride(1) != dim \
+                or t.device != q.device:
+            raise ValueError(f"new_kv's {name} must be {k_cache.dtype} {list(kv_shape)} with contiguous heads and "
+                             f"dims on {q.device}, got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+    check_rope_inputs("q", q, cos, sin)
+    if slots.dtype != torch.int64 or tuple(slots.shape) != (batch,) or slots.device != q.device:
+        raise ValueError(f"new_kv's slot_mapping must be int64 [{batch}] on {q.device}, got {slots.dtype} "
+                         f"{tuple(slots.shape)} on {slots.device}")
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale) -> tl.constexpr:
@@ -334,7 +390,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
                            workspace: PagedAttentionWorkspace | None = None, merge: str | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, hopper: bool | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, hopper: bool | None = None,
+                           new_kv: tuple | None = None) -> torch.Tensor:
     """softmax(q K^T * scale) V for one new token per sequence over the paged cache -> out [B, H, D].
 
     ``scale`` defaults to head_dim ** -0.5; ``num_splits`` to ``choose_num_splits`` on this GPU.
@@ -355,8 +412,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     demands the Gluon one (a ValueError with the reason where it cannot run). Launch overrides (``block_n``,
     ``num_warps``, ``num_stages``) are the Triton kernel's, so they choose it. The Gluon kernel merges splits with
     the merge kernel whatever ``merge`` says (the same result).
+
+    ``new_kv`` = (k, v, cos, sin, slot_mapping), for an unquantized cache (and RoPE's power-of-two head_dim): q and the step's
+    new k [B, Hkv, D] arrive without RoPE, and the kernel applies it and stores k and v at their slots itself, bit for
+    bit ``kv_store.rope_store_kv`` followed by this function, one launch fewer (cos/sin [B, D] as ``rope`` takes them;
+    slot_mapping int64 [B]).
     """
     quant = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
+    if new_kv is not None:
+        _check_new_kv(q, k_cache, quant, new_kv)
     gluon = use_hopper(q, k_cache, v_cache, k_scale, hopper, block_n or num_warps or num_stages)
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -415,12 +479,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     # The counters only exist where they are used: a graph captured with "kernel" never allocates them.
     counters = tile_counters(q.device) if mode == MERGE_LAST_SPLIT else lse
+    # Without new_kv its arguments are never read (NEW_KV=False compiles no load of them).
+    new_k, new_v, cos, sin, slots = new_kv if new_kv is not None else (q, q, q, q, context_lens)
     _split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, lse,
         scale * math.log2(math.e), num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *partial_strides, *lse_strides, k_scales, v_scales, *scale_strides(k_scale),
         out, out.stride(0), out.stride(1), counters,
+        new_k, new_v, cos, sin, slots, new_k.stride(0), new_v.stride(0), cos.stride(0), NEW_KV=new_kv is not None,
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=reads_int8_words(q, k_cache, v_cache),

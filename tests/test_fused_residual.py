@@ -56,24 +56,52 @@ def test_residual_adds_are_fused_into_the_norms(backend, adds_per_layer):
 @pytest.mark.parametrize("kv_cache_dtype, fused_rope",
                          [("auto", True), ("int8", False), ("fp8", False), ("int4", False)])
 def test_rope_runs_inside_the_kv_store_with_an_unquantized_cache(monkeypatch, kv_cache_dtype, fused_rope):
-    """The Triton backend's engine: with an unquantized cache every layer of every forward pass rotates q and k in
-    the KV store's kernel (kv_store.rope_store_kv) and never calls the RoPE kernel; a quantized cache (whose store
-    quantizes) keeps the RoPE kernel and stores as before."""
+    """The Triton backend's engine: with an unquantized cache every layer of the prefill rotates q and k in the KV
+    store's kernel (kv_store.rope_store_kv), every layer of a decode step in the decode kernel itself (new_kv), and
+    the RoPE kernel is never called; a quantized cache (whose store quantizes) keeps the RoPE kernel and stores as
+    before."""
     from minillm.kernels import fused_layer_ops
     from minillm.kv import paged_triton
-    calls = {"rope": 0, "rope_store_kv": 0}
+    calls = {"rope": 0, "rope_store_kv": 0, "decode_with_new_kv": 0}
 
     def counted(name, real):
         def call(*args, **kwargs):
-            calls[name] += 1
+            if name != "decode_with_new_kv" or kwargs.get("new_kv") is not None:
+                calls[name] += 1
             return real(*args, **kwargs)
         return call
     monkeypatch.setattr(fused_layer_ops, "rope", counted("rope", fused_layer_ops.rope))
     monkeypatch.setattr(paged_triton, "rope_store_kv", counted("rope_store_kv", paged_triton.rope_store_kv))
+    monkeypatch.setattr(paged_triton, "paged_decode_attention",
+                        counted("decode_with_new_kv", paged_triton.paged_decode_attention))
     budget = {"memory_budget": "2GB"} if DEVICE == "cuda" else {}
     llm = LLM("tiny", load_format="dummy", dtype="float32", device=DEVICE, batching="continuous",
               attention_backend="triton", enforce_eager=True, seed=0, kv_cache_dtype=kv_cache_dtype, **budget)
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)
-    forwards = llm.engine.model_config.num_layers * MAX_TOKENS
-    assert calls == ({"rope": 0, "rope_store_kv": forwards} if fused_rope else {"rope": forwards, "rope_store_kv": 0})
+    layers = llm.engine.model_config.num_layers
+    # The prefill's layers store with rope_store_kv; each decode step's decode kernel rotates and stores itself.
+    assert calls == ({"rope": 0, "rope_store_kv": layers, "decode_with_new_kv": layers * (MAX_TOKENS - 1)}
+                     if fused_rope else {"rope": layers * MAX_TOKENS, "rope_store_kv": 0, "decode_with_new_kv": 0})
+
+
+def test_decode_steps_give_the_same_tokens_with_rope_in_the_decode_kernel(monkeypatch):
+    """MINILLM_ROPE_IN_DECODE's two paths (the decode kernel rotating and storing the new token itself, or
+    rope_store_kv first) decode the same greedy tokens (one arithmetic: tests/kernels/test_paged_attention.py checks
+    the kernel's output and pools bit for bit), and the new path is the one taken."""
+    from minillm.kv import paged_triton
+    tokens, calls, real = {}, [], paged_triton.paged_decode_attention
+    monkeypatch.setattr(paged_triton, "paged_decode_attention",
+                        lambda *a, **kw: calls.append(kw.get("new_kv") is not None) or real(*a, **kw))
+    budget = {"memory_budget": "2GB"} if DEVICE == "cuda" else {}  # two engines in one process
+    for inside in (True, False):
+        monkeypatch.setattr(paged_triton, "ROPE_IN_DECODE", inside)
+        llm = LLM("tiny", load_format="dummy", dtype="float32", device=DEVICE, batching="continuous",
+                  attention_backend="triton", enforce_eager=True, seed=0, **budget)
+        out = llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+        tokens[inside] = [o.outputs[0].token_ids for o in out]
+        llm.close()
+        assert any(calls) == inside
+        calls.clear()
+    assert tokens[True] == tokens[False]

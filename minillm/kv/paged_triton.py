@@ -2,7 +2,8 @@
 
 Same contract and metadata as the torch reference ``PagedBatch`` (``kv/paged.py``), but no Python
 loop over sequences and no gathered copy of the context; new K/V are stored by one kernel (which also applies
-RoPE to q and k, for an unquantized cache); decode rows go to the split-K paged
+RoPE to q and k, for an unquantized cache; in a decode-only step the decode kernel does that itself, one kernel
+a layer for all of attention but the merge); decode rows go to the split-K paged
 decode kernel, prefill chunks to the paged FlashAttention kernel, both reading K/V in place
 through the block tables. Its launch grids depend on the batch's shape only, so a decode step
 can be captured in a CUDA graph (``minillm/cuda_graphs.py``).
@@ -10,12 +11,19 @@ can be captured in a CUDA graph (``minillm/cuda_graphs.py``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from minillm.kernels.flash_attention import paged_prefill_attention
 from minillm.kernels.kv_store import QUANTIZED_POOLS, rope_store_kv, store_kv
 from minillm.kernels.paged_attention import paged_decode_attention
 from minillm.kv.paged import PagedKVCache, PagedStep, write_kv
+
+
+# MINILLM_ROPE_IN_DECODE=0: a decode-only step stores K/V with rope_store_kv and then attends, two kernels a layer
+# where the decode kernel alone does both by default (to measure what that buys).
+ROPE_IN_DECODE = os.environ.get("MINILLM_ROPE_IN_DECODE", "1").lower() not in ("0", "false", "off", "no")
 
 
 class TritonPagedBatch:
@@ -27,6 +35,13 @@ class TritonPagedBatch:
 
     def __call__(self, layer_idx: int, q, k, v, rope=None):
         pools = self.cache.layer(layer_idx)
+        step, n = self.step, self.step.num_decode
+        if rope is not None and n == len(step.query_lens) and ROPE_IN_DECODE:
+            # A decode-only step: the decode kernel applies RoPE and stores the new k and v itself (new_kv).
+            out = torch.empty_like(q[0])
+            paged_decode_attention(q[0], pools.k, pools.v, step.block_tables, step.context_lens, out=out,
+                                   new_kv=(k[0], v[0], *rope, step.slot_mapping))
+            return out[None]
         if rope is not None:  # (only when takes_rope): rotate q and k in place, store the rotated k and v
             rope_store_kv(q[0], k[0], v[0], *rope, pools.k, pools.v, self.step.slot_mapping)
         elif pools.k_scale is None or pools.k.dtype in QUANTIZED_POOLS:  # one kernel for K and V (and int8's scales)
@@ -34,7 +49,6 @@ class TritonPagedBatch:
         else:  # fp8 and int4: quantized on the way in by torch ops (write_kv)
             write_kv(self.cache, self.step, layer_idx, k, v)
         scales = dict(k_scale=pools.k_scale, v_scale=pools.v_scale)  # None unless the cache is quantized
-        step, n = self.step, self.step.num_decode
         q = q[0]
         out = torch.empty_like(q)
         if n:

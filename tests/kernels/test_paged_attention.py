@@ -279,3 +279,52 @@ def test_bf16_and_cuda_graph_replay_on_gpu():
                 graph.replay()
             torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.bfloat16])
             assert _counters_clean(q.device)
+
+
+@pytest.mark.parametrize("lens,heads,kv_heads,dim,splits,merge", [
+    ([5, 33, 17], 4, 2, 16, 1, "kernel"), ([40, 9], 4, 2, 32, 3, "kernel"), ([70], 2, 2, 16, 4, "last_split"),
+    ([1, 24], 6, 3, 16, 2, "kernel")])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_new_kv_is_rope_store_kv_then_the_kernel_bit_for_bit(lens, heads, kv_heads, dim, splits, merge, dtype):
+    """new_kv: the kernel rotates q and the new k itself and stores k and v at the new token's slot (the last
+    position of each sequence, in whichever split holds it; one-token sequences too): the output and the pools are
+    those of rope_store_kv followed by the kernel, bit for bit, and q, k and v are left as they were."""
+    from minillm.kernels.kv_store import rope_store_kv
+    q, k_pool, v_pool, tables, ctx = make_inputs(lens, heads, kv_heads, dim, 8, dtype, seed=sum(lens) + dim)
+    g = torch.Generator().manual_seed(len(lens) + splits)
+    new_k, new_v = (torch.randn(len(lens), kv_heads, dim, generator=g).to(DEVICE, dtype) for _ in range(2))
+    angles = torch.randn(len(lens), dim // 2, generator=g) * 3
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    last = ctx.long() - 1
+    slots = tables.long().gather(1, (last // 8)[:, None])[:, 0] * 8 + last % 8
+    pools = {}
+    for fused in (True, False):
+        kp, vp, qq, kk, vv = k_pool.clone(), v_pool.clone(), q.clone(), new_k.clone(), new_v.clone()
+        out, ws = poisoned(q, (len(lens), splits))
+        if fused:
+            got = paged_decode_attention(qq, kp, vp, tables, ctx, num_splits=splits, out=out, workspace=ws,
+                                         merge=merge, new_kv=(kk, vv, cos, sin, slots))
+            assert torch.equal(qq, q) and torch.equal(kk, new_k) and torch.equal(vv, new_v)
+        else:
+            rope_store_kv(qq, kk, vv, cos, sin, kp, vp, slots)
+            want = paged_decode_attention(qq, kp, vp, tables, ctx, num_splits=splits, out=out, workspace=ws,
+                                          merge=merge)
+        pools[fused] = (kp, vp)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(pools[True], pools[False]))
+    assert not torch.equal(pools[True][0], k_pool)  # the new k was stored
+
+
+def test_new_kv_refusals_name_the_reason():
+    q, k_pool, v_pool, tables, ctx = make_inputs([9, 4], 4, 2, 16, 8)
+    new_k = torch.randn(2, 2, 16, device=DEVICE)
+    cos = sin = torch.ones(2, 16, device=DEVICE)
+    slots = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        paged_decode_attention(q, k_pool, v_pool, tables, ctx, new_kv=(new_k, new_k, cos, sin, slots.int()))
+    with pytest.raises(ValueError, match="new_kv's k must be"):
+        paged_decode_attention(q, k_pool, v_pool, tables, ctx, new_kv=(new_k[:1], new_k, cos, sin, slots))
+    with pytest.raises(ValueError, match="cos/sin"):
+        paged_decode_attention(q, k_pool, v_pool, tables, ctx, new_kv=(new_k, new_k, cos[:1], sin[:1], slots))
+    with pytest.raises(ValueError, match="5 items|new_kv must be"):
+        paged_decode_attention(q, k_pool, v_pool, tables, ctx, new_kv=(new_k, new_k))
