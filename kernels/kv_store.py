@@ -123,8 +123,9 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
                   k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """RoPE on q [tokens, heads, D] and k [tokens, kv_heads, D], in place, then ``store_kv`` of the rotated k
     and of v: one kernel where ``fused_layer_ops.rope`` and ``store_kv`` were two, with their bits. The Triton
-    paged context (``kv/paged_triton.py``) calls it in every step over an unquantized cache (decode rows and
-    prefill chunks alike); at batch-1 decode that is one launch fewer per layer. cos/sin: [tokens, D], as
+    paged context (``kv/paged_triton.py``) calls it in every step with prefill rows over an unquantized cache; a
+    decode-only step leaves this work to the decode kernel (``paged_decode_attention``'s ``new_kv``), which does it
+    with the same arithmetic (``rotated_halves``). cos/sin: [tokens, D], as
     ``rope`` takes them. q, k and v must not overlap (the slices of one qkv row do not): v is read after k is
     written."""
     _check(k_pool.dtype == k.dtype, f"the pools hold {k_pool.dtype} and k is {k.dtype}; rope_store_kv stores k's "

@@ -32,6 +32,12 @@ capture keeping its own allocation. Without one the wrapper allocates per call, 
 The last-split merge's arrival counters (``split_k.tile_counters``) are left at zero by every
 launch, empty splits included (they arrive too), so replays find them clean.
 
+**RoPE and the new token's K/V (``new_kv``).** In a decode-only step over an unquantized cache the kernel also does
+``kv_store.rope_store_kv``'s work: each program rotates its query heads, and the one whose split holds the new token
+rotates its k and stores k and v before it reads its tiles. At batch 1 that is one kernel fewer a layer (the RoPE +
+store kernel took ~3 us of a ~67 us llama2-7b INT4 layer): 1.029x the INT4 decode tok/s, 1.010x bf16's
+(figures/h200/sweeps/latency_rope_in_decode.json, engines ABBA ABBA).
+
 Layout (one layer): ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D]; token p of sequence b
 is at ``k_cache[block_tables[b, p // block_size], p % block_size]``; ``context_lens[b]`` counts the
 cached tokens including the new one; q [B, H, D], query head h reads KV head h // (H // Hkv).
@@ -413,10 +419,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``num_warps``, ``num_stages``) are the Triton kernel's, so they choose it. The Gluon kernel merges splits with
     the merge kernel whatever ``merge`` says (the same result).
 
-    ``new_kv`` = (k, v, cos, sin, slot_mapping), for an unquantized cache (and RoPE's power-of-two head_dim): q and the step's
-    new k [B, Hkv, D] arrive without RoPE, and the kernel applies it and stores k and v at their slots itself, bit for
-    bit ``kv_store.rope_store_kv`` followed by this function, one launch fewer (cos/sin [B, D] as ``rope`` takes them;
-    slot_mapping int64 [B]).
+    ``new_kv`` = (k, v, cos, sin, slot_mapping), for an unquantized cache (and RoPE's power-of-two head_dim): q and the
+    step's new k [B, Hkv, D] arrive without RoPE, and the kernel applies it and stores k and v at their slots itself,
+    bit for bit ``kv_store.rope_store_kv`` followed by this function, one launch fewer (cos/sin [B, D] as ``rope``
+    takes them; slot_mapping int64 [B]).
     """
     quant = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
     if new_kv is not None:

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent('''
         return dict(LDG=ops.get("LDG", 0), LDGSTS=ops.get("LDGSTS", 0))
 
     decode = loop_loads(pa._split_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, GROUP=4, GROUP_PAD=16,
-                                               BLOCK_N=64, MERGE=pa.NO_MERGE, INT8_WORDS=True),
+                                               BLOCK_N=64, MERGE=pa.NO_MERGE, INT8_WORDS=True, NEW_KV=False),
                         {"Q": "*bf16", "BlockTables": "*i32", "ContextLens": "*i32", "O": "*bf16", "Lse": "*bf16",
                          "Out": "*bf16", "Counters": "*i32"}, 2, 4)
     prefill = loop_loads(fa._attention_kernel, dict(HEAD_DIM=128, CAUSAL=True, PAGED=True, PAGE_SIZE=16, BLOCK_M=128,
