@@ -34,9 +34,9 @@ launch, empty splits included (they arrive too), so replays find them clean.
 
 **RoPE and the new token's K/V (``new_kv``).** In a decode-only step over an unquantized cache the kernel also does
 ``kv_store.rope_store_kv``'s work: each program rotates its query heads, and the one whose split holds the new token
-rotates its k and stores k and v before it reads its tiles. At batch 1 that is one kernel fewer a layer (the RoPE +
-store kernel took ~3 us of a ~67 us llama2-7b INT4 layer): 1.029x the INT4 decode tok/s, 1.010x bf16's
-(figures/h200/sweeps/latency_rope_in_decode.json, engines ABBA ABBA).
+rotates its k and stores k and v before it reads its tiles (no other program reads that position). At batch 1 that is
+one kernel fewer a layer (the RoPE + store kernel took ~3 us of a ~67 us llama2-7b INT4 layer): 1.029x the INT4
+decode tok/s, 1.010x bf16's (figures/h200/sweeps/latency_rope_in_decode.json, engines ABBA ABBA).
 
 Layout (one layer): ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D]; token p of sequence b
 is at ``k_cache[block_tables[b, p // block_size], p % block_size]``; ``context_lens[b]`` counts the
@@ -191,8 +191,9 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     kernel compiles to the instructions it had before.
     MERGE: NO_MERGE writes the output to O; otherwise O and Lse get the split's partial, and with
     MERGE_LAST_SPLIT the last program of (b, kv_head) to finish merges all splits into Out.
-    NEW_KV (an unquantized cache, HEAD_DIM a power of two): q and the step's new k arrive without RoPE, and this
-    kernel does ``kv_store.rope_store_kv``'s work for its rows, with its bits: each program rotates its query heads
+    NEW_KV (an unquantized cache, HEAD_DIM a power of two, 16 or more): q and the step's new k arrive without RoPE,
+    and this kernel does ``kv_store.rope_store_kv``'s work for its rows, with its arithmetic: each program rotates its
+    query heads
     (``rotated_halves`` with the row's Cos/Sin), and the program whose split holds position ctx - 1 rotates the new k
     of its KV head and stores it and v (NewK, NewV [B, Hkv, D]) at slot Slots[b] before it reads its tiles."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -336,6 +337,9 @@ def _check_new_kv(q, k_cache, quant, new_kv) -> None:
     batch, _, dim = q.shape
     if quant != NO_QUANT:
         raise ValueError(f"new_kv needs an unquantized cache (it stores k and v as they are), got {k_cache.dtype}")
+    if dim < 16:
+        raise ValueError(f"new_kv needs head_dim >= 16 (the rotated q is one [rows, head_dim] tile of tl.dot), "
+                         f"got {dim}")
     kv_shape = (batch, k_cache.shape[2], dim)
     for name, t in (("k", k), ("v", v)):
         if tuple(t.shape) != kv_shape or t.dtype != k_cache.dtype or t.stride(2) != 1 or t.stride(1) != dim \
@@ -420,9 +424,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the merge kernel whatever ``merge`` says (the same result).
 
     ``new_kv`` = (k, v, cos, sin, slot_mapping), for an unquantized cache (and RoPE's power-of-two head_dim): q and the
-    step's new k [B, Hkv, D] arrive without RoPE, and the kernel applies it and stores k and v at their slots itself,
-    bit for bit ``kv_store.rope_store_kv`` followed by this function, one launch fewer (cos/sin [B, D] as ``rope``
-    takes them; slot_mapping int64 [B]).
+    step's new k [B, Hkv, D] arrive without RoPE, and the kernel applies it and stores k and v at their slots itself:
+    ``kv_store.rope_store_kv`` followed by this function, one launch fewer (cos/sin [B, D] as ``rope`` takes them;
+    slot_mapping int64 [B]). The pools get the same bits; the output has the same arithmetic, but the rotated q
+    reaches the dot from registers rather than from memory, and on a GPU the compiled dot may then round a row's
+    output differently in its last bit (seen on the H200 at 32 query heads; under the interpreter and at the tests'
+    shapes they are equal).
     """
     quant = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
     if new_kv is not None:

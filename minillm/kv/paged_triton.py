@@ -36,8 +36,9 @@ class TritonPagedBatch:
     def __call__(self, layer_idx: int, q, k, v, rope=None):
         pools = self.cache.layer(layer_idx)
         step, n = self.step, self.step.num_decode
-        if rope is not None and n == len(step.query_lens) and ROPE_IN_DECODE:
-            # A decode-only step: the decode kernel applies RoPE and stores the new k and v itself (new_kv).
+        if rope is not None and n == len(step.query_lens) and ROPE_IN_DECODE and q.shape[-1] >= 16:
+            # A decode-only step: the decode kernel applies RoPE and stores the new k and v itself (new_kv; its q
+            # tile needs head_dim >= 16).
             out = torch.empty_like(q[0])
             paged_decode_attention(q[0], pools.k, pools.v, step.block_tables, step.context_lens, out=out,
                                    new_kv=(k[0], v[0], *rope, step.slot_mapping))

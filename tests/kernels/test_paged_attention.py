@@ -288,7 +288,8 @@ def test_bf16_and_cuda_graph_replay_on_gpu():
 def test_new_kv_is_rope_store_kv_then_the_kernel_bit_for_bit(lens, heads, kv_heads, dim, splits, merge, dtype):
     """new_kv: the kernel rotates q and the new k itself and stores k and v at the new token's slot (the last
     position of each sequence, in whichever split holds it; one-token sequences too): the output and the pools are
-    those of rope_store_kv followed by the kernel, bit for bit, and q, k and v are left as they were."""
+    those of rope_store_kv followed by the kernel, bit for bit at these shapes (the wrapper's docstring says where a
+    GPU may differ in the output's last bit), and q, k and v are left as they were."""
     from minillm.kernels.kv_store import rope_store_kv
     q, k_pool, v_pool, tables, ctx = make_inputs(lens, heads, kv_heads, dim, 8, dtype, seed=sum(lens) + dim)
     g = torch.Generator().manual_seed(len(lens) + splits)
@@ -328,3 +329,7 @@ def test_new_kv_refusals_name_the_reason():
         paged_decode_attention(q, k_pool, v_pool, tables, ctx, new_kv=(new_k, new_k, cos[:1], sin[:1], slots))
     with pytest.raises(ValueError, match="5 items|new_kv must be"):
         paged_decode_attention(q, k_pool, v_pool, tables, ctx, new_kv=(new_k, new_k))
+    q8, k8, v8, tables8, ctx8 = make_inputs([9, 4], 4, 2, 8, 8)
+    new_k8 = torch.randn(2, 2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim >= 16"):
+        paged_decode_attention(q8, k8, v8, tables8, ctx8, new_kv=(new_k8, new_k8, cos[:, :8], sin[:, :8], slots))

@@ -51,7 +51,8 @@ def count(fn, kv_fmt, consts, pointers, warps, stages, tile_tokens):
                 top=body.most_common(10))
 
 
-decode = dict(BLOCK_SIZE=BS, HEAD_DIM=D, BLOCK_D=D, GROUP=4, GROUP_PAD=16, BLOCK_N=64, MERGE=pa.NO_MERGE)
+decode = dict(BLOCK_SIZE=BS, HEAD_DIM=D, BLOCK_D=D, GROUP=4, GROUP_PAD=16, BLOCK_N=64, MERGE=pa.NO_MERGE,
+              NEW_KV=False)
 decode_ptrs = {"Q": "*bf16", "BlockTables": "*i32", "ContextLens": "*i32", "O": "*bf16", "Lse": "*bf16", "Out": "*bf16",
                "Counters": "*i32"}
 # With splits the partials are fp32, and either a second kernel or the last split program merges them:
