@@ -187,15 +187,15 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     (``int_float.int8_words_to_fp16``): loaded byte-wise into the dot's layout, the codes cost a
     shared-memory load per one or two bytes (``figures/h200/sweeps/kv_quant_sass.json``).
     SCALE_HEADS: the KV heads whose per-token scales are loaded together (``kv_dequant.per_token_scales``).
-    The scale arguments come late and the merge's (Out, Counters) last, so that without them the
+    The scale arguments come late, then the merge's (Out, Counters) and NEW_KV's, so that without them the
     kernel compiles to the instructions it had before.
     MERGE: NO_MERGE writes the output to O; otherwise O and Lse get the split's partial, and with
     MERGE_LAST_SPLIT the last program of (b, kv_head) to finish merges all splits into Out.
     NEW_KV (an unquantized cache, HEAD_DIM a power of two, 16 or more): q and the step's new k arrive without RoPE,
     and this kernel does ``kv_store.rope_store_kv``'s work for its rows, with its arithmetic: each program rotates its
-    query heads
-    (``rotated_halves`` with the row's Cos/Sin), and the program whose split holds position ctx - 1 rotates the new k
-    of its KV head and stores it and v (NewK, NewV [B, Hkv, D]) at slot Slots[b] before it reads its tiles."""
+    query heads (``rotated_halves`` with the row's Cos/Sin), and the program whose split holds position ctx - 1
+    rotates the new k of its KV head and stores it and v (NewK, NewV [B, Hkv, D]) at slot Slots[b] before it reads
+    its tiles."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ContextLens + b)
     # Splits are whole tiles long (only a sequence's last tile is partial); from the length on the
