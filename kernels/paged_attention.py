@@ -32,11 +32,8 @@ capture keeping its own allocation. Without one the wrapper allocates per call, 
 The last-split merge's arrival counters (``split_k.tile_counters``) are left at zero by every
 launch, empty splits included (they arrive too), so replays find them clean.
 
-**RoPE and the new token's K/V (``new_kv``).** In a decode-only step over an unquantized cache the kernel also does
-``kv_store.rope_store_kv``'s work: each program rotates its query heads, and the one whose split holds the new token
-rotates its k and stores k and v before it reads its tiles (no other program reads that position). At batch 1 that is
-one kernel fewer a layer (the RoPE + store kernel took ~3 us of a ~67 us llama2-7b INT4 layer): 1.029x the INT4
-decode tok/s, 1.010x bf16's (figures/h200/sweeps/latency_rope_in_decode.json, engines ABBA ABBA).
+**RoPE and the new token's K/V (``new_kv``)**: in a decode-only step the kernel also does ``rope_store_kv``'s work
+(``rope_in_decode.py`` says how and what it buys).
 
 Layout (one layer): ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D]; token p of sequence b
 is at ``k_cache[block_tables[b, p // block_size], p % block_size]``; ``context_lens[b]`` counts the
@@ -54,12 +51,12 @@ import triton
 import triton.language as tl
 
 from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
-from minillm.kernels.fused_layer_ops import check_rope_inputs, rotated_halves
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
                                         kv_quant_mode, per_token_codes, per_token_query, per_token_rows,
                                         per_token_scales, reads_int8_words, scale_heads, scale_strides, tile_channels)
 from minillm.kernels.int_float import int8_words_to_fp16
 from minillm.kernels.paged_decode_hopper import int8_decode, use_hopper
+from minillm.kernels.rope_in_decode import check_new_kv, rope_and_store_new_kv
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE,
                                          PagedAttentionWorkspace, _num_sms, choose_num_splits, merge_by_kernel,
@@ -72,15 +69,11 @@ _LN2 = tl.constexpr(math.log(2.0))
 # ----------------------------------------------------------------------------- references (torch)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _gather_sequence(cache: torch.Tensor, table: torch.Tensor, length: int, scales: torch.Tensor | None,
                      dtype: torch.dtype) -> torch.Tensor:
     """One sequence's first ``length`` tokens, [length, Hkv, D] in fp32, from the block pool
     (dequantized with ``scales`` as the kernel does for queries of ``dtype``, if quantized)."""
-    blocks = table[: _cdiv(length, cache.shape[1])].long()
+    blocks = table[: triton.cdiv(length, cache.shape[1])].long()
     values = dequantize_as_kernels_do(cache[blocks], None if scales is None else scales[blocks], dtype)
     return values.flatten(0, 1)[:length]
 
@@ -108,7 +101,7 @@ def split_partials_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         ctx = int(context_lens[b])
         keys = _gather_sequence(k_cache, block_tables[b], ctx, k_scale, q.dtype).repeat_interleave(group, dim=1)
         values = _gather_sequence(v_cache, block_tables[b], ctx, v_scale, q.dtype).repeat_interleave(group, dim=1)
-        length = _cdiv(_cdiv(ctx, num_splits), tile) * tile
+        length = triton.cdiv(triton.cdiv(ctx, num_splits), tile) * tile
         for s in range(num_splits):
             lo, hi = s * length, min((s + 1) * length, ctx)
             if lo >= hi:
@@ -209,9 +202,9 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     dims, dim_ok = tile_channels(BLOCK_D, HEAD_DIM, KV_QUANT)  # the head channel of each tile column
     row_dim_mask = (rows < GROUP)[:, None] & dim_ok[None, :]
     if NEW_KV:
-        q = _rope_and_store_new_kv(Q, b, kv_head, heads, rows < GROUP, ctx, start, end, stride_qb, stride_qh, K, V,
-                                   stride_kb, stride_kt, stride_kh, NewK, NewV, Cos, Sin, Slots, stride_nk, stride_nv,
-                                   stride_c, BLOCK_SIZE, HEAD_DIM, GROUP_PAD)
+        q = rope_and_store_new_kv(Q, b, kv_head, heads, rows < GROUP, ctx, start, end, stride_qb, stride_qh, K, V,
+                                  stride_kb, stride_kt, stride_kh, NewK, NewV, Cos, Sin, Slots, stride_nk, stride_nv,
+                                  stride_c, BLOCK_SIZE, HEAD_DIM, GROUP_PAD)
     else:
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_dim_mask, other=0.0)
     row_scale = qk_scale
@@ -301,55 +294,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
             tl.store(out_ptrs, merged.to(Out.dtype.element_ty), mask=row_dim_mask)
 
 
-@triton.jit
-def _rope_and_store_new_kv(Q, b, kv_head, heads, row_ok, ctx, start, end, stride_qb, stride_qh, K, V, stride_kb,
-                           stride_kt, stride_kh, NewK, NewV, Cos, Sin, Slots, stride_nk, stride_nv, stride_c,
-                           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr):
-    """``_split_kernel``'s NEW_KV work: its query heads' rows of q, rotated -> [GROUP_PAD, HEAD_DIM]; and if this
-    program's split [start, end) holds the new token (position ctx - 1), its KV head's new k, rotated, and v stored
-    at the token's slot, visible to the whole program before it reads its tiles."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    half = tl.arange(0, HALF)[None, :]
-    cos = tl.load(Cos + b * stride_c + half).to(tl.float32)
-    sin = tl.load(Sin + b * stride_c + half).to(tl.float32)
-    q1, q2 = rotated_halves(Q + b * stride_qb + heads[:, None] * stride_qh + half, row_ok[:, None], cos, sin, HALF)
-    if (ctx - 1 >= start) & (ctx - 1 < end):
-        slot = tl.load(Slots + b)
-        at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh + half
-        k1, k2 = rotated_halves(NewK + b * stride_nk + kv_head * HEAD_DIM + half, half < HALF, cos, sin, HALF)
-        tl.store(K + at, k1)
-        tl.store(K + at + HALF, k2)
-        v_at = NewV + b * stride_nv + kv_head * HEAD_DIM + half
-        tl.store(V + at, tl.load(v_at))
-        tl.store(V + at + HALF, tl.load(v_at + HALF))
-        tl.debug_barrier()  # the stores made before any thread of the program loads the tile that holds the slot
-    return tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))  # [halves] -> [head_dim]
-
-
 # ----------------------------------------------------------------------------- wrapper
-
-
-def _check_new_kv(q, k_cache, quant, new_kv) -> None:
-    """``paged_decode_attention``'s ``new_kv`` = (k, v, cos, sin, slot_mapping): what the kernel's NEW_KV reads."""
-    if len(new_kv) != 5:
-        raise ValueError(f"new_kv must be (k, v, cos, sin, slot_mapping), got {len(new_kv)} items")
-    k, v, cos, sin, slots = new_kv
-    batch, _, dim = q.shape
-    if quant != NO_QUANT:
-        raise ValueError(f"new_kv needs an unquantized cache (it stores k and v as they are), got {k_cache.dtype}")
-    if dim < 16:
-        raise ValueError(f"new_kv needs head_dim >= 16 (the rotated q is one [rows, head_dim] tile of tl.dot), "
-                         f"got {dim}")
-    kv_shape = (batch, k_cache.shape[2], dim)
-    for name, t in (("k", k), ("v", v)):
-        if tuple(t.shape) != kv_shape or t.dtype != k_cache.dtype or t.stride(2) != 1 or t.stride(1) != dim \
-                or t.device != q.device:
-            raise ValueError(f"new_kv's {name} must be {k_cache.dtype} {list(kv_shape)} with contiguous heads and "
-                             f"dims on {q.device}, got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
-    check_rope_inputs("q", q, cos, sin)
-    if slots.dtype != torch.int64 or tuple(slots.shape) != (batch,) or slots.device != q.device:
-        raise ValueError(f"new_kv's slot_mapping must be int64 [{batch}] on {q.device}, got {slots.dtype} "
-                         f"{tuple(slots.shape)} on {slots.device}")
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale) -> tl.constexpr:
@@ -423,17 +368,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``num_warps``, ``num_stages``) are the Triton kernel's, so they choose it. The Gluon kernel merges splits with
     the merge kernel whatever ``merge`` says (the same result).
 
-    ``new_kv`` = (k, v, cos, sin, slot_mapping), for an unquantized cache (and RoPE's power-of-two head_dim): q and the
-    step's new k [B, Hkv, D] arrive without RoPE, and the kernel applies it and stores k and v at their slots itself:
-    ``kv_store.rope_store_kv`` followed by this function, one launch fewer (cos/sin [B, D] as ``rope`` takes them;
-    slot_mapping int64 [B]). The pools get the same bits; the output has the same arithmetic, but the rotated q
-    reaches the dot from registers rather than from memory, and on a GPU the compiled dot may then round a row's
-    output differently in its last bit (seen on the H200 at 32 query heads; under the interpreter and at the tests'
-    shapes they are equal).
+    ``new_kv`` = (k, v [B, Hkv, D], cos, sin [B, D] as ``rope`` takes them, slot_mapping int64 [B]), for an
+    unquantized cache: q and the new k arrive without RoPE, and the kernel applies it and stores k and v itself, as
+    ``kv_store.rope_store_kv`` would have first (``rope_in_decode.py``). The pools get the same bits; on a GPU the
+    output may differ in its last bit (seen on the H200 at 32 query heads; at the tests' shapes they are equal).
     """
     quant = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
     if new_kv is not None:
-        _check_new_kv(q, k_cache, quant, new_kv)
+        check_new_kv(q, k_cache, quant, new_kv)
     gluon = use_hopper(q, k_cache, v_cache, k_scale, hopper, block_n or num_warps or num_stages)
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape

@@ -36,14 +36,12 @@ class TritonPagedBatch:
     def __call__(self, layer_idx: int, q, k, v, rope=None):
         pools = self.cache.layer(layer_idx)
         step, n = self.step, self.step.num_decode
+        new_kv = None
         if rope is not None and n == len(step.query_lens) and ROPE_IN_DECODE and q.shape[-1] >= 16:
-            # A decode-only step: the decode kernel applies RoPE and stores the new k and v itself (new_kv; its q
-            # tile needs head_dim >= 16).
-            out = torch.empty_like(q[0])
-            paged_decode_attention(q[0], pools.k, pools.v, step.block_tables, step.context_lens, out=out,
-                                   new_kv=(k[0], v[0], *rope, step.slot_mapping))
-            return out[None]
-        if rope is not None:  # (only when takes_rope): rotate q and k in place, store the rotated k and v
+            # A decode-only step: the decode kernel applies RoPE and stores the new k and v itself (its q tile
+            # needs head_dim >= 16; kernels/rope_in_decode.py).
+            new_kv = (k[0], v[0], *rope, step.slot_mapping)
+        elif rope is not None:  # (only when takes_rope): rotate q and k in place, store the rotated k and v
             rope_store_kv(q[0], k[0], v[0], *rope, pools.k, pools.v, self.step.slot_mapping)
         elif pools.k_scale is None or pools.k.dtype in QUANTIZED_POOLS:  # one kernel for K and V (and int8's scales)
             store_kv(k[0], v[0], pools.k, pools.v, self.step.slot_mapping, pools.k_scale, pools.v_scale)
@@ -56,7 +54,7 @@ class TritonPagedBatch:
             # Split count from the table's width (a graph's tables are as wide as max_model_len),
             # never from the lengths in it: the launch grid must not change under a CUDA graph.
             paged_decode_attention(q[:n], pools.k, pools.v, step.block_tables[:n], step.context_lens[:n],
-                                   out=out[:n], **scales)
+                                   out=out[:n], new_kv=new_kv, **scales)
         if n < len(step.query_lens):
             paged_prefill_attention(q[n:], pools.k, pools.v, step.block_tables[n:], step.cu_prefill_lens,
                                     step.context_lens[n:], self.max_prefill_len, out=out[n:], **scales)
