@@ -3,29 +3,23 @@
 ``latency`` on llama2-7b (dummy weights), RTN INT4 and bf16, engines built in the order ABBA ABBA in one process per
 dtype (A: two kernels), so that a drift of the GPU's speed weighs on both alike.
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/latency_rope_in_decode.py``."""
-import gc
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(__file__))
-from launch_sweep import save_result  # noqa: E402
+from launch_sweep import latency_engines, save_result  # noqa: E402
 
-from minillm.bench.harness import bench_latency  # noqa: E402
 from minillm.kv import paged_triton  # noqa: E402
+
+
+def switch(name):
+    paged_triton.ROPE_IN_DECODE = name == "in_decode"
+
 
 runs = {}
 for quant in os.environ.get("QUANTS", "rtn-int4,bf16").split(","):
     order = ["two_kernels", "in_decode", "in_decode", "two_kernels"] * 2
-    row = runs[quant] = {"order": order, "two_kernels": [], "in_decode": []}
-    for name in order:
-        paged_triton.ROPE_IN_DECODE = name == "in_decode"
-        result = bench_latency(model="llama2-7b", load_format="dummy", scale="gpu", num_requests=None, peers=[],
-                               batching="continuous", quantization=None if quant == "bf16" else quant)
-        row[name].append(result["runs"]["minillm"]["mean_decode_tok_s"])
-        print(quant, name, f"{row[name][-1]:.1f} tok/s", flush=True)
-        gc.collect(); torch.cuda.empty_cache()
+    row = runs[quant] = {"order": order, **latency_engines(order, switch, quant)}
     row["in_decode_over_two_kernels"] = sum(row["in_decode"]) / sum(row["two_kernels"])
     print(quant, "in decode / two kernels (means):", row["in_decode_over_two_kernels"], flush=True)
 paged_triton.ROPE_IN_DECODE = True

@@ -5,16 +5,12 @@ returns q: no RoPE/KV store, no split, no merge kernel); neither. llama2-7b, dum
 ``latency`` workload, engines in the order ABCD DCBA in one process (drift weighs on all alike).
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/latency_what_if.py`` (QUANTS:
 "rtn-int4,bf16" by default, one block of eight engines each)."""
-import gc
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(__file__))
-from launch_sweep import save_result  # noqa: E402
+from launch_sweep import latency_engines, save_result  # noqa: E402
 
-from minillm.bench.harness import bench_latency  # noqa: E402
 from minillm.kv.paged_triton import TritonPagedBatch  # noqa: E402
 from minillm.model.llama import RMSNorm  # noqa: E402
 
@@ -32,16 +28,15 @@ def no_attention(self, layer_idx, q, k, v, rope=None):
 VARIANTS = {"whole": (norm_forward, attention_call), "no_norms": (no_norm, attention_call),
             "no_attention": (norm_forward, no_attention), "neither": (no_norm, no_attention)}
 ORDER = list(VARIANTS) + list(reversed(VARIANTS))
+
+
+def switch(name):
+    RMSNorm.forward, TritonPagedBatch.__call__ = VARIANTS[name]
+
+
 runs = {}
 for quant in os.environ.get("QUANTS", "rtn-int4,bf16").split(","):
-    row = runs[quant] = {"order": ORDER, "quantization": quant, **{name: [] for name in VARIANTS}}
-    for name in ORDER:
-        RMSNorm.forward, TritonPagedBatch.__call__ = VARIANTS[name]
-        result = bench_latency(model="llama2-7b", load_format="dummy", scale="gpu", num_requests=None, peers=[],
-                               batching="continuous", quantization=None if quant == "bf16" else quant)
-        row[name].append(result["runs"]["minillm"]["mean_decode_tok_s"])
-        print(quant, name, f"{row[name][-1]:.1f} tok/s", flush=True)
-        gc.collect(); torch.cuda.empty_cache()
+    row = runs[quant] = {"order": ORDER, "quantization": quant, **latency_engines(ORDER, switch, quant)}
     RMSNorm.forward, TritonPagedBatch.__call__ = norm_forward, attention_call
     mean_ms = {name: 2e3 / sum(row[name]) for name in VARIANTS}  # two engines a variant
     row["mean_ms_per_token"] = mean_ms

@@ -3,7 +3,8 @@ their problem (``decode_problem``), its pools in a cache format (``quantized_poo
 result (``save_result``) and their loop (``time_launches``), which tries each
 (block_n, warps, stages) x split count in random order until the deadline, timed, then run once more
 on a poisoned output and compared with the reference; a launch that fails (e.g. too much shared
-memory) is recorded, not fatal. Returns the rows fastest first."""
+memory) is recorded, not fatal. Returns the rows fastest first. The batch-1 latency A/B sweeps
+(latency_gated_ab.py, latency_rope_in_decode.py, latency_what_if.py) share ``latency_engines``."""
 import itertools, json, os, random, time
 import torch
 from minillm.bench.harness import result_header
@@ -39,6 +40,23 @@ def save_result(out_dir, name, workload, note, runs):
     os.makedirs(out_dir, exist_ok=True)
     with open(f"{out_dir}/{name}.json", "w") as f:
         json.dump(result, f, indent=1)
+
+
+def latency_engines(order, switch, quantization):
+    """Batch-1 ``latency`` engines of llama2-7b (dummy weights), one per name of ``order``, built in that order in
+    this process after ``switch(name)`` set up its variant (an ABBA order lets a drift of the GPU's speed weigh on
+    the variants alike): {name: [mean decode tok/s of each of its engines]}. ``quantization`` "bf16": none."""
+    import gc
+    from minillm.bench.harness import bench_latency
+    tok_s = {name: [] for name in order}
+    for name in order:
+        switch(name)
+        result = bench_latency(model="llama2-7b", load_format="dummy", scale="gpu", num_requests=None, peers=[],
+                               batching="continuous", quantization=None if quantization == "bf16" else quantization)
+        tok_s[name].append(result["runs"]["minillm"]["mean_decode_tok_s"])
+        print(quantization, name, f"{tok_s[name][-1]:.1f} tok/s", flush=True)
+        gc.collect(); torch.cuda.empty_cache()
+    return tok_s
 
 
 def time_launches(run, ref, out, kv_bytes, launches, splits, deadline, bandwidth=None):
