@@ -25,8 +25,12 @@ in shared memory while it computes. The design:
   z s sum(x) (that module's docstring has the arithmetic and its accuracy at RUN <= 2). Each thread holds two
   columns of eight packed rows at a time, rows i and i + 4 sharing their 16-bit sums (that module pairs neighbouring
   rows; the sums are the same length): about 12.5 instructions a packed int32 (8 weights), 14.5 at RUN = 1.
-- **Gated** (``gated_gemv``): for the MLP's down projection at batch 1, x is the gate_up row and the tables are built
-  from silu(gate) * up, computed by ``fused_layer_ops.silu_mul`` as x is loaded: one kernel where there were two.
+- **Gated** (``fused_gemv(gated=True)``): for the MLP's down projection at batch 1, x is the gate_up row and the
+  tables are built from silu(gate) * up, computed by ``fused_layer_ops.silu_mul`` as x is loaded: one kernel where
+  there were two.
+- **Norms folded** (``fused_gemv(residual=...)``, ``fused_gemv(norm=...)``): the residual add and RMSNorm between two
+  of a layer's GEMVs done by them, the add where y is written, the norm as the tables are built
+  (``w4_gemv_norms.py``).
 - **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
   sums them, FIX_CHUNK partials a load, and writes y.
 
@@ -50,13 +54,17 @@ M > 1 take the Triton kernels. Not under Triton's interpreter (Gluon has none): 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import triton
 
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
 from minillm.kernels.int4_dequantize import check_int4_layout
 from minillm.kernels.pdl import supported as pdl_supported
 from minillm.kernels.split_k import MAX_TILES, tile_counters
+from minillm.kernels.w4_gemv_norms import SUMSQ_COLUMNS
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
@@ -65,11 +73,13 @@ if GLUON_USABLE:
 
     from minillm.kernels.flash_attention_hopper import tma_load, warps_barrier
     from minillm.kernels.fused_layer_ops import silu_mul
+    from minillm.kernels.w4_gemv_norms import bf16_words, high_bf16, inv_rms, low_bf16, normed_words, store_added
 
 TILE_ROWS = 16  # packed rows a tile: 128 inputs
 SUB_ROWS = 8  # packed rows a thread holds at a time (two columns each), loaded RUN slices of SUB_ROWS / RUN rows
 RUN = 2  # packed rows whose products share 16-bit sums (rows i and i + SUB_ROWS / RUN; w4_gemv_pairs.py's accuracy)
 BLOCK_N = 256  # columns a tile: TMA's largest box dimension
+assert BLOCK_N == SUMSQ_COLUMNS, "a program adding the residual sums the squares of its own column tile"
 WARPS = 4
 GROUP_SIZES = (64, 128)
 TILES = 2  # tiles a program: the H200 sweeps' best at each Llama-2-7B shape (1 and 4 were slower)
@@ -81,7 +91,6 @@ def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     """Why this kernel cannot run ``w4a16_matmul``'s checked inputs (x [M, K], group the checked group size), or
     None if it can."""
     if not GLUON_USABLE:
-        import triton
         return f"it is written in Gluon for Triton >= {'.'.join(map(str, MIN_TRITON))}, not {triton.__version__}"
     if x.dtype != torch.bfloat16:
         return f"it takes bf16 x, not {x.dtype}"
@@ -159,11 +168,13 @@ if GLUON_USABLE:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _x_tables(XW, first_row, K_ROWS, ROWS: gl.constexpr, WARPS_: gl.constexpr, GATED: gl.constexpr):
+    def _x_tables(XW, first_row, K_ROWS, NormW, SumSq, eps, ROWS: gl.constexpr, WARPS_: gl.constexpr,
+                  GATED: gl.constexpr, NORMED: gl.constexpr, PARTIALS: gl.constexpr):
         """The program's ROWS packed rows of x (two bf16 a word, XW) as the products want them, in shared memory:
         four [ROWS] int32, pair j of row r = (x_8r+j, x_8r+j+4) times 2**101 (j even) or 2**97 (j odd), and [ROWS] fp32,
         each row's sum of x. Rows past K_ROWS are zeros. GATED: XW is the MLP's gate_up row (K gates, then K ups) and
-        x = silu(gate) * up, rounded as ``fused_layer_ops.silu_and_mul`` rounds it."""
+        x = silu(gate) * up, rounded as ``fused_layer_ops.silu_and_mul`` rounds it. NORMED: XW is the row s and x its
+        RMSNorm with the weight's words NormW, the row's sums of squares SumSq and eps (``w4_gemv_norms.py``)."""
         rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
         r = first_row + gl.arange(0, ROWS, layout=rows_l)
         ok = r < K_ROWS
@@ -171,6 +182,12 @@ if GLUON_USABLE:
         w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, GATED)
         w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, GATED)
         w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, GATED)
+        if NORMED:  # the row's and the weight's words in flight before 1 / rms is formed: one round trip for all
+            n0, n1 = gl.load(NormW + 4 * r, mask=ok, other=0), gl.load(NormW + 4 * r + 1, mask=ok, other=0)
+            n2, n3 = gl.load(NormW + 4 * r + 2, mask=ok, other=0), gl.load(NormW + 4 * r + 3, mask=ok, other=0)
+            inv = inv_rms(SumSq, 8 * K_ROWS, eps, PARTIALS, WARPS_)
+            w0, w1 = normed_words(w0, n0, inv), normed_words(w1, n1, inv)
+            w2, w3 = normed_words(w2, n2, inv), normed_words(w3, n3, inv)
         # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
         pairs = (_table(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
                  _table(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),
@@ -187,20 +204,8 @@ if GLUON_USABLE:
         w = gl.load(XW + word, mask=ok, other=0)
         if GATED:
             up = gl.load(XW + UP_WORDS + word, mask=ok, other=0)
-            low = silu_mul(_low_bf16(w), _low_bf16(up)).to(gl.float32).to(gl.int32, bitcast=True)
-            high = silu_mul(_high_bf16(w), _high_bf16(up)).to(gl.float32).to(gl.int32, bitcast=True)
-            w = ((low >> 16) & 0xFFFF) | (high & -65536)  # a bf16 is an fp32's high 16 bits
+            w = bf16_words(silu_mul(low_bf16(w), low_bf16(up)), silu_mul(high_bf16(w), high_bf16(up)))
         return w
-
-    @gluon.jit
-    def _low_bf16(w):
-        """The bf16 in each int32's low 16 bits."""
-        return (w << 16).to(gl.float32, bitcast=True).to(gl.bfloat16)
-
-    @gluon.jit
-    def _high_bf16(w):
-        """The bf16 in each int32's high 16 bits."""
-        return (w & -65536).to(gl.float32, bitcast=True).to(gl.bfloat16)
 
     @gluon.jit
     def _word_sum(w):
@@ -231,10 +236,12 @@ if GLUON_USABLE:
         return gl.sum(_word_sum(acc2), axis=0)
 
     @gluon.jit
-    def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS,
+    def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr):
-        """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards."""
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, PARTIALS: gl.constexpr):
+        """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
+        R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
+        the sums of squares SumSqIn (PARTIALS a power of two at least their count), eps (``w4_gemv_norms.py``)."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS // GROUP_ROWS  # scale rows a tile
         tile_n = gl.program_id(0)
@@ -262,7 +269,8 @@ if GLUON_USABLE:
         # and issues its copies during this kernel's tail (fix-up, last tiles' math), as a norm ahead of it lets it.
         _let_next_start(PDL)
         _wait_for_previous(PDL)
-        pairs, sums = _x_tables(XW, first_row, K_ROWS, TILES * _TILE_ROWS, WARPS_, GATED)
+        pairs, sums = _x_tables(XW, first_row, K_ROWS, NormW, SumSqIn, eps, TILES * _TILE_ROWS, WARPS_, GATED, NORMED,
+                                PARTIALS)
         warps_barrier()  # the tables are written
 
         # A thread: two neighbouring columns, SUB_ROWS / RUN rows a slice; the 128 threads span the tile's 256 columns.
@@ -287,23 +295,26 @@ if GLUON_USABLE:
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
-        _finish(out, Y, Partials, Counters, tile_n, N, WARPS_)
+        _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_, ADD)
 
     @gluon.jit
-    def _finish(out, Y, Partials, Counters, tile_n, N, WARPS_: gl.constexpr):
+    def _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr):
         """y[n0 : n0 + 256] = out, or with splits ``split_k.finish``'s fix-up: each program stores its fp32 partial, the
         last of the column tile to arrive sums them, FIX_CHUNK splits a load (one round trip to L2 each, where a
-        load a split took ~0.07 us each: figures/h200/sweeps/w4a16_gemv_probe.json), and writes y."""
+        load a split took ~0.07 us each: figures/h200/sweeps/w4a16_gemv_probe.json), and writes y (``_store_y``)."""
         cols_l: gl.constexpr = out.type.layout
         n = tile_n * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=cols_l)
         splits = gl.num_programs(1)
         if splits == 1:
-            gl.store(Y + n, out.to(Y.dtype.element_ty), mask=n < N)
+            _store_y(out, Y, n, N, R, SumSqOut, tile_n, ADD)
         else:
             gl.store(Partials + gl.program_id(1) * N + n, out, mask=n < N)
             warps_barrier()  # every thread's partial stored before the arrival (split_k.last_arrival)
             if gl.atomic_add(Counters + tile_n, 1, sem="acq_rel") == splits - 1:
                 gl.store(Counters + tile_n, 0)
+                if ADD:  # the residual on its way to L1 while the partials are summed (no registers held for it)
+                    lines_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
+                    _prefetch_l1(R + tile_n * _BLOCK_N + 64 * gl.arange(0, 4, layout=lines_l))  # 128-byte lines
                 fix_l: gl.constexpr = gl.BlockedLayout([_FIX_CHUNK, 2], [1, 32], [1, WARPS_], [1, 0])
                 rows = gl.arange(0, _FIX_CHUNK, layout=gl.SliceLayout(1, fix_l))[:, None]
                 cols = gl.convert_layout(n, gl.SliceLayout(0, fix_l))[None, :]
@@ -312,8 +323,22 @@ if GLUON_USABLE:
                     ok = (first + rows < splits) & (cols < N)
                     total += gl.sum(gl.load(Partials + (first + rows) * N + cols, mask=ok, other=0.0,
                                             cache_modifier=".cg"), axis=0)
-                total = gl.convert_layout(total, cols_l)
-                gl.store(Y + n, total.to(Y.dtype.element_ty), mask=n < N)
+                _store_y(gl.convert_layout(total, cols_l), Y, n, N, R, SumSqOut, tile_n, ADD)
+
+    @gluon.jit
+    def _prefetch_l1(ptrs):
+        """Asks the lines at ``ptrs`` into L1: a later load of them waits ~0.03 us, not an L2 round trip."""
+        gl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _store_y(y, Y, n, N, R, SumSqOut, tile_n, ADD: gl.constexpr):
+        """Columns n of y (fp32) into Y in its dtype; ADD: R + y and its sum of squares
+        (``w4_gemv_norms.store_added``)."""
+        if ADD:
+            store_added(y, gl.load(R + n, mask=n < N, other=0.0), Y, SumSqOut, n, N, tile_n)
+        else:
+            gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
 
 
 def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
@@ -328,72 +353,114 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
             for t, box, dtype in boxes]
 
 
+class Norm(NamedTuple):
+    """An RMSNorm the GEMV applies to its input row as it reads it (``w4_gemv_norms.py``): the norm's ``weight`` [K],
+    the row's sums of squares per 256 columns (fp32, ``sumsq``: what a GEMV given a residual wrote), and ``eps``."""
+    weight: torch.Tensor
+    sumsq: torch.Tensor
+    eps: float
+
+
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
             out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
-            tiles: int | None = None, gated: bool = False, run: int = RUN) -> None:
+            tiles: int | None = None, gated: bool = False, run: int = RUN, residual: torch.Tensor | None = None,
+            sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
     fp32, at least ``splits_needed(K, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
-    for sweeps): by default ``choose_tiles``. ``gated``: x is the MLP's gate_up row [1, 2K] and the product's input
-    is silu(gate) * up (``gated_unsupported`` checked it). ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2."""
+    for sweeps): by default ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
+    ``fused_unsupported`` checked: ``gated``: x is the MLP's gate_up row [1, 2K] and the product's input silu(gate) *
+    up; ``residual`` [1, N] with ``sumsq`` (fp32, cdiv(N, 256)): out = residual + y, and sumsq its sums of squares
+    per column tile; ``norm``: x is the row s and the product's input RMSNorm(s)."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     tiles = tiles or choose_tiles(k)
     if tiles not in (1, 2, 4, 8):
         raise ValueError(f"tiles must be 1, 2, 4 or 8 (a power of two, 16 KB of shared memory each), got {tiles}")
     if run not in (1, 2):
         raise ValueError(f"run must be 1 or 2 (packed rows a 16-bit sum; longer runs lose accuracy), got {run}")
+    if (residual is None) != (sumsq is None):
+        raise ValueError("residual and sumsq come together: the sum's squares are written where the sum is")
     splits = splits_needed(k, tiles)
     if splits > 1 and partials.numel() < splits * n:
         raise ValueError(f"partials holds {partials.numel()} floats; {splits} splits x N = {n} need {splits * n}")
     grid = (-(-n // BLOCK_N), splits)
     if splits > 1 and grid[0] > MAX_TILES:
         raise ValueError(f"N = {n} is {grid[0]} column tiles; the split-K counters hold {MAX_TILES}")
-    _w4_gemv_kernel[grid](x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out, partials, counters,
-                          n, k // 8, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated, RUN=run,
+    words = x.view(torch.int32)
+    added = (residual, sumsq) if residual is not None else (out, partials)  # (unread without a residual)
+    normed = (norm.weight.view(torch.int32), norm.sumsq, norm.eps) if norm else (words, partials, 0.0)
+    partial_sums = triton.next_power_of_2(-(-k // SUMSQ_COLUMNS)) if norm else 1
+    _w4_gemv_kernel[grid](words, *_descriptors(qweight, scales, zeros, group), out, partials, counters,
+                          n, k // 8, *added, *normed, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated,
+                          RUN=run, ADD=residual is not None, NORMED=norm is not None, PARTIALS=partial_sums,
                           num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-         out: torch.Tensor, gated: bool = False) -> None:
+         out: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None,
+         sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
-    where the device has it: what ``w4a16_matmul`` and ``gated_gemv`` run."""
+    where the device has it: what ``w4a16_matmul`` and ``fused_gemv`` run."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     splits = splits_needed(k)
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),
-            gated=gated)
+            gated=gated, residual=residual, sumsq=sumsq, norm=norm)
 
 
-def gated_unsupported(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                      group_size: int) -> str | None:
-    """Why ``gated_gemv`` cannot take this gate_up row and INT4 weight (``QuantLinear``'s layout, checked here too),
-    or None if it can."""
-    return _gated_check(gate_up, qweight, scales, zeros, group_size)[0]
+def fused_unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      group_size: int, gated: bool = False, residual: torch.Tensor | None = None,
+                      norm: Norm | None = None) -> str | None:
+    """Why ``fused_gemv`` cannot take this row and INT4 weight (``QuantLinear``'s layout, checked here too), or None
+    if it can."""
+    return _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm)[0]
 
 
-def _gated_check(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int) -> tuple[str | None, int]:
-    """(``gated_unsupported``'s answer, the group size the launch takes): the layout is checked once."""
+def _fused_check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 gated: bool, residual: torch.Tensor | None, norm: Norm | None) -> tuple[str | None, int]:
+    """(``fused_unsupported``'s answer, the group size the launch takes): the layout is checked once."""
     try:
-        k, _, group = check_int4_layout(qweight, scales, zeros, group_size, gate_up)
+        k, n, group = check_int4_layout(qweight, scales, zeros, group_size, x)
     except ValueError as error:
         return str(error), 0
-    if gate_up.dim() < 1 or gate_up.shape[-1] != 2 * k or gate_up.numel() != 2 * k:
-        return f"it takes one gate_up row of 2K = {2 * k} inputs, not shape {tuple(gate_up.shape)}", group
-    return unsupported(gate_up.reshape(1, 2 * k), qweight, scales, zeros, group), group
+    width = 2 * k if gated else k
+    if x.dim() < 1 or x.shape[-1] != width or x.numel() != width:
+        return f"it takes one {'gate_up row of 2K' if gated else 'row of K'} = {width} inputs, not shape " \
+               f"{tuple(x.shape)}", group
+    if gated and norm is not None:
+        return "it applies SiLU-and-multiply to x or normalises it, not both", group
+    if residual is not None and (residual.shape[-1] != n or residual.numel() != n or residual.dtype != x.dtype
+                                 or residual.device != x.device or not residual.is_contiguous()):
+        return f"it adds one contiguous {x.dtype} residual row of N = {n} on {x.device}, not " \
+               f"{residual.dtype} {tuple(residual.shape)} on {residual.device}", group
+    if norm is not None:
+        weight, sumsq, partial_sums = norm.weight, norm.sumsq, -(-k // SUMSQ_COLUMNS)
+        if (weight.shape != (k,) or weight.dtype != x.dtype or weight.device != x.device
+                or not weight.is_contiguous() or weight.data_ptr() % 4):
+            return f"it takes the norm's weight as a contiguous {x.dtype} [K = {k}] on {x.device}, not " \
+                   f"{weight.dtype} {tuple(weight.shape)} on {weight.device}", group
+        if sumsq.dtype != torch.float32 or sumsq.device != x.device or sumsq.numel() < partial_sums:
+            return f"it takes the row's {partial_sums} fp32 sums of squares on {x.device}, not {sumsq.dtype} " \
+                   f"{tuple(sumsq.shape)} on {sumsq.device}", group
+    return unsupported(x.reshape(1, width), qweight, scales, zeros, group), group
 
 
-def gated_gemv(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               group_size: int) -> torch.Tensor:
-    """silu(gate) * up @ W for the MLP's one gate_up row [..., 2K] (K gates, then K ups) -> [..., N]: the down
-    projection of a batch-1 INT4 layer with SiLU-and-multiply applied as x is loaded, one kernel where there were two
-    (``gemv.py`` does the same for bf16 weights). Bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV."""
-    reason, group = _gated_check(gate_up, qweight, scales, zeros, group_size)
+def fused_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               gated: bool = False, residual: torch.Tensor | None = None, norm: Norm | None = None):
+    """x @ W for one row x [..., K] of a batch-1 decoder layer, with what surrounds the product folded in:
+    ``gated``: x is the MLP's gate_up row [..., 2K] (K gates, then K ups) and the product's input silu(gate) * up,
+    bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV (one kernel where there were two; ``gemv.py``
+    does the same for bf16 weights); ``norm``: x is the residual stream's row s and the input RMSNorm(s);
+    ``residual`` [..., N]: returns (residual + x @ W [..., N], its sums of squares per 256 columns [cdiv(N, 256)],
+    fp32) instead of y [..., N] (``w4_gemv_norms.py``: the norm between two GEMVs folded into them)."""
+    reason, group = _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm)
     if reason:
-        raise ValueError(f"the gated Gluon W4A16 GEMV cannot run these inputs: {reason}")
-    k, n = 8 * qweight.shape[0], qweight.shape[1]
-    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
-    gemv(gate_up.reshape(1, 2 * k), qweight, scales, zeros, group, out.view(1, n), gated=True)
-    return out
+        raise ValueError(f"the Gluon W4A16 GEMV cannot run these inputs: {reason}")
+    n = qweight.shape[1]
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    sumsq = None if residual is None else torch.empty(-(-n // SUMSQ_COLUMNS), dtype=torch.float32, device=x.device)
+    gemv(x.reshape(1, -1), qweight, scales, zeros, group, out.view(1, n), gated=gated, sumsq=sumsq, norm=norm,
+         residual=None if residual is None else residual.view(1, n))
+    return out if residual is None else (out, sumsq)
 
 
 def splits_needed(k: int, tiles: int | None = None) -> int:

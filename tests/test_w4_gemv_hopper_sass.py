@@ -22,14 +22,16 @@ SCRIPT = textwrap.dedent('''
     from minillm.bench.sass import compile_gluon_sm90, whole_kernel
     from minillm.kernels import w4_gemv_hopper as wh
 
-    def counts(tiles, group, gated=False, run=wh.RUN):
+    def counts(tiles, group, gated=False, run=wh.RUN, add=False, normed=False):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
         groups = wh.TILE_ROWS * 8 // group
         types = {"XW": "*i32", "w_desc": f"tensordesc<i32[{wh.TILE_ROWS},{wh.BLOCK_N}],{layout(32)!r}>",
                  "s_desc": f"tensordesc<bf16[{groups},{wh.BLOCK_N}],{layout(16)!r}>",
                  "z_desc": f"tensordesc<i8[{groups},{wh.BLOCK_N // 2}],{layout(8)!r}>",
-                 "Y": "*bf16", "Partials": "*fp32", "Counters": "*i32"}
-        consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True, GATED=gated, RUN=run)
+                 "Y": "*bf16", "Partials": "*fp32", "Counters": "*i32", "R": "*bf16", "SumSqOut": "*fp32",
+                 "NormW": "*i32", "SumSqIn": "*fp32", "eps": "fp32"}
+        consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True, GATED=gated, RUN=run, ADD=add, NORMED=normed,
+                      PARTIALS=16)
         fn = wh._w4_gemv_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=wh.WARPS))
@@ -37,10 +39,12 @@ SCRIPT = textwrap.dedent('''
 
     cases = {f"{t} {g}": counts(t, g) for t, g in ((2, 128), (2, 64), (1, 128))}
     cases["2 128 gated"] = counts(2, 128, gated=True)
+    cases["2 128 gated add"] = counts(2, 128, gated=True, add=True)  # down_proj, norms folded
+    cases["2 128 normed"] = counts(2, 128, normed=True)  # qkv_proj and gate_up_proj, norms folded
     cases["2 128 run 1"] = counts(2, 128, run=1)
     print(json.dumps(cases))
 ''')
-CASES = ["2 128", "2 64", "1 128", "2 128 gated"]
+CASES = ["2 128", "2 64", "1 128", "2 128 gated", "2 128 gated add", "2 128 normed"]
 SHARED_PER_SM = 228 * 1024  # an sm_90 SM's shared memory, 1 KB of it reserved per program
 
 
@@ -59,11 +63,15 @@ def test_copies_and_products(compiled, case):
     assert ops.get("UTMALDG") == 3 * tiles, ops
     if "gated" in case:  # silu(gate) * up as x is loaded: exp and reciprocal (MUFU) once per input, a few products more
         assert ops.get("MUFU", 0) >= 2 and 4 * packed_a_thread + 4 <= ops.get("HFMA2") <= 4 * packed_a_thread + 8, ops
+    elif "normed" in case:  # RMSNorm as x is loaded: 1 / rms once (a square root, a reciprocal), a few moves more
+        assert 1 <= ops.get("MUFU", 0) <= 3, ops
+        assert 4 * packed_a_thread + 4 <= ops.get("HFMA2") <= 4 * packed_a_thread + 8, ops
     else:
         assert ops.get("HFMA2") == 4 * packed_a_thread + 4 and "MUFU" not in ops, ops  # + x's four pairs, once
     assert kernel["memory_opcodes"].get("LDS.64") == packed_a_thread // 2, kernel["memory_opcodes"]  # 2 columns a row
     groups = tiles * wh.TILE_ROWS * 8 // int(case.split()[1])
-    assert ops.get("I2F", 0) + ops.get("I2FP", 0) <= 2 * groups, ops  # a zero point a column and group, no weight
+    # A zero point a column and group, no weight (and the normed row's width, once, for its mean square).
+    assert ops.get("I2F", 0) + ops.get("I2FP", 0) <= 2 * groups + ("normed" in case), ops
     assert not any(op.startswith(("LDL", "STL")) for op in kernel["memory_opcodes"]), kernel["memory_opcodes"]
 
 

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.model.config import ModelConfig
+from minillm.model import norm_folding
 from minillm.model.dense import Linear, gemv_choice, takes_gated
+from minillm.model.norm_folding import NormedRow, ResidualRow, folds_norms
 
 
 class AttentionContext(Protocol):
@@ -49,8 +51,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x), or with ``residual``: (norm(x + residual), x + residual) — the add fused in."""
+    def forward(self, x: torch.Tensor | ResidualRow, residual: torch.Tensor | None = None):
+        """norm(x), or with ``residual``: (norm(x + residual), x + residual) — the add fused in. A ``ResidualRow``
+        (a GEMV added the residual, ``norm_folding.py``): (its ``NormedRow``, its row), and no kernel runs here."""
+        if isinstance(x, ResidualRow):
+            return NormedRow(x, self), x.total
         if residual is not None and self.reduce_input is not None and self.reduce_input.fits(x):
             return self.reduce_input(x, self.weight, self.eps, residual)
         if self.fused_ops is not None:
@@ -112,7 +117,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, attn: AttentionContext):
+    def forward(self, x, cos, sin, attn: AttentionContext, add_to: torch.Tensor | None = None):
+        """With ``add_to`` (the residual, norms folded: ``norm_folding.py``): o_proj's ``ResidualRow``."""
         B, T, _ = x.shape
         H, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim)
@@ -133,7 +139,8 @@ class Attention(nn.Module):
             qk = apply_rope(qk, cos, sin)  # one pass over query and key heads
         q, k = qk.split([H, Hkv], dim=2)
         out = attn(self.layer_idx, q, k, v) if rope is None else attn(self.layer_idx, q, k, v, rope=rope)
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+        out = out.reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(out) if add_to is None else self.o_proj(out, add_to=add_to)
 
 
 class MLP(nn.Module):
@@ -144,17 +151,23 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, add_to: torch.Tensor | None = None):
+        """With ``add_to`` (the residual, norms folded: ``norm_folding.py``): down_proj's ``ResidualRow``."""
+        extra = {} if add_to is None else {"add_to": add_to}
         if self.fused_ops is not None:
             gate_up = self.gate_up_proj(x)
             if takes_gated(self.down_proj, gate_up):  # one row: down_proj's GEMV applies SiLU-and-multiply itself
-                return self.down_proj(gate_up, gated=True)
-            return self.down_proj(self.fused_ops.silu_and_mul(gate_up))
+                return self.down_proj(gate_up, gated=True, **extra)
+            return self.down_proj(self.fused_ops.silu_and_mul(gate_up), **extra)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, **extra)
 
 
 class DecoderLayer(nn.Module):
+    # Set by LlamaForCausalLM.fold_norms: o_proj adds the residual for the post-attention norm, which gate_up_proj
+    # applies (fold_attention_norm); down_proj adds it for the next layer's input norm (fold_mlp_norm).
+    fold_attention_norm = fold_mlp_norm = False
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -169,13 +182,22 @@ class DecoderLayer(nn.Module):
         before it is normalised exactly as transformers' ``x + mlp_out`` is. The first layer gets the
         embedding as x and no residual; every later one the previous layer's (mlp_out, residual).
         Under tensor parallelism mlp_out is down_proj's all-reduced output, or with the fused all-reduce
-        (``parallel/all_reduce.py``) its unreduced one, which the next norm sums."""
-        if residual is None:
+        (``parallel/all_reduce.py``) its unreduced one, which the next norm sums. With the norms folded
+        (``norm_folding.py``) at one row, mlp_out may be a ``ResidualRow`` (down_proj added the residual) and the
+        residual then None."""
+        if residual is None and not isinstance(x, ResidualRow):
             normed, residual = self.input_layernorm(x), x
         else:
             normed, residual = self.input_layernorm(x, residual=residual)  # residual = x + residual
-        attn_out = self.self_attn(normed, cos, sin, attn)
-        normed, residual = self.post_attention_layernorm(attn_out, residual=residual)  # residual += attn_out
+        one_row = normed.shape[0] * normed.shape[1] == 1
+        if self.fold_attention_norm and one_row:  # o_proj's GEMV adds the residual; gate_up_proj's normalises
+            attn_out = self.self_attn(normed, cos, sin, attn, add_to=residual)
+            normed, residual = self.post_attention_layernorm(attn_out)
+        else:
+            attn_out = self.self_attn(normed, cos, sin, attn)
+            normed, residual = self.post_attention_layernorm(attn_out, residual=residual)  # residual += attn_out
+        if self.fold_mlp_norm and one_row:  # down_proj's GEMV adds the residual; the next qkv_proj's normalises
+            return self.mlp(normed, add_to=residual), None
         return self.mlp(normed), residual
 
 
@@ -225,6 +247,19 @@ class LlamaForCausalLM(nn.Module):
                 module.fused_ops = ops
             if hasattr(module, "gemv"):  # dense.Linear and the tensor-parallel layers built on dense.product
                 module.gemv = gemv
+        self.fold_norms(enabled and norm_folding.ENABLED)
+
+    def fold_norms(self, enabled: bool = True) -> None:
+        """At one row, fold each RMSNorm that sits between two projections that fold norms (INT4 on an H100/H200:
+        ``norm_folding.py``) into their GEMVs: the post-attention norm between o_proj and gate_up_proj, and the input
+        norm between a layer's down_proj and the next layer's qkv_proj (not the last layer's: the final norm and the
+        LM head follow it). Needs the fused kernels (``enable_fused_kernels`` calls this)."""
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            layer.fold_attention_norm = enabled and folds_norms(attn.o_proj) and folds_norms(mlp.gate_up_proj)
+            layer.fold_mlp_norm = (enabled and i + 1 < len(layers) and folds_norms(mlp.down_proj)
+                                   and folds_norms(layers[i + 1].self_attn.qkv_proj))
 
     def checkpoint_tensor(self, name: str) -> torch.Tensor:
         """The tensor (a view) that holds Hugging Face checkpoint tensor ``name``:

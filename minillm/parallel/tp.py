@@ -258,6 +258,10 @@ class RowParallelQuantLinear(QuantLinear):
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         return _reduced(self, self.gated_matmul(x) if gated else self.matmul(x))  # gated: see dense.takes_gated
 
+    def folds_norms(self) -> bool:
+        """Never: the residual is added to the sum over the ranks, after the all-reduce (model/norm_folding.py)."""
+        return False
+
 
 def row_parallel_rtn(weight: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, ...]:
     """RTN of this rank's input channels of a row-parallel weight [out, in / N]: codes, scales and zero

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from minillm.kernels.quant_pack import pack_codes, unpack_codes
+from minillm.model.norm_folding import NormedRow, ResidualRow
 from minillm.quant.rtn import num_groups
 
 
@@ -123,36 +124,68 @@ class QuantLinear(nn.Module):
         original[:, self.perm] = w
         return original
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormedRow, gated: bool = False,
+                add_to: torch.Tensor | None = None) -> torch.Tensor | ResidualRow:
         """``gated``: x is the MLP's gate_up row and the product's input is silu(gate) * up, applied by the kernel
-        as it loads x (``gated_matmul``); only where ``takes_gated`` said so."""
+        as it loads x (``gated_matmul``); only where ``takes_gated`` said so. With the norms folded
+        (``model/norm_folding.py``): x may be a ``NormedRow``, and ``add_to`` a residual to add, the product then
+        returned as a ``ResidualRow``; the GEMV does both where it can, torch and the norm's kernel elsewhere."""
+        if isinstance(x, NormedRow) or add_to is not None:
+            return self._folded(x, gated, add_to)
         if gated:
             return self.gated_matmul(x)
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
+    def _folded(self, x: torch.Tensor | NormedRow, gated: bool,
+                add_to: torch.Tensor | None) -> torch.Tensor | ResidualRow:
+        """``forward`` with a NormedRow x or a residual to add: in the Gluon GEMV where it takes them, else as the
+        unfolded layer computes them (``NormedRow.materialize``, ``ResidualRow.add``)."""
+        normed = isinstance(x, NormedRow)
+        row = x.row.total if normed else x
+        if self._fused_refusal() is None and row.is_cuda:
+            from minillm.kernels.w4_gemv_hopper import Norm, fused_gemv, fused_unsupported
+
+            fused = dict(gated=gated, residual=add_to, norm=Norm(x.norm.weight, x.row.sumsq, x.norm.eps) if normed
+                         else None)
+            if fused_unsupported(row, self.qweight, self.scales, self.zeros, self.group_size, **fused) is None:
+                out = fused_gemv(row, self.qweight, self.scales, self.zeros, self.group_size, **fused)
+                return out if add_to is None else ResidualRow(*out)
+        y = self.forward(x.materialize() if normed else x, gated)
+        return y if add_to is None else ResidualRow.add(y, add_to)
+
+    def folds_norms(self) -> bool:
+        """Whether a decoder layer should hand this layer ``NormedRow`` inputs and residuals to add
+        (``norm_folding.folds_norms`` asks): INT4 codes the Gluon GEMV reads, on an sm_90 GPU that runs it."""
+        if self._fused_refusal() or not self.qweight.is_cuda:
+            return False
+        from minillm.kernels.w4_gemv_hopper import GLUON_USABLE
+
+        return GLUON_USABLE and torch.cuda.get_device_capability(self.qweight.device) == (9, 0)
+
     def takes_gated(self, gate_up: torch.Tensor) -> bool:
         """Whether ``forward(gate_up, gated=True)`` works (``model.dense.takes_gated`` asks): INT4 codes in their
-        original order, no bias, and one gate_up row the Gluon GEMV takes (``w4_gemv_hopper.gated_unsupported``)."""
-        if self._gated_refusal() or not gate_up.is_cuda:
+        original order, no bias, and one gate_up row the Gluon GEMV takes (``w4_gemv_hopper.fused_unsupported``)."""
+        if self._fused_refusal() or not gate_up.is_cuda:
             return False
-        from minillm.kernels.w4_gemv_hopper import gated_unsupported
+        from minillm.kernels.w4_gemv_hopper import fused_unsupported
 
-        return gated_unsupported(gate_up, self.qweight, self.scales, self.zeros, self.group_size) is None
+        return fused_unsupported(gate_up, self.qweight, self.scales, self.zeros, self.group_size, gated=True) is None
 
     def gated_matmul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up @ W^T for the MLP's one gate_up row, by ``w4_gemv_hopper.gated_gemv`` (no bias: a layer
+        """silu(gate) * up @ W^T for the MLP's one gate_up row, by ``w4_gemv_hopper.fused_gemv`` (no bias: a layer
         with one refuses). A ValueError names what this layer or row lacks."""
-        reason = self._gated_refusal()
+        reason = self._fused_refusal()
         if reason:
             raise ValueError(f"gated=True needs an INT4 layer without act-order or bias (see takes_gated); this one "
                              f"{reason}")
-        from minillm.kernels.w4_gemv_hopper import gated_gemv
+        from minillm.kernels.w4_gemv_hopper import fused_gemv
 
-        return gated_gemv(gate_up, self.qweight, self.scales, self.zeros, self.group_size)
+        return fused_gemv(gate_up, self.qweight, self.scales, self.zeros, self.group_size, gated=True)
 
-    def _gated_refusal(self) -> str | None:
-        """What keeps this layer from the gated GEMV, whatever the row: None if nothing."""
+    def _fused_refusal(self) -> str | None:
+        """What keeps this layer from the Gluon GEMV's fused forms (gated, norms folded), whatever the row: None if
+        nothing."""
         if self.bits != 4:
             return f"holds INT{self.bits} codes"
         if self.perm is not None:
