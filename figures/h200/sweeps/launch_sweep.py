@@ -42,17 +42,19 @@ def save_result(out_dir, name, workload, note, runs):
         json.dump(result, f, indent=1)
 
 
-def latency_engines(order, switch, quantization):
+def latency_engines(order, switch, quantization, engine_kwargs=lambda name: {}):
     """Batch-1 ``latency`` engines of llama2-7b (dummy weights), one per name of ``order``, built in that order in
     this process after ``switch(name)`` set up its variant (an ABBA order lets a drift of the GPU's speed weigh on
-    the variants alike): {name: [mean decode tok/s of each of its engines]}. ``quantization`` "bf16": none."""
+    the variants alike), with ``engine_kwargs(name)`` more: {name: [mean decode tok/s of each of its engines]}.
+    ``quantization`` "bf16": none."""
     import gc
     from minillm.bench.harness import bench_latency
     tok_s = {name: [] for name in order}
     for name in order:
         switch(name)
         result = bench_latency(model="llama2-7b", load_format="dummy", scale="gpu", num_requests=None, peers=[],
-                               batching="continuous", quantization=None if quantization == "bf16" else quantization)
+                               batching="continuous", quantization=None if quantization == "bf16" else quantization,
+                               **engine_kwargs(name))
         tok_s[name].append(result["runs"]["minillm"]["mean_decode_tok_s"])
         print(quantization, name, f"{tok_s[name][-1]:.1f} tok/s", flush=True)
         gc.collect(); torch.cuda.empty_cache()

@@ -1,0 +1,116 @@
+"""Where a batch-1 decode step's GPU time goes, from its CUDA graph: llama2-7b (dummy weights), one engine per variant
+in one process, each after a 128-token prompt and 128 decoded tokens (the ``latency`` workload's mean context).
+Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms folded into the GEMVs,
+``model/norm_folding.py``), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with the decode attention's splits merged
+by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1 or 4 tiles a W4A16 GEMV
+program instead of 2 (``w4_gemv_hopper.TILES``: 2 won on cold standalone calls); bf16, and bf16 merged in the last
+split.
+
+- **GPU time a token:** the engines' batch-1 decode graphs replayed back to back (no host work between replays:
+  what the GPU alone takes a token), in interleaved rounds ABC CBA ..., so that a drift weighs on all alike.
+- **Timeline:** the kernels of a few replays (torch.profiler), per kernel name: launches a step, mean duration, and
+  mean increment, the time from the end of the kernel before to the end of this one (with programmatic dependent
+  launch kernels overlap, so durations include waiting; the increments add up to the step).
+
+Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/decode_graph_timeline.py``."""
+import collections
+import gc
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch_sweep import save_result  # noqa: E402
+
+from minillm import LLM, SamplingParams  # noqa: E402
+from minillm.kernels import paged_attention, w4_gemv_hopper  # noqa: E402
+from minillm.model import norm_folding  # noqa: E402
+
+ROUNDS, REPLAYS, PROFILED = 6, 100, 5
+# name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
+DEFAULTS = {norm_folding: {"ENABLED": True}, paged_attention: {"DEFAULT_MERGE": "kernel"}, w4_gemv_hopper: {"TILES": 2}}
+ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
+       "int4_last_split": ("rtn-int4", {paged_attention: {"DEFAULT_MERGE": "last_split"}}),
+       "int4_tiles1": ("rtn-int4", {w4_gemv_hopper: {"TILES": 1}}),
+       "int4_tiles4": ("rtn-int4", {w4_gemv_hopper: {"TILES": 4}}),
+       "bf16": (None, {}), "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
+ENGINES = {name: ALL[name] for name in os.environ.get("VARIANTS", ",".join(ALL)).split(",")}
+
+
+def build(quantization, settings):
+    for module, defaults in DEFAULTS.items():
+        for key, value in {**defaults, **settings.get(module, {})}.items():
+            setattr(module, key, value)
+    llm = LLM("llama2-7b", load_format="dummy", quantization=quantization, batching="continuous", max_num_seqs=1,
+              num_kv_blocks=300, seed=0)  # bench_latency's graph (max_model_len 4096), a small cache each
+    llm.generate([list(range(100, 228))], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True),
+                 use_tqdm=False)  # the graph's buffers now hold a real step: 255 tokens of context, latency's mean
+    return llm, llm.engine.runner.graphs.graphs[1]
+
+
+def replay_ms(graph, replays):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def timeline(graph):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and "Memcpy" not in e.name and "Memset" not in e.name), key=lambda e: e.time_range.start)
+    per_name = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    previous_end = None
+    for e in kernels:
+        row = per_name[e.name[:60]]
+        row[0] += 1
+        row[1] += e.time_range.end - e.time_range.start
+        row[2] += 0.0 if previous_end is None else e.time_range.end - previous_end
+        previous_end = max(previous_end or 0, e.time_range.end)
+    rows = {name: {"per_step": n / PROFILED, "mean_us": dur / n, "increment_us_per_step": inc / PROFILED}
+            for name, (n, dur, inc) in per_name.items()}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["increment_us_per_step"]))
+
+
+engines = {name: build(*args) for name, args in ENGINES.items()}
+for module, defaults in DEFAULTS.items():
+    for key, value in defaults.items():
+        setattr(module, key, value)
+times = {name: [] for name in engines}
+for r in range(ROUNDS):
+    for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+        times[name].append(replay_ms(engines[name][1], REPLAYS))
+mean = {name: sum(t) / len(t) for name, t in times.items()}
+for name in engines:
+    print(f"{name}: {mean[name]:.4f} ms a token ({min(times[name]):.4f}-{max(times[name]):.4f})", flush=True)
+runs = {name: {"ms_per_token_rounds": times[name], "ms_per_token": mean[name]} for name in engines}
+for name in engines:  # speed-ups: ms a token of the bf16 engine (or the shipped INT4 one) over this one's
+    if name.startswith("int4") and "bf16" in mean:
+        runs[f"{name}_over_bf16"] = mean["bf16"] / mean[name]
+    if name.startswith("int4_") and name != "int4_folded" and "int4_folded" in mean:
+        runs[f"{name}_over_int4_folded"] = mean["int4_folded"] / mean[name]
+if "bf16_last_split" in mean and "bf16" in mean:
+    runs["bf16_last_split_over_bf16"] = mean["bf16"] / mean["bf16_last_split"]
+print({k: round(v, 4) for k, v in runs.items() if k.count("_over_")}, flush=True)
+for name in engines:
+    try:
+        runs[name]["timeline"] = timeline(engines[name][1])
+        for kernel, row in list(runs[name]["timeline"].items())[:6]:
+            print(name, f"{row['increment_us_per_step']:8.1f} us/step {row['per_step']:5.0f}x {row['mean_us']:6.2f} us",
+                  kernel, flush=True)
+    except Exception as error:  # the replay times stand without it
+        runs[name]["timeline_error"] = repr(error)[:300]
+        print(name, "timeline failed:", repr(error)[:300], flush=True)
+for llm, _ in engines.values():
+    llm.close()
+gc.collect()
+save_result(os.environ.get("OUT", "/tmp/out"), "decode_graph_timeline", "latency, llama2-7b, batch 1",
+            f"GPU ms a token: the batch-1 decode graph replayed {REPLAYS} times back to back, {ROUNDS} interleaved "
+            f"rounds (ABC CBA ...); timeline from {PROFILED} profiled replays", runs)
