@@ -2,9 +2,9 @@
 in one process, each after a 128-token prompt and 128 decoded tokens (the ``latency`` workload's mean context).
 Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms folded into the GEMVs,
 ``model/norm_folding.py``), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with the decode attention's splits merged
-by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1 or 4 tiles a W4A16 GEMV
-program instead of 2 (``w4_gemv_hopper.TILES``: 2 won on cold standalone calls); bf16, and bf16 merged in the last
-split.
+by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
+GEMV program (``w4_gemv_hopper.TILES``; 2 won on cold standalone calls), or 4 at K = 4096 and 2 at down_proj's K, or
+the other way round (``choose_tiles``); bf16, and bf16 merged in the last split.
 
 - **GPU time a token:** the engines' batch-1 decode graphs replayed back to back (no host work between replays:
   what the GPU alone takes a token), in interleaved rounds ABC CBA ..., so that a drift weighs on all alike.
@@ -12,7 +12,8 @@ split.
   mean increment, the time from the end of the kernel before to the end of this one (with programmatic dependent
   launch kernels overlap, so durations include waiting; the increments add up to the step).
 
-Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/decode_graph_timeline.py``."""
+Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/decode_graph_timeline.py``
+(NAME names the JSON: decode_graph_timeline by default)."""
 import collections
 import gc
 import os
@@ -29,11 +30,24 @@ from minillm.model import norm_folding  # noqa: E402
 
 ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 # name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
-DEFAULTS = {norm_folding: {"ENABLED": True}, paged_attention: {"DEFAULT_MERGE": "kernel"}, w4_gemv_hopper: {"TILES": 2}}
+DEFAULTS = {norm_folding: {"ENABLED": True}, paged_attention: {"DEFAULT_MERGE": "kernel"},
+            w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
+
+
+def tiles_by_k(at_4096, otherwise):
+    """A W4A16 GEMV's tiles a program by its K: ``at_4096`` for K <= 4096 (q/k/v, o, gate/up), else ``otherwise``
+    (down_proj's 11008)."""
+    return lambda k: 1 if k <= 8 * w4_gemv_hopper.TILE_ROWS else at_4096 if k <= 4096 else otherwise
+
+
 ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
        "int4_last_split": ("rtn-int4", {paged_attention: {"DEFAULT_MERGE": "last_split"}}),
        "int4_tiles1": ("rtn-int4", {w4_gemv_hopper: {"TILES": 1}}),
+       "int4_tiles2": ("rtn-int4", {w4_gemv_hopper: {"TILES": 2}}),
        "int4_tiles4": ("rtn-int4", {w4_gemv_hopper: {"TILES": 4}}),
+       "int4_tiles8": ("rtn-int4", {w4_gemv_hopper: {"TILES": 8}}),
+       "int4_tiles_4_down_2": ("rtn-int4", {w4_gemv_hopper: {"choose_tiles": tiles_by_k(4, 2)}}),
+       "int4_tiles_2_down_4": ("rtn-int4", {w4_gemv_hopper: {"choose_tiles": tiles_by_k(2, 4)}}),
        "bf16": (None, {}), "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
 ENGINES = {name: ALL[name] for name in os.environ.get("VARIANTS", ",".join(ALL)).split(",")}
 
@@ -111,6 +125,7 @@ for name in engines:
 for llm, _ in engines.values():
     llm.close()
 gc.collect()
-save_result(os.environ.get("OUT", "/tmp/out"), "decode_graph_timeline", "latency, llama2-7b, batch 1",
+save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "decode_graph_timeline"),
+            "latency, llama2-7b, batch 1",
             f"GPU ms a token: the batch-1 decode graph replayed {REPLAYS} times back to back, {ROUNDS} interleaved "
             f"rounds (ABC CBA ...); timeline from {PROFILED} profiled replays", runs)
