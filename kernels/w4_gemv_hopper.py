@@ -11,8 +11,10 @@ in shared memory while it computes. The design:
 - **Every tile in flight from the start.** A program owns a column tile of 256 columns and TILES tiles of 16 packed
   rows (128 inputs; 16 KB of int4 weights each, with their scales and zero points). It issues all its TMA copies
   first, each completing on an mbarrier of its own, then computes tile after tile as they land: no ring, no refills.
-  At TILES = 2 a program holds 35 KB of shared memory, six programs an SM: the whole weight (23 MB at
-  4096 x 11008) is requested within the first microsecond.
+  At 2 tiles a program holds 35 KB of shared memory, six programs an SM: the whole weight (23 MB at
+  4096 x 11008) is requested within the first microsecond. The default is 4 (68 KB, three programs an SM): alone
+  and cold, 2 is faster; in the decode graph, where PDL lets each GEMV's copies land during the kernel ahead, 4 is
+  (half the splits to sum; below).
 - **Started early (PDL).** The copies read only weights, which no kernel of a decode step writes: they are issued
   before the program waits for the kernel ahead (which writes x), as ``pdl.py`` describes. Each program then lets a
   kernel launched early behind it start (``griddepcontrol.launch_dependents``): the gated down_proj behind gate_up
@@ -34,7 +36,7 @@ in shared memory while it computes. The design:
 - **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
   sums them, FIX_CHUNK partials a load, and writes y.
 
-Measured on the H200 (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 9.9 us at 4096 x 11008
+Measured on the H200 at 2 tiles (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 9.9 us at 4096 x 11008
 (2.50x the bf16 matmul; the Triton GEMV 12.7 us), 10.5 us at 11008 x 4096 (2.43x), 5.2 us at 4096 x 4096 (2.39x).
 RUN = 2 against 1, launched alike: 9.97 against 10.23 us and 10.57 against 10.98 us (its largest error relative to
 max |y| 6.1e-3 against 4.3e-3 at 4096 x 4096). Gated at 11008 x 4096: 11.4 us against 11.7 for silu_and_mul and the
@@ -82,7 +84,11 @@ BLOCK_N = 256  # columns a tile: TMA's largest box dimension
 assert BLOCK_N == SUMSQ_COLUMNS, "a program adding the residual sums the squares of its own column tile"
 WARPS = 4
 GROUP_SIZES = (64, 128)
-TILES = 2  # tiles a program: the H200 sweeps' best at each Llama-2-7B shape (1 and 4 were slower)
+# Tiles a program. Alone and cold, 2 is the H200's best at each Llama-2-7B shape (1 and 4 were slower:
+# figures/h200/sweeps/w4a16_gemv_gluon.json); in the batch-1 decode graph 4 is: 1.814 against 1.847 ms a token (1 tile
+# 1.915, 8 tiles 2.882; 4 at K = 4096 and 2 at 11008 1.834, the other way round 1.840:
+# figures/h200/sweeps/decode_graph_tiles.json, decode_graph_variants.json).
+TILES = 4
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
 
 

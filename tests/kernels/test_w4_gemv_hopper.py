@@ -219,7 +219,7 @@ def test_unsupported_names_the_reason():
 
 
 @pytest.mark.parametrize("k, tiles, splits, splits_one_tile",
-                         [(4096, 2, 16, 32), (11008, 2, 43, 86), (128, 1, 1, 1), (64, 1, 1, 1), (136, 2, 1, 2)])
+                         [(4096, 4, 8, 32), (11008, 4, 22, 86), (128, 1, 1, 1), (64, 1, 1, 1), (136, 4, 1, 2)])
 def test_choose_tiles_and_the_partials_it_needs(k, tiles, splits, splits_one_tile):
     assert hopper.choose_tiles(k) == tiles
     assert hopper.splits_needed(k) == splits and hopper.splits_needed(k, tiles=1) == splits_one_tile
