@@ -27,20 +27,20 @@ in shared memory while it computes. The design:
   z s sum(x) (that module's docstring has the arithmetic and its accuracy at RUN <= 2). Each thread holds two
   columns of eight packed rows at a time, rows i and i + 4 sharing their 16-bit sums (that module pairs neighbouring
   rows; the sums are the same length): about 12.5 instructions a packed int32 (8 weights), 14.5 at RUN = 1.
-- **Gated** (``fused_gemv(gated=True)``): for the MLP's down projection at batch 1, x is the gate_up row and the
-  tables are built from silu(gate) * up, computed by ``fused_layer_ops.silu_mul`` as x is loaded: one kernel where
-  there were two.
+- **Gated** (``w4_gemv_fused.fused_gemv(gated=True)``): for the MLP's down projection at batch 1, x is the gate_up
+  row and the tables are built from silu(gate) * up, computed by ``fused_layer_ops.silu_mul`` as x is loaded: one
+  kernel where there were two.
 - **Norms folded** (``fused_gemv(residual=...)``, ``fused_gemv(norm=...)``): the residual add and RMSNorm between two
   of a layer's GEMVs done by them, the add where y is written, the norm as the tables are built
   (``w4_gemv_norms.py``).
 - **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
   sums them, FIX_CHUNK partials a load, and writes y.
 
-Measured on the H200 at 2 tiles (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 9.9 us at 4096 x 11008
-(2.50x the bf16 matmul; the Triton GEMV 12.7 us), 10.5 us at 11008 x 4096 (2.43x), 5.2 us at 4096 x 4096 (2.39x).
-RUN = 2 against 1, launched alike: 9.97 against 10.23 us and 10.57 against 10.98 us (its largest error relative to
-max |y| 6.1e-3 against 4.3e-3 at 4096 x 4096). Gated at 11008 x 4096: 11.4 us against 11.7 for silu_and_mul and the
-GEMV. Where the rest goes, at RUN = 1 (session 18's probe)
+Measured on the H200 at 2 tiles (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 9.9 us at
+4096 x 11008 (2.50x the bf16 matmul; the Triton GEMV 12.7 us), 10.5 us at 11008 x 4096 (2.43x), 5.2 us at
+4096 x 4096 (2.39x). RUN = 2 against 1, launched alike: 9.97 against 10.23 us and 10.57 against 10.98 us (its
+largest error relative to max |y| 6.1e-3 against 4.3e-3 at 4096 x 4096). Gated at 11008 x 4096: 11.4 us against 11.7
+for silu_and_mul and the GEMV. Where the rest goes, at RUN = 1 (session 18's probe)
 (figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's copies with no math): the copies alone take 7.0 us (81 %
 of the copy bandwidth the bench measures) where the kernel takes 10.1-10.3; the fix-up adds ~1.5 us (a fenced atomic,
 then the partials' round trip to L2, behind the last program) and the math ~1.5 us more, the compute of the tiles that
@@ -56,17 +56,14 @@ M > 1 take the Triton kernels. Not under Triton's interpreter (Gluon has none): 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
-from minillm.kernels.int4_dequantize import check_int4_layout
 from minillm.kernels.pdl import supported as pdl_supported
 from minillm.kernels.split_k import MAX_TILES, tile_counters
-from minillm.kernels.w4_gemv_norms import SUMSQ_COLUMNS
+from minillm.kernels.w4_gemv_norms import SUMSQ_COLUMNS, Norm
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
@@ -102,11 +99,9 @@ def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         return f"it takes bf16 x, not {x.dtype}"
     if x.shape[0] != 1:
         return f"it computes one row of x (a GEMV), not {x.shape[0]}"
-    if group not in GROUP_SIZES:
-        return f"it takes group_size in {GROUP_SIZES}, not {group}"
-    n = qweight.shape[1]
-    if n == 0 or n % 32:
-        return f"it needs N a positive multiple of 32 (16-byte rows of packed zero points), not {n}"
+    reason = weight_unsupported(qweight, scales, group)
+    if reason:
+        return reason
     # x is read as int32 words, the others through TMA descriptors: 16-byte aligned bases and row strides.
     tensors = {"x": x, "qweight": qweight, "scales": scales, "zeros": zeros}
     for name, t in tensors.items():
@@ -116,6 +111,21 @@ def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             return f"it needs {TMA_ALIGN}-byte aligned tensors, got {name} at {t.data_ptr():#x}"
     if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
         return "it needs an sm_90 GPU (H100/H200)"
+    return None
+
+
+def weight_unsupported(qweight: torch.Tensor, scales: torch.Tensor, group: int) -> str | None:
+    """What in an INT4 weight (``QuantLinear``'s layout, group the checked group size) keeps this kernel from it
+    whatever the row and the device, or None (``QuantLinear.folds_norms`` asks before a model folds norms into it)."""
+    if not GLUON_USABLE:
+        return f"it is written in Gluon for Triton >= {'.'.join(map(str, MIN_TRITON))}, not {triton.__version__}"
+    if scales.dtype != torch.bfloat16:
+        return f"it takes bf16 x and scales, not {scales.dtype}"
+    if group not in GROUP_SIZES:
+        return f"it takes group_size in {GROUP_SIZES}, not {group}"
+    n = qweight.shape[1]
+    if n == 0 or n % 32:
+        return f"it needs N a positive multiple of 32 (16-byte rows of packed zero points), not {n}"
     return None
 
 
@@ -175,7 +185,7 @@ if GLUON_USABLE:
 
     @gluon.jit
     def _x_tables(XW, first_row, K_ROWS, NormW, SumSq, eps, ROWS: gl.constexpr, WARPS_: gl.constexpr,
-                  GATED: gl.constexpr, NORMED: gl.constexpr, PARTIALS: gl.constexpr):
+                  GATED: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
         """The program's ROWS packed rows of x (two bf16 a word, XW) as the products want them, in shared memory:
         four [ROWS] int32, pair j of row r = (x_8r+j, x_8r+j+4) times 2**101 (j even) or 2**97 (j odd), and [ROWS] fp32,
         each row's sum of x. Rows past K_ROWS are zeros. GATED: XW is the MLP's gate_up row (K gates, then K ups) and
@@ -191,7 +201,7 @@ if GLUON_USABLE:
         if NORMED:  # the row's and the weight's words in flight before 1 / rms is formed: one round trip for all
             n0, n1 = gl.load(NormW + 4 * r, mask=ok, other=0), gl.load(NormW + 4 * r + 1, mask=ok, other=0)
             n2, n3 = gl.load(NormW + 4 * r + 2, mask=ok, other=0), gl.load(NormW + 4 * r + 3, mask=ok, other=0)
-            inv = inv_rms(SumSq, 8 * K_ROWS, eps, PARTIALS, WARPS_)
+            inv = inv_rms(SumSq, 8 * K_ROWS, eps, SUMSQ_TILES, WARPS_)
             w0, w1 = normed_words(w0, n0, inv), normed_words(w1, n1, inv)
             w2, w3 = normed_words(w2, n2, inv), normed_words(w3, n3, inv)
         # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
@@ -244,10 +254,10 @@ if GLUON_USABLE:
     @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, PARTIALS: gl.constexpr):
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
         R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
-        the sums of squares SumSqIn (PARTIALS a power of two at least their count), eps (``w4_gemv_norms.py``)."""
+        the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``)."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS // GROUP_ROWS  # scale rows a tile
         tile_n = gl.program_id(0)
@@ -276,7 +286,7 @@ if GLUON_USABLE:
         _let_next_start(PDL)
         _wait_for_previous(PDL)
         pairs, sums = _x_tables(XW, first_row, K_ROWS, NormW, SumSqIn, eps, TILES * _TILE_ROWS, WARPS_, GATED, NORMED,
-                                PARTIALS)
+                                SUMSQ_TILES)
         warps_barrier()  # the tables are written
 
         # A thread: two neighbouring columns, SUB_ROWS / RUN rows a slice; the 128 threads span the tile's 256 columns.
@@ -320,7 +330,8 @@ if GLUON_USABLE:
                 gl.store(Counters + tile_n, 0)
                 if ADD:  # the residual on its way to L1 while the partials are summed (no registers held for it)
                     lines_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
-                    _prefetch_l1(R + tile_n * _BLOCK_N + 64 * gl.arange(0, 4, layout=lines_l))  # 128-byte lines
+                    lines = tile_n * _BLOCK_N + 64 * gl.arange(0, 4, layout=lines_l)  # 128-byte lines of bf16
+                    _prefetch_l1(R + gl.minimum(lines, N - 1))  # (none past the row's end)
                 fix_l: gl.constexpr = gl.BlockedLayout([_FIX_CHUNK, 2], [1, 32], [1, WARPS_], [1, 0])
                 rows = gl.arange(0, _FIX_CHUNK, layout=gl.SliceLayout(1, fix_l))[:, None]
                 cols = gl.convert_layout(n, gl.SliceLayout(0, fix_l))[None, :]
@@ -359,14 +370,6 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
             for t, box, dtype in boxes]
 
 
-class Norm(NamedTuple):
-    """An RMSNorm the GEMV applies to its input row as it reads it (``w4_gemv_norms.py``): the norm's ``weight`` [K],
-    the row's sums of squares per 256 columns (fp32, ``sumsq``: what a GEMV given a residual wrote), and ``eps``."""
-    weight: torch.Tensor
-    sumsq: torch.Tensor
-    eps: float
-
-
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
             out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
             tiles: int | None = None, gated: bool = False, run: int = RUN, residual: torch.Tensor | None = None,
@@ -374,9 +377,9 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
     fp32, at least ``splits_needed(K, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
     for sweeps): by default ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
-    ``fused_unsupported`` checked: ``gated``: x is the MLP's gate_up row [1, 2K] and the product's input silu(gate) *
-    up; ``residual`` [1, N] with ``sumsq`` (fp32, cdiv(N, 256)): out = residual + y, and sumsq its sums of squares
-    per column tile; ``norm``: x is the row s and the product's input RMSNorm(s)."""
+    ``w4_gemv_fused.fused_unsupported`` checked: ``gated``: x is the MLP's gate_up row [1, 2K] and the product's
+    input silu(gate) * up; ``residual`` [1, N] with ``sumsq`` (fp32, cdiv(N, 256)): out = residual + y, and sumsq
+    its sums of squares per column tile; ``norm``: x is the row s and the product's input RMSNorm(s)."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     tiles = tiles or choose_tiles(k)
     if tiles not in (1, 2, 4, 8):
@@ -385,6 +388,9 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         raise ValueError(f"run must be 1 or 2 (packed rows a 16-bit sum; longer runs lose accuracy), got {run}")
     if (residual is None) != (sumsq is None):
         raise ValueError("residual and sumsq come together: the sum's squares are written where the sum is")
+    if sumsq is not None and (sumsq.dtype != torch.float32 or sumsq.numel() < -(-n // SUMSQ_COLUMNS)):
+        raise ValueError(f"sumsq must hold cdiv(N, {SUMSQ_COLUMNS}) = {-(-n // SUMSQ_COLUMNS)} fp32, got "
+                         f"{sumsq.dtype} {tuple(sumsq.shape)}")
     splits = splits_needed(k, tiles)
     if splits > 1 and partials.numel() < splits * n:
         raise ValueError(f"partials holds {partials.numel()} floats; {splits} splits x N = {n} need {splits * n}")
@@ -394,10 +400,10 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     words = x.view(torch.int32)
     added = (residual, sumsq) if residual is not None else (out, partials)  # (unread without a residual)
     normed = (norm.weight.view(torch.int32), norm.sumsq, norm.eps) if norm else (words, partials, 0.0)
-    partial_sums = triton.next_power_of_2(-(-k // SUMSQ_COLUMNS)) if norm else 1
+    sumsq_tiles = triton.next_power_of_2(-(-k // SUMSQ_COLUMNS)) if norm else 1
     _w4_gemv_kernel[grid](words, *_descriptors(qweight, scales, zeros, group), out, partials, counters,
                           n, k // 8, *added, *normed, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated,
-                          RUN=run, ADD=residual is not None, NORMED=norm is not None, PARTIALS=partial_sums,
+                          RUN=run, ADD=residual is not None, NORMED=norm is not None, SUMSQ_TILES=sumsq_tiles,
                           num_warps=WARPS, launch_pdl=pdl)
 
 
@@ -405,68 +411,12 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
          out: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None,
          sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
-    where the device has it: what ``w4a16_matmul`` and ``fused_gemv`` run."""
+    where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     splits = splits_needed(k)
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),
             gated=gated, residual=residual, sumsq=sumsq, norm=norm)
-
-
-def fused_unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                      group_size: int, gated: bool = False, residual: torch.Tensor | None = None,
-                      norm: Norm | None = None) -> str | None:
-    """Why ``fused_gemv`` cannot take this row and INT4 weight (``QuantLinear``'s layout, checked here too), or None
-    if it can."""
-    return _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm)[0]
-
-
-def _fused_check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 gated: bool, residual: torch.Tensor | None, norm: Norm | None) -> tuple[str | None, int]:
-    """(``fused_unsupported``'s answer, the group size the launch takes): the layout is checked once."""
-    try:
-        k, n, group = check_int4_layout(qweight, scales, zeros, group_size, x)
-    except ValueError as error:
-        return str(error), 0
-    width = 2 * k if gated else k
-    if x.dim() < 1 or x.shape[-1] != width or x.numel() != width:
-        return f"it takes one {'gate_up row of 2K' if gated else 'row of K'} = {width} inputs, not shape " \
-               f"{tuple(x.shape)}", group
-    if gated and norm is not None:
-        return "it applies SiLU-and-multiply to x or normalises it, not both", group
-    if residual is not None and (residual.shape[-1] != n or residual.numel() != n or residual.dtype != x.dtype
-                                 or residual.device != x.device or not residual.is_contiguous()):
-        return f"it adds one contiguous {x.dtype} residual row of N = {n} on {x.device}, not " \
-               f"{residual.dtype} {tuple(residual.shape)} on {residual.device}", group
-    if norm is not None:
-        weight, sumsq, partial_sums = norm.weight, norm.sumsq, -(-k // SUMSQ_COLUMNS)
-        if (weight.shape != (k,) or weight.dtype != x.dtype or weight.device != x.device
-                or not weight.is_contiguous() or weight.data_ptr() % 4):
-            return f"it takes the norm's weight as a contiguous {x.dtype} [K = {k}] on {x.device}, not " \
-                   f"{weight.dtype} {tuple(weight.shape)} on {weight.device}", group
-        if sumsq.dtype != torch.float32 or sumsq.device != x.device or sumsq.numel() < partial_sums:
-            return f"it takes the row's {partial_sums} fp32 sums of squares on {x.device}, not {sumsq.dtype} " \
-                   f"{tuple(sumsq.shape)} on {sumsq.device}", group
-    return unsupported(x.reshape(1, width), qweight, scales, zeros, group), group
-
-
-def fused_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               gated: bool = False, residual: torch.Tensor | None = None, norm: Norm | None = None):
-    """x @ W for one row x [..., K] of a batch-1 decoder layer, with what surrounds the product folded in:
-    ``gated``: x is the MLP's gate_up row [..., 2K] (K gates, then K ups) and the product's input silu(gate) * up,
-    bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV (one kernel where there were two; ``gemv.py``
-    does the same for bf16 weights); ``norm``: x is the residual stream's row s and the input RMSNorm(s);
-    ``residual`` [..., N]: returns (residual + x @ W [..., N], its sums of squares per 256 columns [cdiv(N, 256)],
-    fp32) instead of y [..., N] (``w4_gemv_norms.py``: the norm between two GEMVs folded into them)."""
-    reason, group = _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm)
-    if reason:
-        raise ValueError(f"the Gluon W4A16 GEMV cannot run these inputs: {reason}")
-    n = qweight.shape[1]
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    sumsq = None if residual is None else torch.empty(-(-n // SUMSQ_COLUMNS), dtype=torch.float32, device=x.device)
-    gemv(x.reshape(1, -1), qweight, scales, zeros, group, out.view(1, n), gated=gated, sumsq=sumsq, norm=norm,
-         residual=None if residual is None else residual.view(1, n))
-    return out if residual is None else (out, sumsq)
 
 
 def splits_needed(k: int, tiles: int | None = None) -> int:

@@ -27,9 +27,22 @@ rarely, the rounding of a normalised input.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
+
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, gluon
 
 SUMSQ_COLUMNS = 256  # columns a partial sum of squares covers: the GEMV's column tile (w4_gemv_hopper.BLOCK_N)
+
+
+class Norm(NamedTuple):
+    """An RMSNorm the GEMV applies to its input row as it reads it (this module): the norm's ``weight`` [K],
+    the row's sums of squares per 256 columns (fp32, ``sumsq``: what a GEMV given a residual wrote), and ``eps``."""
+    weight: torch.Tensor
+    sumsq: torch.Tensor
+    eps: float
+
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
@@ -54,12 +67,12 @@ if GLUON_USABLE:
         return ((low_bits >> 16) & 0xFFFF) | (high_bits & -65536)
 
     @gluon.jit
-    def inv_rms(SumSq, K, eps, PARTIALS: gl.constexpr, WARPS_: gl.constexpr):
+    def inv_rms(SumSq, K, eps, SUMSQ_TILES: gl.constexpr, WARPS_: gl.constexpr):
         """1 / sqrt(mean(s**2) + eps) of a row of K inputs whose sums of squares per 256 columns are at SumSq
-        (cdiv(K, 256) of them, PARTIALS a power of two at least that), as the norm kernel forms it. Every thread loads
-        and sums them all itself: the same value everywhere, in a fixed order, without a barrier."""
-        layout: gl.constexpr = gl.BlockedLayout([PARTIALS], [32], [WARPS_], [0])
-        i = gl.arange(0, PARTIALS, layout=layout)
+        (cdiv(K, 256) of them, SUMSQ_TILES a power of two at least that), as the norm kernel forms it. Every thread
+        loads and sums them all itself: the same value everywhere, in a fixed order, without a barrier."""
+        layout: gl.constexpr = gl.BlockedLayout([SUMSQ_TILES], [32], [WARPS_], [0])
+        i = gl.arange(0, SUMSQ_TILES, layout=layout)
         total = gl.sum(gl.load(SumSq + i, mask=i < gl.cdiv(K, _SUMSQ_COLUMNS), other=0.0), axis=0)
         return 1.0 / gl.sqrt(total / K + eps)
 

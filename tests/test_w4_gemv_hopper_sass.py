@@ -5,8 +5,8 @@ tests/kernels/test_w4_gemv_hopper.py).
 Per program: three TMA copies a tile (weights, scales, zero points), issued before anything waits; the HFMA2 body's
 four products a packed int32 (two columns x 16 rows a thread a tile) and four more per thread for x's pairs; the
 weights read from shared memory 8 bytes (two columns) a row; integers become floats only for the zero points (two a
-group, a thread's two columns); no spills; shared memory for six programs an SM at the
-default two tiles. Compiled in a subprocess without TRITON_INTERPRET."""
+group, a thread's two columns); no spills; shared memory for six programs an SM at two tiles, three at the default
+four (and registers to match). Compiled in a subprocess without TRITON_INTERPRET."""
 
 import textwrap
 
@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent('''
                  "Y": "*bf16", "Partials": "*fp32", "Counters": "*i32", "R": "*bf16", "SumSqOut": "*fp32",
                  "NormW": "*i32", "SumSqIn": "*fp32", "eps": "fp32"}
         consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True, GATED=gated, RUN=run, ADD=add, NORMED=normed,
-                      PARTIALS=16)
+                      SUMSQ_TILES=16)
         fn = wh._w4_gemv_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=wh.WARPS))
@@ -42,9 +42,14 @@ SCRIPT = textwrap.dedent('''
     cases["2 128 gated add"] = counts(2, 128, gated=True, add=True)  # down_proj, norms folded
     cases["2 128 normed"] = counts(2, 128, normed=True)  # qkv_proj and gate_up_proj, norms folded
     cases["2 128 run 1"] = counts(2, 128, run=1)
+    cases["4 128"] = counts(4, 128)  # the default tiles: every form a decode step runs
+    cases["4 128 gated add"] = counts(4, 128, gated=True, add=True)
+    cases["4 128 normed"] = counts(4, 128, normed=True)
+    cases["4 128 add"] = counts(4, 128, add=True)  # o_proj
     print(json.dumps(cases))
 ''')
-CASES = ["2 128", "2 64", "1 128", "2 128 gated", "2 128 gated add", "2 128 normed"]
+CASES = ["2 128", "2 64", "1 128", "2 128 gated", "2 128 gated add", "2 128 normed", "4 128", "4 128 gated add",
+         "4 128 normed", "4 128 add"]
 SHARED_PER_SM = 228 * 1024  # an sm_90 SM's shared memory, 1 KB of it reserved per program
 
 
@@ -67,7 +72,9 @@ def test_copies_and_products(compiled, case):
         assert 1 <= ops.get("MUFU", 0) <= 3, ops
         assert 4 * packed_a_thread + 4 <= ops.get("HFMA2") <= 4 * packed_a_thread + 8, ops
     else:
-        assert ops.get("HFMA2") == 4 * packed_a_thread + 4 and "MUFU" not in ops, ops  # + x's four pairs, once
+        moves = 4 if "add" in case else 0  # (the residual's add: ptxas may build a constant with an HFMA2)
+        assert 4 * packed_a_thread + 4 <= ops.get("HFMA2") <= 4 * packed_a_thread + 4 + moves, ops  # + x's pairs, once
+        assert "MUFU" not in ops, ops
     assert kernel["memory_opcodes"].get("LDS.64") == packed_a_thread // 2, kernel["memory_opcodes"]  # 2 columns a row
     groups = tiles * wh.TILE_ROWS * 8 // int(case.split()[1])
     # A zero point a column and group, no weight (and the normed row's width, once, for its mean square).
@@ -87,8 +94,11 @@ def test_runs_of_two_rows_halve_the_conversions_to_fp32(compiled):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_resources_fit_six_programs_an_sm(compiled, case):
+def test_resources_fit_the_programs_an_sm_its_tiles_allow(compiled, case):
+    """Six programs an SM at up to two tiles (35 KB of shared memory each), three at four (68 KB): no fold may cost
+    one of them in registers."""
     kernel = compiled[case]
+    programs = 6 if int(case.split()[0]) <= 2 else 3
     assert kernel["stack"] == 0, kernel
-    assert 6 * (kernel["shared_bytes"] + 1024) <= SHARED_PER_SM, kernel["shared_bytes"]
+    assert programs * (kernel["shared_bytes"] + 1024) <= SHARED_PER_SM, kernel["shared_bytes"]
     assert 6 * 4 * 32 * -(-kernel["registers"] // 8) * 8 <= 65536, kernel["registers"]  # (allocated 8 at a time)

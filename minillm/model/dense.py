@@ -54,7 +54,7 @@ def takes_gated(layer: nn.Module, gate_up: torch.Tensor) -> bool:
     """Whether ``layer(gate_up, gated=True)`` works: a layer that says so itself (``QuantLinear.takes_gated``), or a
     bias-free layer built on ``product`` (``Linear``, the tensor-parallel row-parallel linear) whose product of this
     one row goes to the GEMV. The MLP then leaves SiLU-and-multiply to down_proj's GEMV (``kernels/gemv.py``, or
-    ``w4_gemv_hopper.fused_gemv``) instead of launching a kernel for it. (A forward hook on such a down_proj then sees
+    ``w4_gemv_fused.fused_gemv``) instead of launching a kernel for it. (A forward hook on such a down_proj then sees
     gate_up as its input; calibration hooks run on many rows, never this path.)"""
     own = getattr(layer, "takes_gated", None)
     if callable(own):  # a layer with a gated kernel of its own (QuantLinear's INT4 GEMV)

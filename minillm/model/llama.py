@@ -55,6 +55,7 @@ class RMSNorm(nn.Module):
         """norm(x), or with ``residual``: (norm(x + residual), x + residual) — the add fused in. A ``ResidualRow``
         (a GEMV added the residual, ``norm_folding.py``): (its ``NormedRow``, its row), and no kernel runs here."""
         if isinstance(x, ResidualRow):
+            assert residual is None, "a ResidualRow already holds the residual"
             return NormedRow(x, self), x.total
         if residual is not None and self.reduce_input is not None and self.reduce_input.fits(x):
             return self.reduce_input(x, self.weight, self.eps, residual)
@@ -253,7 +254,8 @@ class LlamaForCausalLM(nn.Module):
         """At one row, fold each RMSNorm that sits between two projections that fold norms (INT4 on an H100/H200:
         ``norm_folding.py``) into their GEMVs: the post-attention norm between o_proj and gate_up_proj, and the input
         norm between a layer's down_proj and the next layer's qkv_proj (not the last layer's: the final norm and the
-        LM head follow it). Needs the fused kernels (``enable_fused_kernels`` calls this)."""
+        LM head follow it). ``enable_fused_kernels`` calls this: without the fused kernels a fold would only fall
+        back to torch (``QuantLinear._folded``)."""
         layers = self.model.layers
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp

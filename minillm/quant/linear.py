@@ -144,7 +144,8 @@ class QuantLinear(nn.Module):
         normed = isinstance(x, NormedRow)
         row = x.row.total if normed else x
         if self._fused_refusal() is None and row.is_cuda:
-            from minillm.kernels.w4_gemv_hopper import Norm, fused_gemv, fused_unsupported
+            from minillm.kernels.w4_gemv_fused import fused_gemv, fused_unsupported
+            from minillm.kernels.w4_gemv_norms import Norm
 
             fused = dict(gated=gated, residual=add_to, norm=Norm(x.norm.weight, x.row.sumsq, x.norm.eps) if normed
                          else None)
@@ -156,30 +157,33 @@ class QuantLinear(nn.Module):
 
     def folds_norms(self) -> bool:
         """Whether a decoder layer should hand this layer ``NormedRow`` inputs and residuals to add
-        (``norm_folding.folds_norms`` asks): INT4 codes the Gluon GEMV reads, on an sm_90 GPU that runs it."""
+        (``norm_folding.folds_norms`` asks): INT4 codes the Gluon GEMV takes (``w4_gemv_hopper.weight_unsupported``:
+        bf16, groups of 64 or 128, ...), on an sm_90 GPU. A layer it cannot take would fall back on every step."""
         if self._fused_refusal() or not self.qweight.is_cuda:
             return False
-        from minillm.kernels.w4_gemv_hopper import GLUON_USABLE
+        from minillm.kernels.w4_gemv_hopper import weight_unsupported
 
-        return GLUON_USABLE and torch.cuda.get_device_capability(self.qweight.device) == (9, 0)
+        group = self.in_features if self.group_size in (-1, self.in_features) else self.group_size
+        return (weight_unsupported(self.qweight, self.scales, group) is None
+                and torch.cuda.get_device_capability(self.qweight.device) == (9, 0))
 
     def takes_gated(self, gate_up: torch.Tensor) -> bool:
         """Whether ``forward(gate_up, gated=True)`` works (``model.dense.takes_gated`` asks): INT4 codes in their
-        original order, no bias, and one gate_up row the Gluon GEMV takes (``w4_gemv_hopper.fused_unsupported``)."""
+        original order, no bias, and one gate_up row the Gluon GEMV takes (``w4_gemv_fused.fused_unsupported``)."""
         if self._fused_refusal() or not gate_up.is_cuda:
             return False
-        from minillm.kernels.w4_gemv_hopper import fused_unsupported
+        from minillm.kernels.w4_gemv_fused import fused_unsupported
 
         return fused_unsupported(gate_up, self.qweight, self.scales, self.zeros, self.group_size, gated=True) is None
 
     def gated_matmul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up @ W^T for the MLP's one gate_up row, by ``w4_gemv_hopper.fused_gemv`` (no bias: a layer
+        """silu(gate) * up @ W^T for the MLP's one gate_up row, by ``w4_gemv_fused.fused_gemv`` (no bias: a layer
         with one refuses). A ValueError names what this layer or row lacks."""
         reason = self._fused_refusal()
         if reason:
             raise ValueError(f"gated=True needs an INT4 layer without act-order or bias (see takes_gated); this one "
                              f"{reason}")
-        from minillm.kernels.w4_gemv_hopper import fused_gemv
+        from minillm.kernels.w4_gemv_fused import fused_gemv
 
         return fused_gemv(gate_up, self.qweight, self.scales, self.zeros, self.group_size, gated=True)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kernels import split_k, w4_gemv_hopper as hopper
+from minillm.kernels import split_k, w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
 from minillm.kernels.fused_layer_ops import silu_and_mul
 from minillm.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
 from minillm.parallel.tp import RowParallelQuantLinear
@@ -116,7 +116,7 @@ def test_gated_gemv_is_silu_and_mul_then_the_gemv_bit_for_bit(k, n, group):
     (Llama-2-7B's down_proj, a group of 64, K ending inside a tile)."""
     _, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n)
     gate_up = gate_up_row(k, n, qweight.device)
-    fused = hopper.fused_gemv(gate_up, qweight, scales, zeros, group, gated=True)
+    fused = fused_forms.fused_gemv(gate_up, qweight, scales, zeros, group, gated=True)
     x = silu_and_mul(gate_up)
     assert torch.equal(fused, w4a16_matmul(x, qweight, scales, zeros, group, hopper=True))
     assert_matches(fused, w4a16_matmul_ref(x, qweight, scales, zeros, group), torch.bfloat16)
@@ -147,8 +147,8 @@ def test_int4_engine_decodes_the_same_tokens_with_the_gated_gemv(monkeypatch):
     takes gate_up (one kernel less a layer) and the greedy tokens are those of SiLU-and-multiply's own kernel."""
     from minillm import LLM, SamplingParams
 
-    calls, fused = [], hopper.fused_gemv
-    monkeypatch.setattr(hopper, "fused_gemv", lambda *a, **kw: calls.append(kw.get("gated")) or fused(*a, **kw))
+    calls, fused = [], fused_forms.fused_gemv
+    monkeypatch.setattr(fused_forms, "fused_gemv", lambda *a, **kw: calls.append(kw.get("gated")) or fused(*a, **kw))
     prompts = [list(range(5, 40)), list(range(300, 317))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     tokens = {}
@@ -169,13 +169,13 @@ def test_int4_engine_decodes_the_same_tokens_with_the_gated_gemv(monkeypatch):
 def test_gated_gemv_refusals_name_the_reason():
     """On any machine: a gate_up row of the wrong width, two rows, and a layer that cannot take it."""
     x, qweight, scales, zeros, _, _ = int4_problem(1, 256, 64, 128, torch.bfloat16, seed=1)
-    assert "2K = 512" in hopper.fused_unsupported(x, qweight, scales, zeros, 128, gated=True)
+    assert "2K = 512" in fused_forms.fused_unsupported(x, qweight, scales, zeros, 128, gated=True)
     two_rows = gate_up_row(512, 2, x.device).view(2, 512)
-    assert "one gate_up row" in hopper.fused_unsupported(two_rows, qweight, scales, zeros, 128, gated=True)
+    assert "one gate_up row" in fused_forms.fused_unsupported(two_rows, qweight, scales, zeros, 128, gated=True)
     with pytest.raises(ValueError, match="2K = 512"):
-        hopper.fused_gemv(x, qweight, scales, zeros, 128, gated=True)
+        fused_forms.fused_gemv(x, qweight, scales, zeros, 128, gated=True)
     with pytest.raises(ValueError, match="scales"):  # the layout checked first: scales in x's dtype
-        hopper.fused_gemv(torch.cat([x, x], 1), qweight, scales.half(), zeros, 128, gated=True)
+        fused_forms.fused_gemv(torch.cat([x, x], 1), qweight, scales.half(), zeros, 128, gated=True)
     cpu_row = gate_up_row(256, 3, torch.device("cpu"))
     for layer in (QuantLinear(256, 64, 4, 128, bias=False, dtype=torch.bfloat16),
                   RowParallelQuantLinear(256, 64, 4, 128, bias=False, dtype=torch.bfloat16)):  # tensor parallel

@@ -86,7 +86,7 @@ def timeline(graph):
         row = per_name[e.name[:60]]
         row[0] += 1
         row[1] += e.time_range.end - e.time_range.start
-        row[2] += 0.0 if previous_end is None else e.time_range.end - previous_end
+        row[2] += 0.0 if previous_end is None else max(0.0, e.time_range.end - previous_end)
         previous_end = max(previous_end or 0, e.time_range.end)
     rows = {name: {"per_step": n / PROFILED, "mean_us": dur / n, "increment_us_per_step": inc / PROFILED}
             for name, (n, dur, inc) in per_name.items()}

@@ -1,7 +1,8 @@
-"""A/B of the gated down_proj at batch 1 (``w4_gemv_hopper.fused_gemv(gated=True)``) against SiLU-and-multiply as a
+"""A/B of the gated down_proj at batch 1 (``w4_gemv_fused.fused_gemv(gated=True)``) against SiLU-and-multiply as a
 kernel of its own (``QuantLinear.takes_gated`` off), engines built one after another in one process in the order
-ABBA ABBA (A the SiLU kernel), so that a drift of the GPU's speed over the run weighs on both paths alike (a first run of four
-engines, ABAB, went 465, 444, 423, 434 tok/s): llama2-7b, dummy weights, RTN INT4 (g128; the same kernels as AWQ), the ``latency`` workload.
+ABBA ABBA (A the SiLU kernel), so that a drift of the GPU's speed over the run weighs on both paths alike (a first
+run of four engines, ABAB, went 465, 444, 423, 434 tok/s): llama2-7b, dummy weights, RTN INT4 (g128; the same
+kernels as AWQ), the ``latency`` workload.
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/latency_gated_ab.py``."""
 import os
 import sys

@@ -4,7 +4,7 @@ step (``num_scheduler_steps``, minillm/multi_step.py: the host's per-token work 
 The INT4 weights are quantized once (8 calibration samples) and reloaded from a saved checkpoint for the
 second run, as ``bench tuning-path`` does. Each run is ``bench_latency``'s result (tok/s and the roofline).
 SILU_KERNEL=1 adds INT4 runs with SiLU-and-multiply as a kernel of its own (``QuantLinear.takes_gated`` off), against
-the default where batch-1 down_proj applies it in its GEMV (``w4_gemv_hopper.fused_gemv(gated=True)``).
+the default where batch-1 down_proj applies it in its GEMV (``w4_gemv_fused.fused_gemv(gated=True)``).
 Run: PYTHONPATH=$PWD python figures/h200/sweeps/latency_int4.py -> $OUT/latency_int4.json."""
 import gc, json, os, sys, tempfile
 import torch

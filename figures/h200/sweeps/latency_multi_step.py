@@ -1,8 +1,9 @@
 """The ``latency`` workload on llama2-7b (dummy weights), RTN INT4 and bf16, with one decode pass per scheduler step
 and with eight (``num_scheduler_steps=8``, minillm/multi_step.py: the host's work per token off the GPU's critical
 path), engines built in the order ABBA ABBA per dtype in one process (A: one pass a step). The batch-1 graph's GPU
-time alone (figures/h200/sweeps/decode_graph_timeline.json) is 1.85 ms a token at INT4 and 3.82 at bf16, where
-bench_latency's tok/s say ~2.1 and ~4.1: the host adds ~0.28 ms to every token of a step of one pass.
+time alone (figures/h200/sweeps/decode_graph_timeline.json, at 2 tiles a W4A16 GEMV program) is 1.85 ms a token at INT4
+and 3.82 at bf16, where bench_latency's tok/s say ~2.1 and ~4.1: the host adds ~0.28 ms to every token of a one-pass
+step.
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/latency_multi_step.py``."""
 import os
 import sys

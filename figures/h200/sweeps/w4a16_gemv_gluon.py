@@ -22,7 +22,7 @@ from launch_sweep import save_result  # noqa: E402
 from minillm.bench.kernels import time_interleaved  # noqa: E402
 from minillm.bench.quant_kernels import QuantShape, _copies, bytes_moved  # noqa: E402
 from minillm.bench.roofline import measure_bandwidth  # noqa: E402
-from minillm.kernels import w4_gemv_hopper  # noqa: E402
+from minillm.kernels import w4_gemv_fused, w4_gemv_hopper  # noqa: E402
 from minillm.kernels.fused_layer_ops import silu_and_mul  # noqa: E402
 from minillm.kernels.quant_matmul import pack_int4, pack_int4_along_n, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 from minillm.kernels.split_k import tile_counters  # noqa: E402
@@ -68,7 +68,7 @@ def main():
             partials=partials, counters=tile_counters(dev), tiles=2, run=1))
         for name, (fn, kw) in variants.items():
             calls[name] = (cycled(lambda w, fn=fn, kw=kw: fn(x, *w, group, out, pdl=True, **kw), sets), w4_bytes)
-        calls["gluon gated"] = (cycled(lambda w: w4_gemv_hopper.fused_gemv(gate_up, *w, group, gated=True), sets),
+        calls["gluon gated"] = (cycled(lambda w: w4_gemv_fused.fused_gemv(gate_up, *w, group, gated=True), sets),
                                 w4_bytes + 2 * k)
         calls["silu_and_mul + gluon"] = (cycled(lambda w: w4a16_matmul(silu_and_mul(gate_up), *w, group, out=out,
                                                                        hopper=True), sets), w4_bytes + 2 * k)
@@ -80,7 +80,7 @@ def main():
             if name in ("gluon gated", "silu_and_mul + gluon"):  # the same answer, bit for bit
                 row[name]["speedup_vs_torch"] = row["torch bf16"]["us"] / best
                 row[name]["equal_to_two_kernels"] = bool(torch.equal(
-                    w4_gemv_hopper.fused_gemv(gate_up, *sets[0], group, gated=True),
+                    w4_gemv_fused.fused_gemv(gate_up, *sets[0], group, gated=True),
                     w4a16_matmul(silu_and_mul(gate_up), *sets[0], group, hopper=True)))
             elif name != "torch bf16":  # each candidate's answer on the first set of weights
                 out.fill_(float("nan"))
