@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import interpreter_on
+from minillm.kernels.checks import interpreter_on, switched_on
 
 
 # What a GEMV's programs ask L2 for before they wait for x, in all (MINILLM_GEMV_PREFETCH_MB): dense (gemv.py) and W4A16
@@ -55,8 +55,7 @@ def prefetch_pieces(count: int, piece_bytes: int, most: int) -> int:
 def supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` use PDL: CUDA with compute capability 9.0 or later, not under the
     interpreter, and not turned off by MINILLM_PDL=0."""
-    off = os.environ.get("MINILLM_PDL", "1").lower() in ("0", "false", "off", "no")
-    return (device.type == "cuda" and not interpreter_on() and not off
+    return (device.type == "cuda" and not interpreter_on() and switched_on("MINILLM_PDL")
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 

@@ -11,10 +11,9 @@ can be captured in a CUDA graph (``minillm/cuda_graphs.py``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from minillm.kernels.checks import switched_on
 from minillm.kernels.flash_attention import paged_prefill_attention
 from minillm.kernels.kv_store import QUANTIZED_POOLS, rope_store_kv, store_kv
 from minillm.kernels.paged_attention import paged_decode_attention
@@ -23,7 +22,7 @@ from minillm.kv.paged import PagedKVCache, PagedStep, write_kv
 
 # MINILLM_ROPE_IN_DECODE=0: a decode-only step stores K/V with rope_store_kv and then attends, two kernels a layer
 # where the decode kernel alone does both by default (to measure what that buys).
-ROPE_IN_DECODE = os.environ.get("MINILLM_ROPE_IN_DECODE", "1").lower() not in ("0", "false", "off", "no")
+ROPE_IN_DECODE = switched_on("MINILLM_ROPE_IN_DECODE")
 
 
 class TritonPagedBatch:

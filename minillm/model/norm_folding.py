@@ -18,15 +18,16 @@ row, what the unfolded layer computes). MINILLM_NORM_IN_GEMV=0 keeps the norm ke
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minillm.kernels.checks import switched_on
+
 # MINILLM_NORM_IN_GEMV=0: the norms between INT4 GEMVs stay kernels of their own.
-ENABLED = os.environ.get("MINILLM_NORM_IN_GEMV", "1").lower() not in ("0", "false", "off", "no")
+ENABLED = switched_on("MINILLM_NORM_IN_GEMV")
 
 
 @dataclass(frozen=True)
