@@ -93,8 +93,6 @@ def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 group: int) -> str | None:
     """Why this kernel cannot run ``w4a16_matmul``'s checked inputs (x [M, K], group the checked group size), or
     None if it can."""
-    if not GLUON_USABLE:
-        return f"it is written in Gluon for Triton >= {'.'.join(map(str, MIN_TRITON))}, not {triton.__version__}"
     if x.dtype != torch.bfloat16:
         return f"it takes bf16 x, not {x.dtype}"
     if x.shape[0] != 1:

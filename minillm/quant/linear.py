@@ -161,9 +161,10 @@ class QuantLinear(nn.Module):
         bf16, groups of 64 or 128, ...), on an sm_90 GPU. A layer it cannot take would fall back on every step."""
         if self._fused_refusal() or not self.qweight.is_cuda:
             return False
+        from minillm.kernels.int4_dequantize import check_int4_layout
         from minillm.kernels.w4_gemv_hopper import weight_unsupported
 
-        group = self.in_features if self.group_size in (-1, self.in_features) else self.group_size
+        group = check_int4_layout(self.qweight, self.scales, self.zeros, self.group_size, self.scales)[2]
         return (weight_unsupported(self.qweight, self.scales, group) is None
                 and torch.cuda.get_device_capability(self.qweight.device) == (9, 0))
 
