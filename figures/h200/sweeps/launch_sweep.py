@@ -4,7 +4,8 @@ result (``save_result``) and their loop (``time_launches``), which tries each
 (block_n, warps, stages) x split count in random order until the deadline, timed, then run once more
 on a poisoned output and compared with the reference; a launch that fails (e.g. too much shared
 memory) is recorded, not fatal. Returns the rows fastest first. The batch-1 latency A/B sweeps
-(latency_gated_ab.py, latency_rope_in_decode.py, latency_what_if.py) share ``latency_engines``."""
+(latency_gated_ab.py, latency_rope_in_decode.py, latency_what_if.py, latency_norm_in_gemv.py,
+latency_multi_step.py) share ``latency_engines``."""
 import itertools, json, os, random, time
 import torch
 from minillm.bench.harness import result_header
