@@ -110,7 +110,7 @@ def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dty
             run = timed(fmt, path)
             run["speedup"] = row["torch"]["ms"] / run["ms"]
             run["config"] = "dequantize + cuBLAS" if path == "dequant" else \
-                f"Gluon (w4_gemv_hopper.py), {choose_tiles(shape.k)} tiles a program" if gluon and path == "gemv" else \
+                f"Gluon (w4_gemv_hopper.py), {choose_tiles(shape.k, shape.n)} tiles a program" if gluon and path == "gemv" else \
                 autotuned_config(fmt[:2], path.removesuffix("_triton")) if device.type == "cuda" else \
                 "interpreter (pinned)"
             error = (calls[fmt](*sets[0][fmt], path=path).float() - ref.float()).abs().max()

@@ -3,14 +3,16 @@ in one process, each after a 128-token prompt and 128 decoded tokens (the ``late
 Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms folded into the GEMVs,
 ``model/norm_folding.py``), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with the decode attention's splits merged
 by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
-GEMV program (``w4_gemv_hopper.TILES``; 2 won on cold standalone calls), or 4 at K = 4096 and 2 at down_proj's K, or
-the other way round (``choose_tiles``); bf16, and bf16 merged in the last split.
+GEMV program (``w4_gemv_hopper.TILES``; 2 won on cold standalone calls), or other counts for some of a layer's four
+projections (``choose_tiles``: down_proj 2 and the others 4, the other way round, o_proj 1 or 2 ...); bf16, and bf16
+merged in the last split.
 
 - **GPU time a token:** the engines' batch-1 decode graphs replayed back to back (no host work between replays:
   what the GPU alone takes a token), in interleaved rounds ABC CBA ..., so that a drift weighs on all alike.
 - **Timeline:** the kernels of a few replays (torch.profiler), per kernel name: launches a step, mean duration, and
   mean increment, the time from the end of the kernel before to the end of this one (with programmatic dependent
-  launch kernels overlap, so durations include waiting; the increments add up to the step).
+  launch kernels overlap, so durations include waiting; the increments add up to the step), and per place in the
+  step (``step_in_order``: each kernel of a step in launch order), which shows where within a layer it goes.
 
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/decode_graph_timeline.py``
 (NAME names the JSON: decode_graph_timeline by default)."""
@@ -30,14 +32,24 @@ from minillm.model import norm_folding  # noqa: E402
 
 ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 # name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
-DEFAULTS = {norm_folding: {"ENABLED": True}, paged_attention: {"DEFAULT_MERGE": "kernel"},
-            w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
+DEFAULTS = {norm_folding: {"ENABLED": True},
+            paged_attention: {"DEFAULT_MERGE": "kernel", "EARLY_MERGE": paged_attention.EARLY_MERGE,
+                              "EARLY_SPLIT": paged_attention.EARLY_SPLIT},
+            w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles,
+                             "choose_stages": w4_gemv_hopper.choose_stages}}
 
 
-def tiles_by_k(at_4096, otherwise):
-    """A W4A16 GEMV's tiles a program by its K: ``at_4096`` for K <= 4096 (q/k/v, o, gate/up), else ``otherwise``
-    (down_proj's 11008)."""
-    return lambda k: 1 if k <= 8 * w4_gemv_hopper.TILE_ROWS else at_4096 if k <= 4096 else otherwise
+LLAMA2_7B_PROJECTIONS = {(4096, 12288): "qkv", (4096, 4096): "o", (4096, 22016): "gate_up", (11008, 4096): "down"}
+
+
+def tiles_by_projection(**tiles):
+    """A W4A16 GEMV's tiles a program by the llama2-7b projection its K x N is (``tiles``: qkv, o, gate_up, down),
+    the shipped choice for the others; a pair (tiles, stages) puts them through a ring of that many buffers."""
+    shipped = w4_gemv_hopper.choose_tiles, w4_gemv_hopper.choose_stages
+    first = {name: pair[0] if isinstance(pair, tuple) else pair for name, pair in tiles.items()}
+    second = {name: pair[1] for name, pair in tiles.items() if isinstance(pair, tuple)}
+    return {"choose_tiles": lambda k, n: first.get(LLAMA2_7B_PROJECTIONS.get((k, n)), shipped[0](k, n)),
+            "choose_stages": lambda k, n, t: second.get(LLAMA2_7B_PROJECTIONS.get((k, n)), shipped[1](k, n, t))}
 
 
 ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
@@ -46,8 +58,23 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_
        "int4_tiles2": ("rtn-int4", {w4_gemv_hopper: {"TILES": 2}}),
        "int4_tiles4": ("rtn-int4", {w4_gemv_hopper: {"TILES": 4}}),
        "int4_tiles8": ("rtn-int4", {w4_gemv_hopper: {"TILES": 8}}),
-       "int4_tiles_4_down_2": ("rtn-int4", {w4_gemv_hopper: {"choose_tiles": tiles_by_k(4, 2)}}),
-       "int4_tiles_2_down_4": ("rtn-int4", {w4_gemv_hopper: {"choose_tiles": tiles_by_k(2, 4)}}),
+       "int4_tiles_4_down_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(down=2)}),
+       "int4_tiles_2_down_4": ("rtn-int4", {w4_gemv_hopper: {"TILES": 2, **tiles_by_projection(down=4)}}),
+       "int4_o_1": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1)}),
+       "int4_o_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2)}),
+       "int4_o_1_qkv_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1, qkv=2)}),
+       "int4_o_2_gate_up_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2, gate_up=2)}),
+       "int4_o_1_early_merge": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1),
+                                             paged_attention: {"EARLY_MERGE": True}}),
+       "int4_o_1_early_both": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1),
+                                            paged_attention: {"EARLY_MERGE": True, "EARLY_SPLIT": True}}),
+       "int4_o_1_gate_up_8_3": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1, gate_up=(8, 3))}),
+       "int4_o_1_gate_up_8_4": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1, gate_up=(8, 4))}),
+       "int4_o_1_gate_up_8_3_early_merge": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1, gate_up=(8, 3)),
+                                                         paged_attention: {"EARLY_MERGE": True}}),
+       "int4_o_1_gate_up_8_4_down_8_4": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(
+           o=1, gate_up=(8, 4), down=(8, 4))}),
+       "bf16_early_merge": (None, {paged_attention: {"EARLY_MERGE": True}}),
        "bf16": (None, {}), "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
 ENGINES = {name: ALL[name] for name in os.environ.get("VARIANTS", ",".join(ALL)).split(",")}
 
@@ -58,9 +85,9 @@ def build(quantization, settings):
             setattr(module, key, value)
     llm = LLM("llama2-7b", load_format="dummy", quantization=quantization, batching="continuous", max_num_seqs=1,
               num_kv_blocks=300, seed=0)  # bench_latency's graph (max_model_len 4096), a small cache each
-    llm.generate([list(range(100, 228))], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True),
-                 use_tqdm=False)  # the graph's buffers now hold a real step: 255 tokens of context, latency's mean
-    return llm, llm.engine.runner.graphs.graphs[1]
+    done = llm.generate([list(range(100, 228))], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True),
+                        use_tqdm=False)  # the graph's buffers now hold a real step: 255 tokens of context (latency's)
+    return llm, llm.engine.runner.graphs.graphs[1], list(done[0].outputs[0].token_ids)
 
 
 def replay_ms(graph, replays):
@@ -81,16 +108,26 @@ def timeline(graph):
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                       and "Memcpy" not in e.name and "Memset" not in e.name), key=lambda e: e.time_range.start)
     per_name = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    per_position = collections.defaultdict(lambda: [0.0, 0.0])  # a kernel's place in the step: (duration, increment)
+    steps = len(kernels) // PROFILED
     previous_end = None
-    for e in kernels:
+    for i, e in enumerate(kernels):
         row = per_name[e.name[:60]]
+        increment = 0.0 if previous_end is None else max(0.0, e.time_range.end - previous_end)
         row[0] += 1
         row[1] += e.time_range.end - e.time_range.start
-        row[2] += 0.0 if previous_end is None else max(0.0, e.time_range.end - previous_end)
+        row[2] += increment
         previous_end = max(previous_end or 0, e.time_range.end)
+        if steps and i // steps < PROFILED:
+            place = per_position[(i % steps, e.name[:40])]
+            place[0] += (e.time_range.end - e.time_range.start) / PROFILED
+            place[1] += increment / PROFILED
     rows = {name: {"per_step": n / PROFILED, "mean_us": dur / n, "increment_us_per_step": inc / PROFILED}
             for name, (n, dur, inc) in per_name.items()}
-    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["increment_us_per_step"]))
+    rows = dict(sorted(rows.items(), key=lambda kv: -kv[1]["increment_us_per_step"]))
+    # Every kernel of a step in launch order (duration and increment, us, averaged over the replays): where within
+    # a layer the time goes, e.g. which of its four GEMVs (the replay's first kernel's increment includes the gap).
+    return rows, [[name, round(dur, 2), round(inc, 2)] for (_, name), (dur, inc) in sorted(per_position.items())]
 
 
 engines = {name: build(*args) for name, args in ENGINES.items()}
@@ -105,6 +142,9 @@ mean = {name: sum(t) / len(t) for name, t in times.items()}
 for name in engines:
     print(f"{name}: {mean[name]:.4f} ms a token ({min(times[name]):.4f}-{max(times[name]):.4f})", flush=True)
 runs = {name: {"ms_per_token_rounds": times[name], "ms_per_token": mean[name]} for name in engines}
+for name, (_, _, tokens) in engines.items():  # launch order changes no result: the same greedy tokens as the first
+    same_quant = next(other for other in engines if ENGINES[other][0] == ENGINES[name][0])
+    runs[name]["tokens_as_" + same_quant] = tokens == engines[same_quant][2]
 for name in engines:  # speed-ups: ms a token of the bf16 engine (or the shipped INT4 one) over this one's
     if name.startswith("int4") and "bf16" in mean:
         runs[f"{name}_over_bf16"] = mean["bf16"] / mean[name]
@@ -115,14 +155,14 @@ if "bf16_last_split" in mean and "bf16" in mean:
 print({k: round(v, 4) for k, v in runs.items() if k.count("_over_")}, flush=True)
 for name in engines:
     try:
-        runs[name]["timeline"] = timeline(engines[name][1])
+        runs[name]["timeline"], runs[name]["step_in_order"] = timeline(engines[name][1])
         for kernel, row in list(runs[name]["timeline"].items())[:6]:
             print(name, f"{row['increment_us_per_step']:8.1f} us/step {row['per_step']:5.0f}x {row['mean_us']:6.2f} us",
                   kernel, flush=True)
     except Exception as error:  # the replay times stand without it
         runs[name]["timeline_error"] = repr(error)[:300]
         print(name, "timeline failed:", repr(error)[:300], flush=True)
-for llm, _ in engines.values():
+for llm, _, _ in engines.values():
     llm.close()
 gc.collect()
 save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "decode_graph_timeline"),

@@ -50,7 +50,7 @@ def main():
         dense = [torch.randn(k, n, dtype=torch.bfloat16, device=dev, generator=gen) for _ in range(copies)]
         want = w4a16_matmul_ref(x, *sets[0], group).float()
         out = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
-        default_tiles = w4_gemv_hopper.choose_tiles(k)
+        default_tiles = w4_gemv_hopper.choose_tiles(k, n)
         partials = torch.empty(128 * n, dtype=torch.float32, device=dev)
         row = {"k": k, "n": n, "group": group, "weight_copies": copies, "default_tiles": default_tiles}
 
