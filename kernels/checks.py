@@ -6,11 +6,19 @@ Imports no Triton, so the engine can ask ``interpreter_on()`` before deciding to
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The SMs of ``device``; one where there are none (the CPU, where Triton's interpreter runs): launch heuristics
+    that size grids by SMs then pick their smallest grid."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def interpreter_on() -> bool:

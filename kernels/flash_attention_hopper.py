@@ -50,6 +50,7 @@ import torch
 
 import triton
 
+from minillm.kernels.checks import num_sms
 from minillm.kernels.flash_attention_tma import not_describable
 
 try:
@@ -307,7 +308,7 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     n_tiles = -(-max_seqlen_q // BLOCK_M) * n_heads_total
     if n_tiles <= 0 or q.shape[0] == 0:  # nothing to attend (and no rows to describe)
         return out
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = num_sms(q.device)
     _hopper_attention_kernel[(min(n_tiles, sms),)](
         _descriptor(q, PART_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens_q, cu_seqlens_k,
         out.stride(0), out.stride(1), heads, kv_heads, n_heads_total, n_tiles, qk_scale,

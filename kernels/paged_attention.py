@@ -50,18 +50,17 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check_runnable
+from minillm.kernels.checks import FLOAT_DTYPES, check_runnable, num_sms
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode,
                                         per_token_codes, per_token_query, per_token_rows, per_token_scales,
                                         reads_int8_words, scale_heads, scale_strides, tile_channels)
 from minillm.kernels.int_float import int8_words_to_fp16
 from minillm.kernels.paged_attention_ref import split_partials_ref
 from minillm.kernels.paged_decode_hopper import int8_decode, use_hopper
-from minillm.kernels.pdl import let_next_start, supported as pdl_supported, wait_for_previous
 from minillm.kernels.rope_in_decode import check_new_kv, rope_and_store_new_kv
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE,
-                                         PagedAttentionWorkspace, _num_sms, choose_num_splits, merge_by_kernel,
+                                         PagedAttentionWorkspace, choose_num_splits, merge_by_kernel,
                                          merge_splits)
 from minillm.kv.quant import INT4_GROUP_SIZE
 
@@ -116,12 +115,6 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # The wrapper's default merge. "kernel" until an H200 sweep (figures/h200/sweeps/decode_merge.py) shows the
 # in-kernel merge is never slower; the lead flips it from that JSON.
 DEFAULT_MERGE = "kernel"
-# Programmatic dependent launch (pdl.py) in the decode step's attention, on a GPU that has it: EARLY_MERGE launches
-# the merge kernel early behind stage 1 (which lets it start), so that the GEMV behind the merge (o_proj, itself
-# launched early) issues its weight copies during stage 1; EARLY_SPLIT launches stage 1 early behind the kernel
-# ahead (it waits first thing).
-EARLY_MERGE = False
-EARLY_SPLIT = False
 
 
 # Arguments that change with the batch (table width, split count, workspace strides) are not
@@ -138,8 +131,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
-                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1, NEW_KV: tl.constexpr = False,
-                  LET_NEXT: tl.constexpr = False, WAIT: tl.constexpr = False):
+                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1, NEW_KV: tl.constexpr = False):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
     KV_QUANT: how K/V are stored (``kv_dequant.py``). INT8_WORDS: an int8 cache for a 16-bit q, read
     as int32 words of four codes, each word turned into four fp16s in the registers it was loaded into
@@ -155,8 +147,6 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     query heads (``rotated_halves`` with the row's Cos/Sin), and the program whose split holds position ctx - 1
     rotates the new k of its KV head and stores it and v (NewK, NewV [B, Hkv, D]) at slot Slots[b] before it reads
     its tiles."""
-    let_next_start(LET_NEXT)
-    wait_for_previous(WAIT)
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ContextLens + b)
     # Splits are whole tiles long (only a sequence's last tile is partial); from the length on the
@@ -357,7 +347,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # Counted in the Triton kernel's programs (one per KV head) for the Gluon kernel too, whose programs take a
         # pair: counting pairs gave B=64 two splits (two waves, 72 -> 82 us) and B=1 twice the splits (17.7 -> 20.3
         # us at 16k tokens) on the H200 (figures/h200/sweeps/decode_int8_gluon_run10.json).
-        num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, _num_sms(q.device))
+        num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     merge = DEFAULT_MERGE if merge is None else merge
@@ -402,8 +392,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     # The counters only exist where they are used: a graph captured with "kernel" never allocates them.
     counters = tile_counters(q.device) if mode == MERGE_LAST_SPLIT else lse
-    pdl = pdl_supported(q.device)
-    early_split, early_merge = pdl and EARLY_SPLIT, pdl and EARLY_MERGE and mode == MERGE_KERNEL
     # Without new_kv its arguments are never read (NEW_KV=False compiles no load of them).
     new_k, new_v, cos, sin, slots = new_kv if new_kv is not None else (q, q, q, q, context_lens)
     _split_kernel[(batch, kv_heads, num_splits)](
@@ -416,8 +404,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=reads_int8_words(q, k_cache, v_cache),
-        SCALE_HEADS=scale_heads(kv_heads, k_scale), LET_NEXT=early_merge, WAIT=early_split,
-        **launch, **({"launch_pdl": True} if early_split else {}))
+        SCALE_HEADS=scale_heads(kv_heads, k_scale), **launch)
     if mode == MERGE_KERNEL:
-        merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d, early=early_merge)
+        merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d)
     return out

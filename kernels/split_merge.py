@@ -19,13 +19,12 @@ How many splits (``choose_num_splits``) and where their partials live between th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.pdl import let_next_start, supported as pdl_supported, wait_for_previous
+from minillm.kernels.pdl import let_next_start, supported as pdl_supported
 
 # Who merges the splits (the MERGE constexpr of paged_attention._split_kernel): nobody (one split writes
 # the output), a second kernel (_merge_kernel), or the last split program of each (sequence, KV head).
@@ -76,10 +75,9 @@ def merge_splits(part_ptrs, lse_ptrs, num_splits, stride_ps, row_ok, mask):
                                "stride_ob", "stride_oh"])
 def _merge_kernel(O_part, Lse, Out, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Stage 2 (merge="kernel"): program (b, h) merges the num_splits partials of one query head."""
     let_next_start(PDL)  # o_proj's GEMV may start warming L2 now (pdl.py)
-    wait_for_previous(EARLY)
     b = tl.program_id(0)
     row = tl.arange(0, 1)  # one row, for merge_splits's [rows, BLOCK_D] tiles; its mask folds to true
     head = tl.program_id(1) + row
@@ -93,14 +91,13 @@ def _merge_kernel(O_part, Lse, Out, num_splits,
 
 def merge_by_kernel(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int,
                     partial_strides: tuple[int, int, int], lse_strides: tuple[int, int], head_dim: int,
-                    block_d: int, early: bool = False) -> None:
+                    block_d: int) -> None:
     """Launch stage 2 over ``out`` [B, H, D]: ``partial`` (strides per batch, head, split) and ``lse``
     (per batch, head; splits contiguous) hold stage 1's results."""
     batch, heads = out.shape[:2]
     _merge_kernel[(batch, heads)](
         partial, lse, out, num_splits, *partial_strides, *lse_strides, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl_supported(out.device), EARLY=early,
-        **({"num_warps": 1} if out.is_cuda else {}), **({"launch_pdl": True} if early else {}))
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl_supported(out.device), **({"num_warps": 1} if out.is_cuda else {}))
 
 
 @dataclass
@@ -130,9 +127,3 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     programs = batch * num_kv_heads
     wanted = triton.cdiv(2 * num_sms, programs)
     return max(1, min(wanted, max_context // min_split_tokens))
-
-
-@lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    # No SMs under the interpreter: one, so that num_splits=None means no split on the CPU.
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1

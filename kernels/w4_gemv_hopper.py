@@ -59,6 +59,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from minillm.kernels.checks import num_sms
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
 from minillm.kernels.pdl import supported as pdl_supported
@@ -86,6 +87,12 @@ GROUP_SIZES = (64, 128)
 # 1.915, 8 tiles 2.882; 4 at K = 4096 and 2 at 11008 1.834, the other way round 1.840:
 # figures/h200/sweeps/decode_graph_tiles.json, decode_graph_variants.json).
 TILES = 4
+# Programs an SM below which a GEMV takes fewer tiles a program. Llama-2-7B's o_proj (4096 x 4096) at 4 tiles is 128
+# programs, one an SM of 4 warps, whose math and fix-up after the wait nothing hides; at 1 tile, 512: 1.7731 against
+# 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
+# qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
+MIN_PROGRAMS_PER_SM = 2
+H200_SMS = 132  # (the default where no device is at hand: the sweeps')
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
 
 
@@ -141,14 +148,13 @@ def use_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     return reason is None
 
 
-def choose_tiles(k: int, n: int) -> int:
-    """Tiles a program for a K x N weight: TILES, or 1 where K is one tile."""
-    return 1 if k <= 8 * TILE_ROWS else TILES
-
-
-def choose_stages(k: int, n: int, tiles: int) -> int:
-    """Tiles of a program in shared memory at once for a K x N weight: all of them."""
-    return tiles
+def choose_tiles(k: int, n: int, sms: int = H200_SMS) -> int:
+    """Tiles a program for a K x N weight on a GPU of ``sms`` SMs: TILES, halved while that leaves fewer than
+    MIN_PROGRAMS_PER_SM programs an SM (and 1 where K is one tile)."""
+    tiles = TILES
+    while tiles > 1 and -(-n // BLOCK_N) * -(-k // (8 * TILE_ROWS * tiles)) < MIN_PROGRAMS_PER_SM * sms:
+        tiles //= 2
+    return 1 if k <= 8 * TILE_ROWS else tiles
 
 
 if GLUON_USABLE:
@@ -256,11 +262,9 @@ if GLUON_USABLE:
 
     @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
-                        TILES: gl.constexpr, STAGES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr,
-                        GATED: gl.constexpr, RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr,
-                        SUMSQ_TILES: gl.constexpr):
-        """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards, its tiles
-        copied into a ring of STAGES buffers (STAGES = TILES: all at once, no refill). ADD: y is
+                        TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
+        """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
         R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
         the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``)."""
         WARPS_: gl.constexpr = gl.num_warps()
@@ -270,17 +274,22 @@ if GLUON_USABLE:
         n0 = tile_n * _BLOCK_N
         first_row = split * (TILES * _TILE_ROWS)
 
-        # The first STAGES tiles' copies first: weights, scales and zero points of tile t land on barrier t % STAGES.
-        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_ROWS, _BLOCK_N], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, GROUPS, _BLOCK_N], s_desc.layout)
-        z_smem = gl.allocate_shared_memory(gl.int8, [STAGES, GROUPS, _BLOCK_N // 2], z_desc.layout)
-        landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for t in gl.static_range(STAGES):
+        # Every tile's copies first: weights, scales and zero points of tile t land on barrier t.
+        w_smem = gl.allocate_shared_memory(gl.int32, [TILES, _TILE_ROWS, _BLOCK_N], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [TILES, GROUPS, _BLOCK_N], s_desc.layout)
+        z_smem = gl.allocate_shared_memory(gl.int8, [TILES, GROUPS, _BLOCK_N // 2], z_desc.layout)
+        landed = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
+        for t in gl.static_range(TILES):
             mbarrier.init(landed.index(t), count=1)
         fence_async_shared()
-        for t in gl.static_range(STAGES):
-            _copy_tile(w_desc, s_desc, z_desc, first_row + t * _TILE_ROWS, n0, K_ROWS, GROUP_ROWS, landed.index(t),
-                       w_smem.index(t), s_smem.index(t), z_smem.index(t))
+        for t in gl.static_range(TILES):
+            row = first_row + t * _TILE_ROWS
+            if row < K_ROWS:
+                mbarrier.expect(landed.index(t), w_desc.block_type.nbytes + s_desc.block_type.nbytes
+                                + z_desc.block_type.nbytes)
+                tma_load(w_desc, [row, n0], landed.index(t), w_smem.index(t))
+                tma_load(s_desc, [row // GROUP_ROWS, n0], landed.index(t), s_smem.index(t))
+                tma_load(z_desc, [row // GROUP_ROWS, n0 // 2], landed.index(t), z_smem.index(t))
         # The next GEMV, if launched early (the gated down_proj behind gate_up), takes SM slots as programs here end
         # and issues its copies during this kernel's tail (fix-up, last tiles' math), as a norm ahead of it lets it.
         _let_next_start(PDL)
@@ -295,38 +304,23 @@ if GLUON_USABLE:
         bytes_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS_], [1, 0])  # a thread's byte: 2 columns
         out = gl.zeros([_BLOCK_N], gl.float32, layout=cols_l)
         for t in gl.static_range(TILES):
-            slot = t % STAGES
             if first_row + t * _TILE_ROWS < K_ROWS:
-                mbarrier.wait(landed.index(slot), (t // STAGES) % 2)
+                mbarrier.wait(landed.index(t), 0)
                 for g in gl.static_range(GROUPS):
                     # (Rows of one: an NVMMA-laid buffer keeps its rank; the sums over them only drop the axis.)
-                    scale = gl.sum(s_smem.index(slot).slice(g, 1).load(tile_l).to(gl.float32), axis=0)
-                    z_byte = gl.sum(z_smem.index(slot).slice(g, 1).load(bytes_l).to(gl.int32) & 255, axis=0)
+                    scale = gl.sum(s_smem.index(t).slice(g, 1).load(tile_l).to(gl.float32), axis=0)
+                    z_byte = gl.sum(z_smem.index(t).slice(g, 1).load(bytes_l).to(gl.int32) & 255, axis=0)
                     z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [_BLOCK_N]), cols_l)
                     x_sum = gl.sum(sums.slice(t * _TILE_ROWS + g * GROUP_ROWS, GROUP_ROWS).load(
                         gl.BlockedLayout([GROUP_ROWS], [32], [WARPS_], [0])), axis=0)
                     part = gl.zeros([_BLOCK_N], gl.float32, layout=cols_l)
                     for sub in gl.static_range(GROUP_ROWS // _SUB_ROWS):
-                        part += _tile_sum(w_smem.index(slot), g * GROUP_ROWS + sub * _SUB_ROWS, pairs,
+                        part += _tile_sum(w_smem.index(t), g * GROUP_ROWS + sub * _SUB_ROWS, pairs,
                                           t * _TILE_ROWS + g * GROUP_ROWS + sub * _SUB_ROWS, tile_l, RUN)
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
-            if t + STAGES < TILES:  # the ring: tile t + STAGES into the buffers every warp has now read
-                warps_barrier()
-                _copy_tile(w_desc, s_desc, z_desc, first_row + (t + STAGES) * _TILE_ROWS, n0, K_ROWS, GROUP_ROWS,
-                           landed.index(slot), w_smem.index(slot), s_smem.index(slot), z_smem.index(slot))
 
         _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_, ADD)
-
-    @gluon.jit
-    def _copy_tile(w_desc, s_desc, z_desc, row, n0, K_ROWS, GROUP_ROWS: gl.constexpr, landed, w_buf, s_buf, z_buf):
-        """The TMA copies of the tile from packed row ``row``, column n0 (weights, scales, zero points) into the
-        buffers, completing on ``landed``; none past K."""
-        if row < K_ROWS:
-            mbarrier.expect(landed, w_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
-            tma_load(w_desc, [row, n0], landed, w_buf)
-            tma_load(s_desc, [row // GROUP_ROWS, n0], landed, s_buf)
-            tma_load(z_desc, [row // GROUP_ROWS, n0 // 2], landed, z_buf)
 
     @gluon.jit
     def _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr):
@@ -388,7 +382,7 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
             out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
             tiles: int | None = None, gated: bool = False, run: int = RUN, residual: torch.Tensor | None = None,
-            sumsq: torch.Tensor | None = None, norm: Norm | None = None, stages: int | None = None) -> None:
+            sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
     fp32, at least ``splits_needed(K, N, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
     for sweeps): by default ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
@@ -396,13 +390,9 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     input silu(gate) * up; ``residual`` [1, N] with ``sumsq`` (fp32, cdiv(N, 256)): out = residual + y, and sumsq
     its sums of squares per column tile; ``norm``: x is the row s and the product's input RMSNorm(s)."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
-    tiles = tiles or choose_tiles(k, n)
-    stages = stages or choose_stages(k, n, tiles)
-    if tiles not in (1, 2, 4, 8, 16):
-        raise ValueError(f"tiles must be 1, 2, 4, 8 or 16 (a power of two), got {tiles}")
-    if not 1 <= stages <= min(tiles, 8):
-        raise ValueError(f"stages (tiles in shared memory at once, 16 KB each) must lie in 1 .. min(tiles, 8) = "
-                         f"{min(tiles, 8)}, got {stages}")
+    tiles = tiles or choose_tiles(k, n, num_sms(x.device))
+    if tiles not in (1, 2, 4, 8):
+        raise ValueError(f"tiles must be 1, 2, 4 or 8 (a power of two, 16 KB of shared memory each), got {tiles}")
     if run not in (1, 2):
         raise ValueError(f"run must be 1 or 2 (packed rows a 16-bit sum; longer runs lose accuracy), got {run}")
     if (residual is None) != (sumsq is None):
@@ -410,7 +400,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if sumsq is not None and (sumsq.dtype != torch.float32 or sumsq.numel() < -(-n // SUMSQ_COLUMNS)):
         raise ValueError(f"sumsq must hold cdiv(N, {SUMSQ_COLUMNS}) = {-(-n // SUMSQ_COLUMNS)} fp32, got "
                          f"{sumsq.dtype} {tuple(sumsq.shape)}")
-    splits = splits_needed(k, n, tiles)
+    splits = splits_needed(k, n, tiles, num_sms(x.device))
     if splits > 1 and partials.numel() < splits * n:
         raise ValueError(f"partials holds {partials.numel()} floats; {splits} splits x N = {n} need {splits * n}")
     grid = (-(-n // BLOCK_N), splits)
@@ -421,8 +411,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     normed = (norm.weight.view(torch.int32), norm.sumsq, norm.eps) if norm else (words, partials, 0.0)
     sumsq_tiles = triton.next_power_of_2(-(-k // SUMSQ_COLUMNS)) if norm else 1
     _w4_gemv_kernel[grid](words, *_descriptors(qweight, scales, zeros, group), out, partials, counters,
-                          n, k // 8, *added, *normed, TILES=tiles, STAGES=stages, GROUP_ROWS=group // 8, PDL=pdl,
-                          GATED=gated,
+                          n, k // 8, *added, *normed, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated,
                           RUN=run, ADD=residual is not None, NORMED=norm is not None, SUMSQ_TILES=sumsq_tiles,
                           num_warps=WARPS, launch_pdl=pdl)
 
@@ -433,13 +422,13 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
     where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
-    splits = splits_needed(k, n)
+    splits = splits_needed(k, n, sms=num_sms(x.device))
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),
             gated=gated, residual=residual, sumsq=sumsq, norm=norm)
 
 
-def splits_needed(k: int, n: int, tiles: int | None = None) -> int:
-    """The splits ``w4_gemv`` launches at ``tiles`` a program (default: ``choose_tiles``): the partials it needs are
-    this times N floats."""
-    return -(-k // (8 * TILE_ROWS * (tiles or choose_tiles(k, n))))
+def splits_needed(k: int, n: int, tiles: int | None = None, sms: int = H200_SMS) -> int:
+    """The splits ``w4_gemv`` launches for a K x N weight at ``tiles`` a program (default: ``choose_tiles`` for
+    ``sms`` SMs): the partials it needs are this times N floats."""
+    return -(-k // (8 * TILE_ROWS * (tiles or choose_tiles(k, n, sms))))

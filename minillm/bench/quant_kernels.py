@@ -77,6 +77,7 @@ def bytes_moved(fmt: str, shape: QuantShape, element_size: int) -> int:
 def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dtype, bandwidth_gbs: float) -> dict:
     from minillm.kernels.quant_matmul import DEQUANT_MIN_M, GEMV_MAX_M, autotuned_config, w4a16_matmul, \
         w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref
+    from minillm.kernels.checks import num_sms
     from minillm.kernels.w4_gemv_hopper import choose_tiles, use_hopper
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -109,8 +110,9 @@ def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dty
         for path in paths:
             run = timed(fmt, path)
             run["speedup"] = row["torch"]["ms"] / run["ms"]
+            tiles = choose_tiles(shape.k, shape.n, num_sms(device))
             run["config"] = "dequantize + cuBLAS" if path == "dequant" else \
-                f"Gluon (w4_gemv_hopper.py), {choose_tiles(shape.k, shape.n)} tiles a program" if gluon and path == "gemv" else \
+                f"Gluon (w4_gemv_hopper.py), {tiles} tiles a program" if gluon and path == "gemv" else \
                 autotuned_config(fmt[:2], path.removesuffix("_triton")) if device.type == "cuda" else \
                 "interpreter (pinned)"
             error = (calls[fmt](*sets[0][fmt], path=path).float() - ref.float()).abs().max()

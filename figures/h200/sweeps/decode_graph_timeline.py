@@ -4,8 +4,8 @@ Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms fo
 ``model/norm_folding.py``), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with the decode attention's splits merged
 by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
 GEMV program (``w4_gemv_hopper.TILES``; 2 won on cold standalone calls), or other counts for some of a layer's four
-projections (``choose_tiles``: down_proj 2 and the others 4, the other way round, o_proj 1 or 2 ...); bf16, and bf16
-merged in the last split.
+projections (``choose_tiles``, which gives o_proj 1 and the others 4: o_proj 4 as before session 22, down_proj 2 and
+the others 4, the other way round ...); bf16, and bf16 merged in the last split.
 
 - **GPU time a token:** the engines' batch-1 decode graphs replayed back to back (no host work between replays:
   what the GPU alone takes a token), in interleaved rounds ABC CBA ..., so that a drift weighs on all alike.
@@ -32,11 +32,8 @@ from minillm.model import norm_folding  # noqa: E402
 
 ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 # name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
-DEFAULTS = {norm_folding: {"ENABLED": True},
-            paged_attention: {"DEFAULT_MERGE": "kernel", "EARLY_MERGE": paged_attention.EARLY_MERGE,
-                              "EARLY_SPLIT": paged_attention.EARLY_SPLIT},
-            w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles,
-                             "choose_stages": w4_gemv_hopper.choose_stages}}
+DEFAULTS = {norm_folding: {"ENABLED": True}, paged_attention: {"DEFAULT_MERGE": "kernel"},
+            w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
 
 
 LLAMA2_7B_PROJECTIONS = {(4096, 12288): "qkv", (4096, 4096): "o", (4096, 22016): "gate_up", (11008, 4096): "down"}
@@ -44,12 +41,9 @@ LLAMA2_7B_PROJECTIONS = {(4096, 12288): "qkv", (4096, 4096): "o", (4096, 22016):
 
 def tiles_by_projection(**tiles):
     """A W4A16 GEMV's tiles a program by the llama2-7b projection its K x N is (``tiles``: qkv, o, gate_up, down),
-    the shipped choice for the others; a pair (tiles, stages) puts them through a ring of that many buffers."""
-    shipped = w4_gemv_hopper.choose_tiles, w4_gemv_hopper.choose_stages
-    first = {name: pair[0] if isinstance(pair, tuple) else pair for name, pair in tiles.items()}
-    second = {name: pair[1] for name, pair in tiles.items() if isinstance(pair, tuple)}
-    return {"choose_tiles": lambda k, n: first.get(LLAMA2_7B_PROJECTIONS.get((k, n)), shipped[0](k, n)),
-            "choose_stages": lambda k, n, t: second.get(LLAMA2_7B_PROJECTIONS.get((k, n)), shipped[1](k, n, t))}
+    the shipped choice for the others."""
+    shipped = w4_gemv_hopper.choose_tiles
+    return {"choose_tiles": lambda k, n, sms: tiles.get(LLAMA2_7B_PROJECTIONS.get((k, n)), shipped(k, n, sms))}
 
 
 ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
@@ -58,23 +52,12 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_
        "int4_tiles2": ("rtn-int4", {w4_gemv_hopper: {"TILES": 2}}),
        "int4_tiles4": ("rtn-int4", {w4_gemv_hopper: {"TILES": 4}}),
        "int4_tiles8": ("rtn-int4", {w4_gemv_hopper: {"TILES": 8}}),
-       "int4_tiles_4_down_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(down=2)}),
-       "int4_tiles_2_down_4": ("rtn-int4", {w4_gemv_hopper: {"TILES": 2, **tiles_by_projection(down=4)}}),
-       "int4_o_1": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1)}),
+       "int4_tiles_4_down_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=4, down=2)}),
+       "int4_tiles_2_down_4": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=2, o=2, gate_up=2, down=4)}),
+       "int4_o_4": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=4)}),
        "int4_o_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2)}),
-       "int4_o_1_qkv_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1, qkv=2)}),
+       "int4_qkv_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=2)}),
        "int4_o_2_gate_up_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2, gate_up=2)}),
-       "int4_o_1_early_merge": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1),
-                                             paged_attention: {"EARLY_MERGE": True}}),
-       "int4_o_1_early_both": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1),
-                                            paged_attention: {"EARLY_MERGE": True, "EARLY_SPLIT": True}}),
-       "int4_o_1_gate_up_8_3": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1, gate_up=(8, 3))}),
-       "int4_o_1_gate_up_8_4": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1, gate_up=(8, 4))}),
-       "int4_o_1_gate_up_8_3_early_merge": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=1, gate_up=(8, 3)),
-                                                         paged_attention: {"EARLY_MERGE": True}}),
-       "int4_o_1_gate_up_8_4_down_8_4": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(
-           o=1, gate_up=(8, 4), down=(8, 4))}),
-       "bf16_early_merge": (None, {paged_attention: {"EARLY_MERGE": True}}),
        "bf16": (None, {}), "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
 ENGINES = {name: ALL[name] for name in os.environ.get("VARIANTS", ",".join(ALL)).split(",")}
 

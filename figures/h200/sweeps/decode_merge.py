@@ -17,6 +17,7 @@ import torch
 from minillm.bench.harness import result_header
 from minillm.bench.kernels import paged_copy, time_ms
 from minillm.kernels import paged_attention as pa
+from minillm.kernels.checks import num_sms
 from minillm.kv.quant import quantize_kv
 
 OUT = os.environ.get("OUT", "/tmp/out"); dev = torch.device(os.environ.get("DEV", "cuda"))
@@ -42,7 +43,7 @@ for kv, H, Hkv, B, S, width in cases:
     scales = {}
     if kv != "auto":
         k_pool, ks = quantize_kv(k_pool, kv); v_pool, vs = quantize_kv(v_pool, kv); scales = dict(k_scale=ks, v_scale=vs)
-    splits = pa.choose_num_splits(B, Hkv, width, pa._num_sms(dev)) if not SMALL else 3
+    splits = pa.choose_num_splits(B, Hkv, width, num_sms(dev)) if not SMALL else 3
     ref = pa.paged_decode_attention_ref(q, k_pool, v_pool, tables, lens, **scales).float()
     ws = pa.PagedAttentionWorkspace.allocate(B, H, D, splits, dev)
     outs = {m: torch.full_like(q, float("nan")) for m in pa.MERGES}

@@ -23,6 +23,7 @@ from minillm.bench.kernels import time_interleaved  # noqa: E402
 from minillm.bench.quant_kernels import QuantShape, _copies, bytes_moved  # noqa: E402
 from minillm.bench.roofline import measure_bandwidth  # noqa: E402
 from minillm.kernels import w4_gemv_fused, w4_gemv_hopper  # noqa: E402
+from minillm.kernels.checks import num_sms  # noqa: E402
 from minillm.kernels.fused_layer_ops import silu_and_mul  # noqa: E402
 from minillm.kernels.quant_matmul import pack_int4, pack_int4_along_n, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 from minillm.kernels.split_k import tile_counters  # noqa: E402
@@ -50,7 +51,7 @@ def main():
         dense = [torch.randn(k, n, dtype=torch.bfloat16, device=dev, generator=gen) for _ in range(copies)]
         want = w4a16_matmul_ref(x, *sets[0], group).float()
         out = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
-        default_tiles = w4_gemv_hopper.choose_tiles(k, n)
+        default_tiles = w4_gemv_hopper.choose_tiles(k, n, num_sms(dev))
         partials = torch.empty(128 * n, dtype=torch.float32, device=dev)
         row = {"k": k, "n": n, "group": group, "weight_copies": copies, "default_tiles": default_tiles}
 
