@@ -117,6 +117,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # The wrapper's default merge. "kernel" until an H200 sweep (figures/h200/sweeps/decode_merge.py) shows the
 # in-kernel merge is never slower; the lead flips it from that JSON.
 DEFAULT_MERGE = "kernel"
+# With the merge deferred to the kernel behind (o_proj's GEMV), stage 1 lets that kernel start early (pdl.py).
+DEFERRED_MERGE_STARTS_NEXT = True
 
 
 # Arguments that change with the batch (table width, split count, workspace strides) are not
@@ -417,7 +419,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=reads_int8_words(q, k_cache, v_cache),
-        SCALE_HEADS=scale_heads(kv_heads, k_scale), LET_NEXT=defer_merge and pdl_supported(q.device), **launch)
+        SCALE_HEADS=scale_heads(kv_heads, k_scale), LET_NEXT=defer_merge and DEFERRED_MERGE_STARTS_NEXT and pdl_supported(q.device),
+        **launch)
     if defer_merge:
         return Merge(partial, lse)
     if mode == MERGE_KERNEL:

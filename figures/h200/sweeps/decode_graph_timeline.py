@@ -33,7 +33,8 @@ from minillm.model import norm_folding  # noqa: E402
 
 ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 # name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
-DEFAULTS = {norm_folding: {"ENABLED": True, "MERGE_ENABLED": True}, paged_attention: {"DEFAULT_MERGE": "kernel"},
+DEFAULTS = {norm_folding: {"ENABLED": True, "MERGE_ENABLED": True},
+            paged_attention: {"DEFAULT_MERGE": "kernel", "DEFERRED_MERGE_STARTS_NEXT": True},
             w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
 
 
@@ -49,6 +50,7 @@ def tiles_by_projection(**tiles):
 
 ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
        "int4_merge_kernel": ("rtn-int4", {norm_folding: {"MERGE_ENABLED": False}}),
+       "int4_merge_late_start": ("rtn-int4", {paged_attention: {"DEFERRED_MERGE_STARTS_NEXT": False}}),
        "int4_last_split": ("rtn-int4", {paged_attention: {"DEFAULT_MERGE": "last_split"}}),
        "int4_tiles1": ("rtn-int4", {w4_gemv_hopper: {"TILES": 1}}),
        "int4_tiles2": ("rtn-int4", {w4_gemv_hopper: {"TILES": 2}}),
