@@ -419,8 +419,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=reads_int8_words(q, k_cache, v_cache),
-        SCALE_HEADS=scale_heads(kv_heads, k_scale), LET_NEXT=defer_merge and DEFERRED_MERGE_STARTS_NEXT and pdl_supported(q.device),
-        **launch)
+        SCALE_HEADS=scale_heads(kv_heads, k_scale),
+        LET_NEXT=defer_merge and DEFERRED_MERGE_STARTS_NEXT and pdl_supported(q.device), **launch)
     if defer_merge:
         return Merge(partial, lse)
     if mode == MERGE_KERNEL:
