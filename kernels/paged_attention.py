@@ -57,13 +57,11 @@ from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequan
 from minillm.kernels.int_float import int8_words_to_fp16
 from minillm.kernels.paged_attention_ref import split_partials_ref
 from minillm.kernels.paged_decode_hopper import int8_decode, use_hopper
-from minillm.kernels.pdl import let_next_start, supported as pdl_supported
 from minillm.kernels.rope_in_decode import check_new_kv, rope_and_store_new_kv
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE,
                                          PagedAttentionWorkspace, choose_num_splits, merge_by_kernel,
                                          merge_splits)
-from minillm.kernels.w4_gemv_merge import Merge
 from minillm.kv.quant import INT4_GROUP_SIZE
 
 _LN2 = tl.constexpr(math.log(2.0))
@@ -117,8 +115,6 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # The wrapper's default merge. "kernel" until an H200 sweep (figures/h200/sweeps/decode_merge.py) shows the
 # in-kernel merge is never slower; the lead flips it from that JSON.
 DEFAULT_MERGE = "kernel"
-# With the merge deferred to the kernel behind (o_proj's GEMV), stage 1 lets that kernel start early (pdl.py).
-DEFERRED_MERGE_STARTS_NEXT = True
 
 
 # Arguments that change with the batch (table width, split count, workspace strides) are not
@@ -135,8 +131,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
-                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1, NEW_KV: tl.constexpr = False,
-                  LET_NEXT: tl.constexpr = False):
+                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1, NEW_KV: tl.constexpr = False):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
     KV_QUANT: how K/V are stored (``kv_dequant.py``). INT8_WORDS: an int8 cache for a 16-bit q, read
     as int32 words of four codes, each word turned into four fp16s in the registers it was loaded into
@@ -151,9 +146,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     and this kernel does ``kv_store.rope_store_kv``'s work for its rows, with its arithmetic: each program rotates its
     query heads (``rotated_halves`` with the row's Cos/Sin), and the program whose split holds position ctx - 1
     rotates the new k of its KV head and stores it and v (NewK, NewV [B, Hkv, D]) at slot Slots[b] before it reads
-    its tiles. LET_NEXT: the kernel behind, if launched early (pdl.py: o_proj's GEMV, merging the splits itself), may
-    start now."""
-    let_next_start(LET_NEXT)
+    its tiles."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ContextLens + b)
     # Splits are whole tiles long (only a sequence's last tile is partial); from the length on the
@@ -311,7 +304,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            workspace: PagedAttentionWorkspace | None = None, merge: str | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, hopper: bool | None = None,
-                           new_kv: tuple | None = None, defer_merge: bool = False) -> torch.Tensor | Merge:
+                           new_kv: tuple | None = None) -> torch.Tensor:
     """softmax(q K^T * scale) V for one new token per sequence over the paged cache -> out [B, H, D].
 
     ``scale`` defaults to head_dim ** -0.5; ``num_splits`` to ``choose_num_splits`` on this GPU.
@@ -337,11 +330,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     unquantized cache: q and the new k arrive without RoPE, and the kernel applies it and stores k and v itself, as
     ``kv_store.rope_store_kv`` would have first (``rope_in_decode.py``). The pools get the same bits; on a GPU the
     output may differ in its last bit (seen on the H200 at 32 query heads; at the tests' shapes they are equal).
-
-    ``defer_merge`` (with ``merge="kernel"``): where there are splits to merge, return them unmerged
-    (``w4_gemv_merge.Merge``: the workspace's partials and log-sum-exps) for the kernel behind to merge, and launch no
-    merge kernel (``out`` is left unwritten); stage 1 then lets that kernel start early (``pdl.py``). With one split
-    the output is written and returned as always.
     """
     quant = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
     if new_kv is not None:
@@ -400,13 +388,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         int8_decode(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, partial, lse, partial_strides,
                     lse_strides, num_splits, scale * math.log2(math.e))
         if num_splits > 1:
-            if defer_merge:
-                return Merge(partial, lse)
             merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d)
         return out
     # The counters only exist where they are used: a graph captured with "kernel" never allocates them.
     counters = tile_counters(q.device) if mode == MERGE_LAST_SPLIT else lse
-    defer_merge = defer_merge and mode == MERGE_KERNEL
     # Without new_kv its arguments are never read (NEW_KV=False compiles no load of them).
     new_k, new_v, cos, sin, slots = new_kv if new_kv is not None else (q, q, q, q, context_lens)
     _split_kernel[(batch, kv_heads, num_splits)](
@@ -419,10 +404,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=reads_int8_words(q, k_cache, v_cache),
-        SCALE_HEADS=scale_heads(kv_heads, k_scale),
-        LET_NEXT=defer_merge and DEFERRED_MERGE_STARTS_NEXT and pdl_supported(q.device), **launch)
-    if defer_merge:
-        return Merge(partial, lse)
+        SCALE_HEADS=scale_heads(kv_heads, k_scale), **launch)
     if mode == MERGE_KERNEL:
         merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d)
     return out

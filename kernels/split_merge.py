@@ -77,7 +77,7 @@ def _merge_kernel(O_part, Lse, Out, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Stage 2 (merge="kernel"): program (b, h) merges the num_splits partials of one query head."""
-    let_next_start(PDL)  # o_proj's GEMV may start its weights' copies now (pdl.py)
+    let_next_start(PDL)  # o_proj's GEMV may start warming L2 now (pdl.py)
     b = tl.program_id(0)
     row = tl.arange(0, 1)  # one row, for merge_splits's [rows, BLOCK_D] tiles; its mask folds to true
     head = tl.program_id(1) + row

@@ -1,7 +1,6 @@
 """A batch-1 decoder layer's INT4 GEMV with what surrounds it folded in, from Python: ``fused_gemv`` runs
 ``w4_gemv_hopper``'s kernel with SiLU-and-multiply applied to its input (the MLP's down projection), the RMSNorm ahead
-of it applied to its input, the attention's merge computed as its input is read (``w4_gemv_merge.py``), or the
-residual added to its output (``w4_gemv_norms.py``), and ``fused_unsupported``
+of it applied to its input, or the residual added to its output (``w4_gemv_norms.py``), and ``fused_unsupported``
 says why it cannot. ``QuantLinear`` calls them; each form is tested against the unfused kernels it replaces
 (tests/kernels/test_w4_gemv_hopper.py, test_w4_gemv_norms.py).
 """
@@ -10,24 +9,21 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kernels.checks import num_sms
 from minillm.kernels.int4_dequantize import check_int4_layout
-from minillm.kernels.w4_gemv_hopper import choose_tiles, gemv, unsupported
-from minillm.kernels.w4_gemv_merge import Merge, merge_unsupported
+from minillm.kernels.w4_gemv_hopper import gemv, unsupported
 from minillm.kernels.w4_gemv_norms import SUMSQ_COLUMNS, Norm
 
 
 def fused_unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       group_size: int, gated: bool = False, residual: torch.Tensor | None = None,
-                      norm: Norm | None = None, merge: Merge | None = None) -> str | None:
+                      norm: Norm | None = None) -> str | None:
     """Why ``fused_gemv`` cannot take this row and INT4 weight (``QuantLinear``'s layout, checked here too), or None
     if it can."""
-    return _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm, merge)[0]
+    return _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm)[0]
 
 
 def _fused_check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 gated: bool, residual: torch.Tensor | None, norm: Norm | None,
-                 merge: Merge | None) -> tuple[str | None, int]:
+                 gated: bool, residual: torch.Tensor | None, norm: Norm | None) -> tuple[str | None, int]:
     """(``fused_unsupported``'s answer, the group size the launch takes): the layout is checked once."""
     try:
         k, n, group = check_int4_layout(qweight, scales, zeros, group_size, x)
@@ -37,15 +33,8 @@ def _fused_check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x.dim() < 1 or x.shape[-1] != width or x.numel() != width:
         return f"it takes one {'gate_up row of 2K' if gated else 'row of K'} = {width} inputs, not shape " \
                f"{tuple(x.shape)}", group
-    if (gated, norm is not None, merge is not None).count(True) > 1:
-        return "it applies one of SiLU-and-multiply, a norm and the attention's merge to x, not more", group
-    if merge is not None:
-        reason = merge_unsupported(merge, k, x.device)
-        if reason:
-            return reason, group
-        if choose_tiles(k, n, num_sms(x.device)) != 1:
-            return f"it merges the attention's partials at one tile a program (a head's inputs), but K x N = {k} x " \
-                   f"{n} takes {choose_tiles(k, n, num_sms(x.device))}", group
+    if gated and norm is not None:
+        return "it applies SiLU-and-multiply to x or normalises it, not both", group
     if residual is not None and (residual.shape[-1] != n or residual.numel() != n or residual.dtype != x.dtype
                                  or residual.device != x.device or not residual.is_contiguous()):
         return f"it adds one contiguous {x.dtype} residual row of N = {n} on {x.device}, not " \
@@ -63,22 +52,19 @@ def _fused_check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 
 def fused_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               gated: bool = False, residual: torch.Tensor | None = None, norm: Norm | None = None,
-               merge: Merge | None = None):
+               gated: bool = False, residual: torch.Tensor | None = None, norm: Norm | None = None):
     """x @ W for one row x [..., K] of a batch-1 decoder layer, with what surrounds the product folded in:
     ``gated``: x is the MLP's gate_up row [..., 2K] (K gates, then K ups) and the product's input silu(gate) * up,
     bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV (one kernel where there were two; ``gemv.py``
     does the same for bf16 weights); ``norm``: x is the residual stream's row s and the input RMSNorm(s);
     ``residual`` [..., N]: returns (residual + x @ W [..., N], its sums of squares per 256 columns [cdiv(N, 256)],
-    fp32) instead of y [..., N] (``w4_gemv_norms.py``: the norm between two GEMVs folded into them); ``merge``: the
-    product's input is the decode attention's output merged from its splits' partials, and x only the buffer [..., K]
-    the merged row would have been written to, unread (``w4_gemv_merge.py``)."""
-    reason, group = _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm, merge)
+    fp32) instead of y [..., N] (``w4_gemv_norms.py``: the norm between two GEMVs folded into them)."""
+    reason, group = _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm)
     if reason:
         raise ValueError(f"the Gluon W4A16 GEMV cannot run these inputs: {reason}")
     n = qweight.shape[1]
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     sumsq = None if residual is None else torch.empty(-(-n // SUMSQ_COLUMNS), dtype=torch.float32, device=x.device)
     gemv(x.reshape(1, -1), qweight, scales, zeros, group, out.view(1, n), gated=gated, sumsq=sumsq, norm=norm,
-         residual=None if residual is None else residual.view(1, n), merge=merge)
+         residual=None if residual is None else residual.view(1, n))
     return out if residual is None else (out, sumsq)

@@ -64,7 +64,6 @@ from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, glu
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
 from minillm.kernels.pdl import supported as pdl_supported
 from minillm.kernels.split_k import MAX_TILES, tile_counters
-from minillm.kernels.w4_gemv_merge import Merge
 from minillm.kernels.w4_gemv_norms import SUMSQ_COLUMNS, Norm
 
 if GLUON_USABLE:
@@ -74,7 +73,6 @@ if GLUON_USABLE:
 
     from minillm.kernels.flash_attention_hopper import tma_load, warps_barrier
     from minillm.kernels.fused_layer_ops import silu_mul
-    from minillm.kernels.w4_gemv_merge import merged_words
     from minillm.kernels.w4_gemv_norms import bf16_words, high_bf16, inv_rms, low_bf16, normed_words, store_added
 
 TILE_ROWS = 16  # packed rows a tile: 128 inputs
@@ -195,28 +193,20 @@ if GLUON_USABLE:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _x_tables(XW, first_row, K_ROWS, NormW, SumSq, eps, Parts, Lse, num_splits, stride_ph, stride_ps, stride_lh,
-                  ROWS: gl.constexpr, WARPS_: gl.constexpr, GATED: gl.constexpr, NORMED: gl.constexpr,
-                  SUMSQ_TILES: gl.constexpr, MERGED: gl.constexpr, HEAD_DIM: gl.constexpr, SPLITS: gl.constexpr,
-                  SPLIT_LANES: gl.constexpr):
+    def _x_tables(XW, first_row, K_ROWS, NormW, SumSq, eps, ROWS: gl.constexpr, WARPS_: gl.constexpr,
+                  GATED: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
         """The program's ROWS packed rows of x (two bf16 a word, XW) as the products want them, in shared memory:
         four [ROWS] int32, pair j of row r = (x_8r+j, x_8r+j+4) times 2**101 (j even) or 2**97 (j odd), and [ROWS] fp32,
         each row's sum of x. Rows past K_ROWS are zeros. GATED: XW is the MLP's gate_up row (K gates, then K ups) and
         x = silu(gate) * up, rounded as ``fused_layer_ops.silu_and_mul`` rounds it. NORMED: XW is the row s and x its
-        RMSNorm with the weight's words NormW, the row's sums of squares SumSq and eps (``w4_gemv_norms.py``).
-        MERGED: x is the decode attention's output, merged here from its num_splits partials Parts and log-sum-exps Lse
-        (``w4_gemv_merge.py``)."""
+        RMSNorm with the weight's words NormW, the row's sums of squares SumSq and eps (``w4_gemv_norms.py``)."""
         rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
         r = first_row + gl.arange(0, ROWS, layout=rows_l)
         ok = r < K_ROWS
-        if MERGED:
-            w0, w1, w2, w3 = merged_words(Parts, Lse, r, ok, num_splits, stride_ph, stride_ps, stride_lh, HEAD_DIM,
-                                          SPLITS, SPLIT_LANES, WARPS_)
-        else:
-            w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, GATED)  # inputs 8r, 8r + 1
-            w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, GATED)
-            w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, GATED)
-            w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, GATED)
+        w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, GATED)  # inputs 8r, 8r + 1
+        w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, GATED)
+        w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, GATED)
+        w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, GATED)
         if NORMED:  # the row's and the weight's words in flight before 1 / rms is formed: one round trip for all
             n0, n1 = gl.load(NormW + 4 * r, mask=ok, other=0), gl.load(NormW + 4 * r + 1, mask=ok, other=0)
             n2, n3 = gl.load(NormW + 4 * r + 2, mask=ok, other=0), gl.load(NormW + 4 * r + 3, mask=ok, other=0)
@@ -272,15 +262,11 @@ if GLUON_USABLE:
 
     @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
-                        MergeParts, MergeLse, merge_splits, stride_ph, stride_ps, stride_lh,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr,
-                        MERGED: gl.constexpr, HEAD_DIM: gl.constexpr, SPLITS: gl.constexpr,
-                        SPLIT_LANES: gl.constexpr):
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
         R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
-        the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``);
-        MERGED: x is the attention's merge of merge_splits partials, heads of HEAD_DIM (``w4_gemv_merge.py``)."""
+        the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``)."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS // GROUP_ROWS  # scale rows a tile
         tile_n = gl.program_id(0)
@@ -308,9 +294,8 @@ if GLUON_USABLE:
         # and issues its copies during this kernel's tail (fix-up, last tiles' math), as a norm ahead of it lets it.
         _let_next_start(PDL)
         _wait_for_previous(PDL)
-        pairs, sums = _x_tables(XW, first_row, K_ROWS, NormW, SumSqIn, eps, MergeParts, MergeLse, merge_splits,
-                                stride_ph, stride_ps, stride_lh, TILES * _TILE_ROWS, WARPS_, GATED, NORMED, SUMSQ_TILES,
-                                MERGED, HEAD_DIM, SPLITS, SPLIT_LANES)
+        pairs, sums = _x_tables(XW, first_row, K_ROWS, NormW, SumSqIn, eps, TILES * _TILE_ROWS, WARPS_, GATED, NORMED,
+                                SUMSQ_TILES)
         warps_barrier()  # the tables are written
 
         # A thread: two neighbouring columns, SUB_ROWS / RUN rows a slice; the 128 threads span the tile's 256 columns.
@@ -397,14 +382,13 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
             out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
             tiles: int | None = None, gated: bool = False, run: int = RUN, residual: torch.Tensor | None = None,
-            sumsq: torch.Tensor | None = None, norm: Norm | None = None, merge: Merge | None = None) -> None:
+            sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
     fp32, at least ``splits_needed(K, N, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
     for sweeps): by default ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
     ``w4_gemv_fused.fused_unsupported`` checked: ``gated``: x is the MLP's gate_up row [1, 2K] and the product's
     input silu(gate) * up; ``residual`` [1, N] with ``sumsq`` (fp32, cdiv(N, 256)): out = residual + y, and sumsq
-    its sums of squares per column tile; ``norm``: x is the row s and the product's input RMSNorm(s); ``merge``: the
-    product's input is the merge of the attention's partials (x, the merged row's [1, K] buffer, is left unread)."""
+    its sums of squares per column tile; ``norm``: x is the row s and the product's input RMSNorm(s)."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     tiles = tiles or choose_tiles(k, n, num_sms(x.device))
     if tiles not in (1, 2, 4, 8):
@@ -426,29 +410,22 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     added = (residual, sumsq) if residual is not None else (out, partials)  # (unread without a residual)
     normed = (norm.weight.view(torch.int32), norm.sumsq, norm.eps) if norm else (words, partials, 0.0)
     sumsq_tiles = triton.next_power_of_2(-(-k // SUMSQ_COLUMNS)) if norm else 1
-    if merge is not None:  # (partials [1, H, S, D], lse [1, H, S]: strides of a head and a split)
-        merged = (merge.partial, merge.lse, merge.lse.shape[2], *merge.partial.stride()[1:3], merge.lse.stride(1))
-        splits_pow2 = triton.next_power_of_2(merge.lse.shape[2])
-        merge_consts = dict(HEAD_DIM=merge.partial.shape[3], SPLITS=splits_pow2, SPLIT_LANES=min(splits_pow2, 32))
-    else:
-        merged, merge_consts = (partials, partials, 1, 0, 0, 0), dict(HEAD_DIM=8, SPLITS=1, SPLIT_LANES=1)
     _w4_gemv_kernel[grid](words, *_descriptors(qweight, scales, zeros, group), out, partials, counters,
-                          n, k // 8, *added, *normed, *merged, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl,
-                          GATED=gated, RUN=run, ADD=residual is not None, NORMED=norm is not None,
-                          SUMSQ_TILES=sumsq_tiles, MERGED=merge is not None, **merge_consts, num_warps=WARPS,
-                          launch_pdl=pdl)
+                          n, k // 8, *added, *normed, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated,
+                          RUN=run, ADD=residual is not None, NORMED=norm is not None, SUMSQ_TILES=sumsq_tiles,
+                          num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
          out: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None,
-         sumsq: torch.Tensor | None = None, norm: Norm | None = None, merge: Merge | None = None) -> None:
+         sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
     where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     splits = splits_needed(k, n, sms=num_sms(x.device))
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),
-            gated=gated, residual=residual, sumsq=sumsq, norm=norm, merge=merge)
+            gated=gated, residual=residual, sumsq=sumsq, norm=norm)
 
 
 def splits_needed(k: int, n: int, tiles: int | None = None, sms: int = H200_SMS) -> int:

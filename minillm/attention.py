@@ -7,9 +7,6 @@ K/V and calls ``masked_attention`` here over everything the new tokens may see. 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -40,26 +37,6 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
-
-
-@dataclass(frozen=True)
-class UnmergedAttention:
-    """A decode row's attention output not merged from its splits yet: what a paged context returns when the model
-    asks it to defer the merge (``defer_merge``, at one row). ``merge`` holds the splits' partials and log-sum-exps
-    (``kernels/w4_gemv_merge.Merge``), ``out`` [1, H, D] the buffer the merged output goes to. o_proj's INT4 GEMV
-    merges the splits as it reads its input (``QuantLinear.forward``); anything else calls ``materialize``."""
-    merge: Any
-    out: torch.Tensor
-
-    def materialize(self) -> torch.Tensor:
-        """The merged output [1, 1, H * D], by the merge kernel: what the context returns when it merges itself."""
-        from minillm.kernels.split_merge import merge_by_kernel
-
-        partial, lse = self.merge
-        dim = partial.shape[3]
-        merge_by_kernel(partial, lse, self.out, partial.shape[2], partial.stride()[:3], lse.stride()[:2], dim,
-                        max(16, 1 << (dim - 1).bit_length()))
-        return self.out.view(1, 1, -1)
 
 
 class CausalAttention:

@@ -10,8 +10,6 @@ test_w4_gemv_norms.py (sm_90).
 from __future__ import annotations
 
 from minillm import LLM, SamplingParams
-from minillm.attention import UnmergedAttention
-from minillm.kernels import paged_attention
 from minillm.model import norm_folding
 from minillm.model.llama import LlamaForCausalLM
 from minillm.model.config import PRESETS
@@ -62,41 +60,16 @@ def test_folded_decode_gives_the_unfolded_tokens(monkeypatch):
     assert folded == unfolded
 
 
-def test_deferred_merge_gives_the_unmerged_tokens(monkeypatch):
-    """With splits to merge (two, where the CPU's one SM would give one), each batch-1 decode step
-    hands every layer's o_proj its attention unmerged (``UnmergedAttention``); on a CPU o_proj merges it by the merge
-    kernel (``materialize``), once a layer and step, and the tokens are those of the attention merging itself
-    (MINILLM_MERGE_IN_GEMV=0). The GEMV's own merge: tests/kernels/test_w4_gemv_merge.py (sm_90)."""
-    monkeypatch.setattr(QuantLinear, "_fused_refusal", lambda self: "falls back (a test)")
-    monkeypatch.setattr(paged_attention, "choose_num_splits", lambda *shape: 2)
-    merges = {"materialize": 0}
-    materialize = UnmergedAttention.materialize
-
-    def counted(self):
-        merges["materialize"] += 1
-        return materialize(self)
-
-    monkeypatch.setattr(UnmergedAttention, "materialize", counted)
-    deferred, _ = generate(monkeypatch, fold=True)
-    assert merges["materialize"] == PRESETS["tiny"].num_layers * len(PROMPTS) * (MAX_TOKENS - 1)
-    monkeypatch.setattr(norm_folding, "MERGE_ENABLED", False)
-    merged, _ = generate(monkeypatch, fold=True)
-    assert merges["materialize"] == PRESETS["tiny"].num_layers * len(PROMPTS) * (MAX_TOKENS - 1)
-    assert deferred == merged
-
-
-def folds(model: LlamaForCausalLM) -> list[tuple[bool, bool, bool]]:
-    return [(layer.fold_attention_norm, layer.fold_mlp_norm, layer.self_attn.fold_merge)
-            for layer in model.model.layers]
+def folds(model: LlamaForCausalLM) -> list[tuple[bool, bool]]:
+    return [(layer.fold_attention_norm, layer.fold_mlp_norm) for layer in model.model.layers]
 
 
 def test_which_norms_fold():
     """Between two projections that fold norms only, and never after the last layer (the final norm and the LM head
-    follow it); a row-parallel layer (tensor parallelism) never folds: its residual comes after the all-reduce. The
-    attention's merge folds into every o_proj that folds norms."""
+    follow it); a row-parallel layer (tensor parallelism) never folds: its residual comes after the all-reduce."""
     model = LlamaForCausalLM(PRESETS["tiny"])
     model.fold_norms()
-    assert folds(model) == [(False, False, False), (False, False, False)]  # dense
+    assert folds(model) == [(False, False), (False, False)]  # dense
 
     class Folding(QuantLinear):
         def folds_norms(self) -> bool:
@@ -107,11 +80,11 @@ def test_which_norms_fold():
             for name, linear in list(module.named_children()):
                 module.set_submodule(name, Folding(linear.in_features, linear.out_features, 4, 64, bias=False))
     model.fold_norms()
-    assert folds(model) == [(True, True, True), (True, False, True)]
+    assert folds(model) == [(True, True), (True, False)]
     model.fold_norms(False)
-    assert folds(model) == [(False, False, False), (False, False, False)]
+    assert folds(model) == [(False, False), (False, False)]
     first = model.model.layers[0]
     first.self_attn.o_proj = RowParallelQuantLinear(first.self_attn.o_proj.in_features,
                                                     first.self_attn.o_proj.out_features, 4, 64, bias=False)
     model.fold_norms()
-    assert folds(model) == [(False, True, False), (True, False, True)]
+    assert folds(model) == [(False, True), (True, False)]

@@ -6,8 +6,7 @@ Per program: three TMA copies a tile (weights, scales, zero points), issued befo
 four products a packed int32 (two columns x 16 rows a thread a tile) and four more per thread for x's pairs; the
 weights read from shared memory 8 bytes (two columns) a row; integers become floats only for the zero points (two a
 group, a thread's two columns); no spills; shared memory for six programs an SM at two tiles, three at the default
-four (and registers to match); merging the attention's partials as x is read (o_proj at one tile) costs no program an
-SM either. Compiled in a subprocess without TRITON_INTERPRET."""
+four (and registers to match). Compiled in a subprocess without TRITON_INTERPRET."""
 
 import textwrap
 
@@ -23,16 +22,16 @@ SCRIPT = textwrap.dedent('''
     from minillm.bench.sass import compile_gluon_sm90, whole_kernel
     from minillm.kernels import w4_gemv_hopper as wh
 
-    def counts(tiles, group, gated=False, run=wh.RUN, add=False, normed=False, merged=False):
+    def counts(tiles, group, gated=False, run=wh.RUN, add=False, normed=False):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
         groups = wh.TILE_ROWS * 8 // group
         types = {"XW": "*i32", "w_desc": f"tensordesc<i32[{wh.TILE_ROWS},{wh.BLOCK_N}],{layout(32)!r}>",
                  "s_desc": f"tensordesc<bf16[{groups},{wh.BLOCK_N}],{layout(16)!r}>",
                  "z_desc": f"tensordesc<i8[{groups},{wh.BLOCK_N // 2}],{layout(8)!r}>",
                  "Y": "*bf16", "Partials": "*fp32", "Counters": "*i32", "R": "*bf16", "SumSqOut": "*fp32",
-                 "NormW": "*i32", "SumSqIn": "*fp32", "eps": "fp32", "MergeParts": "*fp32", "MergeLse": "*fp32"}
+                 "NormW": "*i32", "SumSqIn": "*fp32", "eps": "fp32"}
         consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True, GATED=gated, RUN=run, ADD=add, NORMED=normed,
-                      SUMSQ_TILES=16, MERGED=merged, HEAD_DIM=128, SPLITS=16, SPLIT_LANES=16)
+                      SUMSQ_TILES=16)
         fn = wh._w4_gemv_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=wh.WARPS))
@@ -46,12 +45,11 @@ SCRIPT = textwrap.dedent('''
     cases["4 128"] = counts(4, 128)  # the default tiles: every form a decode step runs
     cases["4 128 gated add"] = counts(4, 128, gated=True, add=True)
     cases["4 128 normed"] = counts(4, 128, normed=True)
-    cases["4 128 add"] = counts(4, 128, add=True)
-    cases["1 128 add merged"] = counts(1, 128, add=True, merged=True)  # o_proj: 1 tile, the attention's merge folded
+    cases["4 128 add"] = counts(4, 128, add=True)  # o_proj
     print(json.dumps(cases))
 ''')
 CASES = ["2 128", "2 64", "1 128", "2 128 gated", "2 128 gated add", "2 128 normed", "4 128", "4 128 gated add",
-         "4 128 normed", "4 128 add", "1 128 add merged"]
+         "4 128 normed", "4 128 add"]
 SHARED_PER_SM = 228 * 1024  # an sm_90 SM's shared memory, 1 KB of it reserved per program
 
 
@@ -76,10 +74,7 @@ def test_copies_and_products(compiled, case):
     else:
         moves = 4 if "add" in case else 0  # (the residual's add: ptxas may build a constant with an HFMA2)
         assert 4 * packed_a_thread + 4 <= ops.get("HFMA2") <= 4 * packed_a_thread + 4 + moves, ops  # + x's pairs, once
-        if "merged" in case:  # the splits' weights exp(lse - max) and the divisions by their sum, a few a thread
-            assert 1 <= ops.get("MUFU", 0) <= 8, ops
-        else:
-            assert "MUFU" not in ops, ops
+        assert "MUFU" not in ops, ops
     assert kernel["memory_opcodes"].get("LDS.64") == packed_a_thread // 2, kernel["memory_opcodes"]  # 2 columns a row
     groups = tiles * wh.TILE_ROWS * 8 // int(case.split()[1])
     # A zero point a column and group, no weight (and the normed row's width, once, for its mean square).

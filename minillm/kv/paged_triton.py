@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from minillm.attention import UnmergedAttention
 from minillm.kernels.checks import switched_on
 from minillm.kernels.flash_attention import paged_prefill_attention
 from minillm.kernels.kv_store import QUANTIZED_POOLS, rope_store_kv, store_kv
@@ -32,12 +31,8 @@ class TritonPagedBatch:
         self.max_prefill_len = max(step.query_lens[step.num_decode:], default=0)
         # An unquantized cache takes q and k unrotated: RoPE and the K/V store are one kernel (rope_store_kv).
         self.takes_rope = cache.k_scale is None
-        # A step of one decode row may hand o_proj its attention unmerged (defer_merge): its GEMV merges the splits.
-        self.defers_merge = step.num_decode == len(step.query_lens) == 1
 
-    def __call__(self, layer_idx: int, q, k, v, rope=None, defer_merge: bool = False):
-        """-> [1, tokens, H, D], or with ``defer_merge`` in a step of one decode row (``defers_merge``) possibly the
-        decode kernel's splits unmerged (an ``UnmergedAttention``, for o_proj's GEMV to merge: model/llama.py)."""
+    def __call__(self, layer_idx: int, q, k, v, rope=None):
         pools = self.cache.layer(layer_idx)
         step, n = self.step, self.step.num_decode
         new_kv = None
@@ -57,11 +52,8 @@ class TritonPagedBatch:
         if n:
             # Split count from the table's width (a graph's tables are as wide as max_model_len),
             # never from the lengths in it: the launch grid must not change under a CUDA graph.
-            decoded = paged_decode_attention(q[:n], pools.k, pools.v, step.block_tables[:n], step.context_lens[:n],
-                                             out=out[:n], new_kv=new_kv, defer_merge=defer_merge and self.defers_merge,
-                                             **scales)
-            if not isinstance(decoded, torch.Tensor):  # splits left for o_proj's GEMV to merge
-                return UnmergedAttention(decoded, out[:n])
+            paged_decode_attention(q[:n], pools.k, pools.v, step.block_tables[:n], step.context_lens[:n],
+                                   out=out[:n], new_kv=new_kv, **scales)
         if n < len(step.query_lens):
             paged_prefill_attention(q[n:], pools.k, pools.v, step.block_tables[n:], step.cu_prefill_lens,
                                     step.context_lens[n:], self.max_prefill_len, out=out[n:], **scales)

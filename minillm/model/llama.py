@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.attention import UnmergedAttention
 from minillm.model.config import ModelConfig
 from minillm.model import norm_folding
 from minillm.model.dense import Linear, gemv_choice, takes_gated
@@ -105,9 +104,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     fused_ops = None
-    # Set by LlamaForCausalLM.fold_norms: at one row, the attention context may return its splits unmerged and o_proj's
-    # GEMV merge them as it reads them (kernels/w4_gemv_merge.py): one kernel fewer a layer.
-    fold_merge = False
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -143,12 +139,8 @@ class Attention(nn.Module):
         else:
             qk = apply_rope(qk, cos, sin)  # one pass over query and key heads
         q, k = qk.split([H, Hkv], dim=2)
-        extra = {} if rope is None else {"rope": rope}
-        if self.fold_merge and B * T == 1 and getattr(attn, "defers_merge", False):
-            extra["defer_merge"] = True
-        out = attn(self.layer_idx, q, k, v, **extra)
-        if not isinstance(out, UnmergedAttention):  # (an unmerged one o_proj merges: QuantLinear.forward)
-            out = out.reshape(B, T, self.num_heads * self.head_dim)
+        out = attn(self.layer_idx, q, k, v) if rope is None else attn(self.layer_idx, q, k, v, rope=rope)
+        out = out.reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out) if add_to is None else self.o_proj(out, add_to=add_to)
 
 
@@ -262,16 +254,14 @@ class LlamaForCausalLM(nn.Module):
         """At one row, fold each RMSNorm that sits between two projections that fold norms (INT4 on an H100/H200:
         ``norm_folding.py``) into their GEMVs: the post-attention norm between o_proj and gate_up_proj, and the input
         norm between a layer's down_proj and the next layer's qkv_proj (not the last layer's: the final norm and the
-        LM head follow it); and the decode attention's merge into o_proj's GEMV where it folds norms
-        (``kernels/w4_gemv_merge.py``). ``enable_fused_kernels`` calls this: without the fused kernels a fold would only
-        fall back to torch (``QuantLinear._folded``)."""
+        LM head follow it). ``enable_fused_kernels`` calls this: without the fused kernels a fold would only fall
+        back to torch (``QuantLinear._folded``)."""
         layers = self.model.layers
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             layer.fold_attention_norm = enabled and folds_norms(attn.o_proj) and folds_norms(mlp.gate_up_proj)
             layer.fold_mlp_norm = (enabled and i + 1 < len(layers) and folds_norms(mlp.down_proj)
                                    and folds_norms(layers[i + 1].self_attn.qkv_proj))
-            attn.fold_merge = enabled and norm_folding.MERGE_ENABLED and folds_norms(attn.o_proj)
 
     def checkpoint_tensor(self, name: str) -> torch.Tensor:
         """The tensor (a view) that holds Hugging Face checkpoint tensor ``name``:

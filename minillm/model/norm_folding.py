@@ -28,9 +28,6 @@ from minillm.kernels.checks import switched_on
 
 # MINILLM_NORM_IN_GEMV=0: the norms between INT4 GEMVs stay kernels of their own.
 ENABLED = switched_on("MINILLM_NORM_IN_GEMV")
-# MINILLM_MERGE_IN_GEMV=0: the decode attention's splits are merged by their own kernel, not by o_proj's GEMV
-# (kernels/w4_gemv_merge.py), where the norms are folded.
-MERGE_ENABLED = switched_on("MINILLM_MERGE_IN_GEMV")
 
 
 @dataclass(frozen=True)

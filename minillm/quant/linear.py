@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minillm.attention import UnmergedAttention
 from minillm.kernels.quant_pack import pack_codes, unpack_codes
 from minillm.model.norm_folding import NormedRow, ResidualRow
 from minillm.quant.rtn import num_groups
@@ -125,37 +124,35 @@ class QuantLinear(nn.Module):
         original[:, self.perm] = w
         return original
 
-    def forward(self, x: torch.Tensor | NormedRow | UnmergedAttention, gated: bool = False,
+    def forward(self, x: torch.Tensor | NormedRow, gated: bool = False,
                 add_to: torch.Tensor | None = None) -> torch.Tensor | ResidualRow:
         """``gated``: x is the MLP's gate_up row and the product's input is silu(gate) * up, applied by the kernel
         as it loads x (``gated_matmul``); only where ``takes_gated`` said so. With the norms folded
-        (``model/norm_folding.py``): x may be a ``NormedRow`` or the attention's ``UnmergedAttention``, and ``add_to``
-        a residual to add, the product then returned as a ``ResidualRow``; the GEMV does these where it can, torch and
-        the norm's and merge's kernels elsewhere."""
-        if isinstance(x, (NormedRow, UnmergedAttention)) or add_to is not None:
+        (``model/norm_folding.py``): x may be a ``NormedRow``, and ``add_to`` a residual to add, the product then
+        returned as a ``ResidualRow``; the GEMV does both where it can, torch and the norm's kernel elsewhere."""
+        if isinstance(x, NormedRow) or add_to is not None:
             return self._folded(x, gated, add_to)
         if gated:
             return self.gated_matmul(x)
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
-    def _folded(self, x: torch.Tensor | NormedRow | UnmergedAttention, gated: bool,
+    def _folded(self, x: torch.Tensor | NormedRow, gated: bool,
                 add_to: torch.Tensor | None) -> torch.Tensor | ResidualRow:
-        """``forward`` with a NormedRow or UnmergedAttention x or a residual to add: in the Gluon GEMV where it takes
-        them, else as the unfolded layer computes them (``materialize``, ``ResidualRow.add``)."""
-        normed, unmerged = isinstance(x, NormedRow), isinstance(x, UnmergedAttention)
-        # (An unmerged x's row is the buffer its merge would fill: the GEMV reads the splits instead.)
-        row = x.row.total if normed else x.out.view(1, 1, -1) if unmerged else x
+        """``forward`` with a NormedRow x or a residual to add: in the Gluon GEMV where it takes them, else as the
+        unfolded layer computes them (``NormedRow.materialize``, ``ResidualRow.add``)."""
+        normed = isinstance(x, NormedRow)
+        row = x.row.total if normed else x
         if self._fused_refusal() is None and row.is_cuda:
             from minillm.kernels.w4_gemv_fused import fused_gemv, fused_unsupported
             from minillm.kernels.w4_gemv_norms import Norm
 
             fused = dict(gated=gated, residual=add_to, norm=Norm(x.norm.weight, x.row.sumsq, x.norm.eps) if normed
-                         else None, merge=x.merge if unmerged else None)
+                         else None)
             if fused_unsupported(row, self.qweight, self.scales, self.zeros, self.group_size, **fused) is None:
                 out = fused_gemv(row, self.qweight, self.scales, self.zeros, self.group_size, **fused)
                 return out if add_to is None else ResidualRow(*out)
-        y = self.forward(x.materialize() if normed or unmerged else x, gated)
+        y = self.forward(x.materialize() if normed else x, gated)
         return y if add_to is None else ResidualRow.add(y, add_to)
 
     def folds_norms(self) -> bool:

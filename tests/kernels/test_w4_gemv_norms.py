@@ -122,7 +122,7 @@ def test_fold_refusals_name_the_reason():
     sumsq = torch.ones(1, device=x.device)
     norm = Norm(torch.ones(256, dtype=torch.bfloat16, device=x.device), sumsq, EPS)
     refusals = {
-        "not more": dict(x=torch.cat([x, x], 1), gated=True, norm=norm),
+        "not both": dict(x=torch.cat([x, x], 1), gated=True, norm=norm),
         "residual row of N = 64": dict(residual=torch.ones(1, 32, dtype=torch.bfloat16, device=x.device)),
         "weight as a contiguous": dict(norm=norm._replace(weight=norm.weight[:128])),
         "1 fp32 sums of squares": dict(norm=norm._replace(sumsq=sumsq.double())),

@@ -1,8 +1,7 @@
 """Where a batch-1 decode step's GPU time goes, from its CUDA graph: llama2-7b (dummy weights), one engine per variant
 in one process, each after a 128-token prompt and 128 decoded tokens (the ``latency`` workload's mean context).
-Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms and the attention's merge folded into the
-GEMVs, ``model/norm_folding.py``, ``kernels/w4_gemv_merge.py``), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with
-the merge kernel (MINILLM_MERGE_IN_GEMV=0), with the decode attention's splits merged
+Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms folded into the GEMVs,
+``model/norm_folding.py``), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with the decode attention's splits merged
 by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
 GEMV program (``w4_gemv_hopper.TILES``; 2 won on cold standalone calls), or other counts for some of a layer's four
 projections (``choose_tiles``, which gives o_proj 1 and the others 4: o_proj 4 as before session 22, down_proj 2 and
@@ -33,8 +32,7 @@ from minillm.model import norm_folding  # noqa: E402
 
 ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 # name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
-DEFAULTS = {norm_folding: {"ENABLED": True, "MERGE_ENABLED": True},
-            paged_attention: {"DEFAULT_MERGE": "kernel", "DEFERRED_MERGE_STARTS_NEXT": True},
+DEFAULTS = {norm_folding: {"ENABLED": True}, paged_attention: {"DEFAULT_MERGE": "kernel"},
             w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
 
 
@@ -49,8 +47,6 @@ def tiles_by_projection(**tiles):
 
 
 ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
-       "int4_merge_kernel": ("rtn-int4", {norm_folding: {"MERGE_ENABLED": False}}),
-       "int4_merge_late_start": ("rtn-int4", {paged_attention: {"DEFERRED_MERGE_STARTS_NEXT": False}}),
        "int4_last_split": ("rtn-int4", {paged_attention: {"DEFAULT_MERGE": "last_split"}}),
        "int4_tiles1": ("rtn-int4", {w4_gemv_hopper: {"TILES": 1}}),
        "int4_tiles2": ("rtn-int4", {w4_gemv_hopper: {"TILES": 2}}),
