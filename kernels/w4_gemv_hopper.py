@@ -92,10 +92,6 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-# Probes (experiment only): the GEMVs skip their math (the copies, x tables and fix-up stay); a K x N GEMV lets the
-# kernel behind start only as its programs end.
-PROBE_NO_MATH = False
-PROBE_LET_NEXT_LATE = lambda k, n: False  # noqa: E731
 H200_SMS = 132  # (the default where no device is at hand: the sweeps')
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
 
@@ -267,8 +263,7 @@ if GLUON_USABLE:
     @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr,
-                        NO_MATH: gl.constexpr = False, LET_NEXT_LATE: gl.constexpr = False):
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
         R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
         the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``)."""
@@ -297,8 +292,7 @@ if GLUON_USABLE:
                 tma_load(z_desc, [row // GROUP_ROWS, n0 // 2], landed.index(t), z_smem.index(t))
         # The next GEMV, if launched early (the gated down_proj behind gate_up), takes SM slots as programs here end
         # and issues its copies during this kernel's tail (fix-up, last tiles' math), as a norm ahead of it lets it.
-        if not LET_NEXT_LATE:
-            _let_next_start(PDL)
+        _let_next_start(PDL)
         _wait_for_previous(PDL)
         pairs, sums = _x_tables(XW, first_row, K_ROWS, NormW, SumSqIn, eps, TILES * _TILE_ROWS, WARPS_, GATED, NORMED,
                                 SUMSQ_TILES)
@@ -312,7 +306,7 @@ if GLUON_USABLE:
         for t in gl.static_range(TILES):
             if first_row + t * _TILE_ROWS < K_ROWS:
                 mbarrier.wait(landed.index(t), 0)
-                for g in gl.static_range(0 if NO_MATH else GROUPS):
+                for g in gl.static_range(GROUPS):
                     # (Rows of one: an NVMMA-laid buffer keeps its rank; the sums over them only drop the axis.)
                     scale = gl.sum(s_smem.index(t).slice(g, 1).load(tile_l).to(gl.float32), axis=0)
                     z_byte = gl.sum(z_smem.index(t).slice(g, 1).load(bytes_l).to(gl.int32) & 255, axis=0)
@@ -327,8 +321,6 @@ if GLUON_USABLE:
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
         _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_, ADD)
-        if LET_NEXT_LATE:
-            _let_next_start(PDL)
 
     @gluon.jit
     def _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr):
@@ -421,7 +413,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     _w4_gemv_kernel[grid](words, *_descriptors(qweight, scales, zeros, group), out, partials, counters,
                           n, k // 8, *added, *normed, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated,
                           RUN=run, ADD=residual is not None, NORMED=norm is not None, SUMSQ_TILES=sumsq_tiles,
-                          NO_MATH=PROBE_NO_MATH, LET_NEXT_LATE=PROBE_LET_NEXT_LATE(k, n), num_warps=WARPS, launch_pdl=pdl)
+                          num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,

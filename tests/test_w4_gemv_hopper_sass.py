@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent('''
                  "Y": "*bf16", "Partials": "*fp32", "Counters": "*i32", "R": "*bf16", "SumSqOut": "*fp32",
                  "NormW": "*i32", "SumSqIn": "*fp32", "eps": "fp32"}
         consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True, GATED=gated, RUN=run, ADD=add, NORMED=normed,
-                      SUMSQ_TILES=16, NO_MATH=False, LET_NEXT_LATE=False)
+                      SUMSQ_TILES=16)
         fn = wh._w4_gemv_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=wh.WARPS))
