@@ -92,7 +92,7 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-H200_SMS = 132  # (the default where no device is at hand: the sweeps')
+H200_SMS = 132  # choose_tiles' SM count where it is asked without a device (the kernel's own calls pass the device's)
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
 
 
@@ -400,7 +400,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if sumsq is not None and (sumsq.dtype != torch.float32 or sumsq.numel() < -(-n // SUMSQ_COLUMNS)):
         raise ValueError(f"sumsq must hold cdiv(N, {SUMSQ_COLUMNS}) = {-(-n // SUMSQ_COLUMNS)} fp32, got "
                          f"{sumsq.dtype} {tuple(sumsq.shape)}")
-    splits = splits_needed(k, n, tiles, num_sms(x.device))
+    splits = splits_needed(k, n, tiles)
     if splits > 1 and partials.numel() < splits * n:
         raise ValueError(f"partials holds {partials.numel()} floats; {splits} splits x N = {n} need {splits * n}")
     grid = (-(-n // BLOCK_N), splits)

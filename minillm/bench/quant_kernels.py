@@ -75,9 +75,9 @@ def bytes_moved(fmt: str, shape: QuantShape, element_size: int) -> int:
 
 
 def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dtype, bandwidth_gbs: float) -> dict:
+    from minillm.kernels.checks import num_sms
     from minillm.kernels.quant_matmul import DEQUANT_MIN_M, GEMV_MAX_M, autotuned_config, w4a16_matmul, \
         w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref
-    from minillm.kernels.checks import num_sms
     from minillm.kernels.w4_gemv_hopper import choose_tiles, use_hopper
 
     gen = torch.Generator(device=device).manual_seed(0)

@@ -1,9 +1,9 @@
 """The ``latency`` workload on llama2-7b (dummy weights), RTN INT4 and bf16, with one decode pass per scheduler step
 and with eight (``num_scheduler_steps=8``, minillm/multi_step.py: the host's work per token off the GPU's critical
 path), engines built in the order ABBA ABBA per dtype in one process (A: one pass a step; REPEATS=1: ABBA once;
-NAME names the JSON). The batch-1 graph's GPU time alone (figures/h200/sweeps/decode_graph_timeline.json, at 2 tiles a
-W4A16 GEMV program) is 1.85 ms a token at INT4 and 3.82 at bf16, where bench_latency's tok/s say ~2.1 and ~4.1: the
-host adds ~0.28 ms to every token of a one-pass step.
+NAME names the JSON). The host's share: at session 22's code the batch-1 graph's GPU time alone is 1.785 ms a token at
+INT4 and 3.770 at bf16 (figures/h200/sweeps/decode_graph_o_proj_one_tile.json), where a one-pass step's tok/s here say
+1.92 and 3.93 ms (latency_o_proj_one_tile.json): ~0.15 ms a token.
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/latency_multi_step.py``."""
 import os
 import sys
@@ -23,5 +23,5 @@ for quant in ("rtn-int4", "bf16"):
 for name in ("one_pass", "eight_passes"):
     runs[f"int4_over_bf16_{name}"] = mean["rtn-int4", name] / mean["bf16", name]
     print(name, "INT4 / bf16:", runs[f"int4_over_bf16_{name}"], flush=True)
-save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "latency_multi_step"), "latency, llama2-7b, batch 1",
-            "mean decode tok/s of bench_latency per engine, in the order given", runs)
+save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "latency_multi_step"),
+            "latency, llama2-7b, batch 1", "mean decode tok/s of bench_latency per engine, in the order given", runs)
