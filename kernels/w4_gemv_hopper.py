@@ -92,7 +92,6 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-H200_SMS = 132  # choose_tiles' SM count where it is asked without a device (the kernel's own calls pass the device's)
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
 
 
@@ -148,7 +147,7 @@ def use_hopper(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     return reason is None
 
 
-def choose_tiles(k: int, n: int, sms: int = H200_SMS) -> int:
+def choose_tiles(k: int, n: int, sms: int) -> int:
     """Tiles a program for a K x N weight on a GPU of ``sms`` SMs: TILES, halved while that leaves fewer than
     MIN_PROGRAMS_PER_SM programs an SM (and 1 where K is one tile)."""
     tiles = TILES
@@ -384,7 +383,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
             tiles: int | None = None, gated: bool = False, run: int = RUN, residual: torch.Tensor | None = None,
             sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
-    fp32, at least ``splits_needed(K, N, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
+    fp32, at least ``splits_needed(K, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
     for sweeps): by default ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
     ``w4_gemv_fused.fused_unsupported`` checked: ``gated``: x is the MLP's gate_up row [1, 2K] and the product's
     input silu(gate) * up; ``residual`` [1, N] with ``sumsq`` (fp32, cdiv(N, 256)): out = residual + y, and sumsq
@@ -400,7 +399,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if sumsq is not None and (sumsq.dtype != torch.float32 or sumsq.numel() < -(-n // SUMSQ_COLUMNS)):
         raise ValueError(f"sumsq must hold cdiv(N, {SUMSQ_COLUMNS}) = {-(-n // SUMSQ_COLUMNS)} fp32, got "
                          f"{sumsq.dtype} {tuple(sumsq.shape)}")
-    splits = splits_needed(k, n, tiles)
+    splits = splits_needed(k, tiles)
     if splits > 1 and partials.numel() < splits * n:
         raise ValueError(f"partials holds {partials.numel()} floats; {splits} splits x N = {n} need {splits * n}")
     grid = (-(-n // BLOCK_N), splits)
@@ -422,13 +421,14 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
     where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
-    splits = splits_needed(k, n, sms=num_sms(x.device))
+    tiles = choose_tiles(k, n, num_sms(x.device))
+    splits = splits_needed(k, tiles)
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
     w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),
-            gated=gated, residual=residual, sumsq=sumsq, norm=norm)
+            tiles=tiles, gated=gated, residual=residual, sumsq=sumsq, norm=norm)
 
 
-def splits_needed(k: int, n: int, tiles: int | None = None, sms: int = H200_SMS) -> int:
-    """The splits ``w4_gemv`` launches for a K x N weight at ``tiles`` a program (default: ``choose_tiles`` for
-    ``sms`` SMs): the partials it needs are this times N floats."""
-    return -(-k // (8 * TILE_ROWS * (tiles or choose_tiles(k, n, sms))))
+def splits_needed(k: int, tiles: int) -> int:
+    """The splits ``w4_gemv`` launches at ``tiles`` a program (``choose_tiles``'s, by default): the partials it needs
+    are this times N floats."""
+    return -(-k // (8 * TILE_ROWS * tiles))

@@ -49,7 +49,7 @@ def test_hopper_w4_gemv_matches_ref(k, n, group, tiles):
     if tiles is None:
         assert w4a16_matmul(x, qweight, scales, zeros, group, out=out) is out
     else:
-        partials = torch.full((hopper.splits_needed(k, n, tiles) * n,), float("nan"), device=x.device)
+        partials = torch.full((hopper.splits_needed(k, tiles) * n,), float("nan"), device=x.device)
         hopper.w4_gemv(x, qweight, scales, zeros, group, out, partials, split_k.tile_counters(x.device), True,
                        tiles=tiles)
     want = w4a16_matmul_ref(x, qweight, scales, zeros, group)
@@ -225,6 +225,6 @@ def test_choose_tiles_and_the_partials_it_needs(k, n, tiles, splits, splits_one_
     """On an H200 (132 SMs) Llama-2-7B's o_proj, 4096 x 4096, is the projection that takes 1 tile a program: 4 make
     128 programs, fewer than 2 an SM; the others keep 4. With one SM (the CPU) nothing is halved."""
     assert hopper.choose_tiles(k, n, 132) == tiles
-    assert hopper.splits_needed(k, n, sms=132) == splits and hopper.splits_needed(k, n, tiles=1) == splits_one_tile
+    assert hopper.splits_needed(k, tiles) == splits and hopper.splits_needed(k, 1) == splits_one_tile
     assert hopper.choose_tiles(k, n, 1) == (1 if k <= 128 else hopper.TILES)
     assert hopper.choose_tiles(4096, 4096, 100) == 2  # 256 programs, where 4 tiles make 128

@@ -43,8 +43,7 @@ def tiles_by_projection(**tiles):
     """A W4A16 GEMV's tiles a program by the llama2-7b projection its K x N is (``tiles``: qkv, o, gate_up, down),
     the shipped choice for the others."""
     shipped = w4_gemv_hopper.choose_tiles
-    return {"choose_tiles": lambda k, n, sms=w4_gemv_hopper.H200_SMS: tiles.get(LLAMA2_7B_PROJECTIONS.get((k, n)),
-                                                                                shipped(k, n, sms))}
+    return {"choose_tiles": lambda k, n, sms: tiles.get(LLAMA2_7B_PROJECTIONS.get((k, n)), shipped(k, n, sms))}
 
 
 ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
