@@ -92,7 +92,6 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-BODY = "hfma2"  # EXPERIMENT: "mma" runs w4_gemv_mma's body where N is a multiple of 64
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
 
 
@@ -200,21 +199,6 @@ if GLUON_USABLE:
         each row's sum of x. Rows past K_ROWS are zeros. GATED: XW is the MLP's gate_up row (K gates, then K ups) and
         x = silu(gate) * up, rounded as ``fused_layer_ops.silu_and_mul`` rounds it. NORMED: XW is the row s and x its
         RMSNorm with the weight's words NormW, the row's sums of squares SumSq and eps (``w4_gemv_norms.py``)."""
-        w0, w1, w2, w3 = _x_inputs(XW, first_row, K_ROWS, NormW, SumSq, eps, ROWS, WARPS_, GATED, NORMED, SUMSQ_TILES)
-        # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
-        pairs = (_table(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
-                 _table(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),
-                 _table(_fma2(_prmt(w1, w3, 0x5410), 0x72007200, 0)),
-                 _table(_fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0)))
-        # Exact: a bf16 is an fp32 with its low 16 bits zero.
-        total = _word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3)
-        return pairs, _table(total)
-
-    @gluon.jit
-    def _x_inputs(XW, first_row, K_ROWS, NormW, SumSq, eps, ROWS: gl.constexpr, WARPS_: gl.constexpr,
-                  GATED: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
-        """The program's ROWS packed rows of the product's input x as four [ROWS] int32, word i of row r the bf16 pair
-        (x_8r+2i, x_8r+2i+1), one row a thread; zeros past K_ROWS (``_x_tables`` has the arguments)."""
         rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
         r = first_row + gl.arange(0, ROWS, layout=rows_l)
         ok = r < K_ROWS
@@ -228,7 +212,14 @@ if GLUON_USABLE:
             inv = inv_rms(SumSq, 8 * K_ROWS, eps, SUMSQ_TILES, WARPS_)
             w0, w1 = normed_words(w0, n0, inv), normed_words(w1, n1, inv)
             w2, w3 = normed_words(w2, n2, inv), normed_words(w3, n3, inv)
-        return w0, w1, w2, w3
+        # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
+        pairs = (_table(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
+                 _table(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),
+                 _table(_fma2(_prmt(w1, w3, 0x5410), 0x72007200, 0)),
+                 _table(_fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0)))
+        # Exact: a bf16 is an fp32 with its low 16 bits zero.
+        total = _word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3)
+        return pairs, _table(total)
 
     @gluon.jit
     def _x_words(XW, word, ok, UP_WORDS, GATED: gl.constexpr):
@@ -430,10 +421,6 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
     where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
-    if BODY == "mma" and n % 64 == 0:
-        from minillm.kernels import w4_gemv_mma
-        return w4_gemv_mma.gemv(x, qweight, scales, zeros, group, out, gated=gated, residual=residual, sumsq=sumsq,
-                                norm=norm)
     tiles = choose_tiles(k, n, num_sms(x.device))
     splits = splits_needed(k, tiles)
     partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
