@@ -32,7 +32,8 @@ from minillm.model import norm_folding  # noqa: E402
 
 ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 # name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
-DEFAULTS = {norm_folding: {"ENABLED": True}, paged_attention: {"DEFAULT_MERGE": "kernel"},
+DEFAULTS = {norm_folding: {"ENABLED": True},
+            paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits},
             w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
 
 
@@ -46,6 +47,12 @@ def tiles_by_projection(**tiles):
     return {"choose_tiles": lambda k, n, sms: tiles.get(LLAMA2_7B_PROJECTIONS.get((k, n)), shipped(k, n, sms))}
 
 
+def splits(count):
+    """The decode attention's splits a sequence pinned to ``count`` (``choose_num_splits`` gives 9 at batch 1: two
+    waves of its 32 KV heads' programs, for the graph's 4096-token table)."""
+    return {"choose_num_splits": lambda *args, **kwargs: count}
+
+
 ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
        "int4_last_split": ("rtn-int4", {paged_attention: {"DEFAULT_MERGE": "last_split"}}),
        **{f"int4_tiles{t}": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=t, o=t, gate_up=t, down=t)})
@@ -56,7 +63,9 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_
        "int4_o_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2)}),
        "int4_qkv_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=2)}),
        "int4_o_2_gate_up_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2, gate_up=2)}),
-       "bf16": (None, {}), "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
+       **{f"int4_splits{s}": ("rtn-int4", {paged_attention: splits(s)}) for s in (1, 2, 4)},
+       "bf16": (None, {}), "bf16_splits1": (None, {paged_attention: splits(1)}),
+       "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
 ENGINES = {name: ALL[name] for name in os.environ.get("VARIANTS", ",".join(ALL)).split(",")}
 
 
