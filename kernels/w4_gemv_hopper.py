@@ -92,7 +92,6 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-PROBE = 0  # EXPERIMENT: 1 no x loads (constant x), 2 no split-K fix-up (each program writes y), 3 both
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
 
 
@@ -194,7 +193,7 @@ if GLUON_USABLE:
 
     @gluon.jit
     def _x_tables(XW, first_row, K_ROWS, NormW, SumSq, eps, ROWS: gl.constexpr, WARPS_: gl.constexpr,
-                  GATED: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr, PROBE: gl.constexpr):
+                  GATED: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
         """The program's ROWS packed rows of x (two bf16 a word, XW) as the products want them, in shared memory:
         four [ROWS] int32, pair j of row r = (x_8r+j, x_8r+j+4) times 2**101 (j even) or 2**97 (j odd), and [ROWS] fp32,
         each row's sum of x. Rows past K_ROWS are zeros. GATED: XW is the MLP's gate_up row (K gates, then K ups) and
@@ -203,15 +202,11 @@ if GLUON_USABLE:
         rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
         r = first_row + gl.arange(0, ROWS, layout=rows_l)
         ok = r < K_ROWS
-        if PROBE == 1 or PROBE == 3:  # EXPERIMENT: no load of x (constant words), no norm, no gating
-            w0 = gl.full([ROWS], 0x3F803F80, gl.int32, layout=rows_l) + r
-            w1, w2, w3 = w0, w0, w0
-        else:
-            w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, GATED)  # inputs 8r, 8r + 1
-            w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, GATED)
-            w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, GATED)
-            w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, GATED)
-        if NORMED and PROBE != 1 and PROBE != 3:  # the row's and the weight's words in flight before 1 / rms is formed: one round trip for all
+        w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, GATED)  # inputs 8r, 8r + 1
+        w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, GATED)
+        w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, GATED)
+        w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, GATED)
+        if NORMED:  # the row's and the weight's words in flight before 1 / rms is formed: one round trip for all
             n0, n1 = gl.load(NormW + 4 * r, mask=ok, other=0), gl.load(NormW + 4 * r + 1, mask=ok, other=0)
             n2, n3 = gl.load(NormW + 4 * r + 2, mask=ok, other=0), gl.load(NormW + 4 * r + 3, mask=ok, other=0)
             inv = inv_rms(SumSq, 8 * K_ROWS, eps, SUMSQ_TILES, WARPS_)
@@ -267,8 +262,7 @@ if GLUON_USABLE:
     @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr,
-                        PROBE: gl.constexpr = 0):
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
         R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
         the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``)."""
@@ -300,7 +294,7 @@ if GLUON_USABLE:
         _let_next_start(PDL)
         _wait_for_previous(PDL)
         pairs, sums = _x_tables(XW, first_row, K_ROWS, NormW, SumSqIn, eps, TILES * _TILE_ROWS, WARPS_, GATED, NORMED,
-                                SUMSQ_TILES, PROBE)
+                                SUMSQ_TILES)
         warps_barrier()  # the tables are written
 
         # A thread: two neighbouring columns, SUB_ROWS / RUN rows a slice; the 128 threads span the tile's 256 columns.
@@ -325,18 +319,17 @@ if GLUON_USABLE:
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
-        _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_, ADD, PROBE)
+        _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_, ADD)
 
     @gluon.jit
-    def _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr,
-                PROBE: gl.constexpr = 0):
+    def _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr):
         """y[n0 : n0 + 256] = out, or with splits ``split_k.finish``'s fix-up: each program stores its fp32 partial, the
         last of the column tile to arrive sums them, FIX_CHUNK splits a load (one round trip to L2 each, where a
         load a split took ~0.07 us each: figures/h200/sweeps/w4a16_gemv_probe.json), and writes y (``_store_y``)."""
         cols_l: gl.constexpr = out.type.layout
         n = tile_n * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=cols_l)
         splits = gl.num_programs(1)
-        if splits == 1 or PROBE == 2 or PROBE == 3:  # EXPERIMENT 2: every program writes y itself, no fix-up (y wrong)
+        if splits == 1:
             _store_y(out, Y, n, N, R, SumSqOut, tile_n, ADD)
         else:
             gl.store(Partials + gl.program_id(1) * N + n, out, mask=n < N)
@@ -419,7 +412,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     _w4_gemv_kernel[grid](words, *_descriptors(qweight, scales, zeros, group), out, partials, counters,
                           n, k // 8, *added, *normed, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated,
                           RUN=run, ADD=residual is not None, NORMED=norm is not None, SUMSQ_TILES=sumsq_tiles,
-                          PROBE=PROBE, num_warps=WARPS, launch_pdl=pdl)
+                          num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
