@@ -4,8 +4,9 @@ Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms fo
 ``model/norm_folding.py``), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with the decode attention's splits merged
 by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
 GEMV program in every projection (2 won on cold standalone calls), or other counts for some of a layer's four
-projections (``choose_tiles`` gives o_proj 1 and the others 4; o_proj at 4 as before session 22, down_proj at 2 ...);
-bf16, and bf16 merged in the last split.
+projections (``choose_tiles`` gives o_proj 1 and the others 4; o_proj at 4 as before session 22, down_proj at 2 ...),
+with the attention's splits pinned to 1, 2 or 4 (9 by default at batch 1); bf16, bf16 at 1 split, and bf16 merged in
+the last split.
 
 - **GPU time a token:** the engines' batch-1 decode graphs replayed back to back (no host work between replays:
   what the GPU alone takes a token), in interleaved rounds ABC CBA ..., so that a drift weighs on all alike.
