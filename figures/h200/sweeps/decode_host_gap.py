@@ -62,7 +62,10 @@ def analyse(trace: dict) -> dict:
         if t0 <= e["ts"] < t1:
             calls[e["name"]][0] += 1
             calls[e["name"]][1] += e["dur"]
-    per = lambda v: round(v / tokens, 2)  # noqa: E731
+
+    def per(value):
+        return round(value / tokens, 2)
+
     return {"tokens": tokens, "wall_us_per_token": per(t1 - t0), "gpu_busy_us_per_token": per(busy),
             "gpu_idle_us_per_token": per(t1 - t0 - busy),
             "graph_kernels_us_per_token (summed durations, overlaps counted twice)": per(in_graph),
