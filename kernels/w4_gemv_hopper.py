@@ -56,8 +56,6 @@ M > 1 take the Triton kernels. Not under Triton's interpreter (Gluon has none): 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
@@ -94,13 +92,6 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-CLUSTERED = os.environ.get("MINILLM_GEMV_CLUSTER") == "1"  # EXPERIMENT: split-K fix-up through a cluster barrier where 1 < splits <= MAX_CLUSTER
-MAX_CLUSTER = 8  # a portable cluster
-
-
-def cluster_when(k: int, n: int, tiles: int, splits: int) -> bool:
-    """EXPERIMENT: whether a K x N GEMV at ``tiles`` a program fixes its ``splits`` up as a cluster."""
-    return CLUSTERED and 1 < splits <= MAX_CLUSTER
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
 
 
@@ -271,19 +262,14 @@ if GLUON_USABLE:
     @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr,
-                        CLUSTER: gl.constexpr = 0):
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
         R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
         the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``)."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS // GROUP_ROWS  # scale rows a tile
-        if CLUSTER:  # EXPERIMENT: a column tile's splits are one cluster of CLUSTER programs along the grid's x
-            tile_n = gl.program_id(0) // CLUSTER
-            split = gl.program_id(0) % CLUSTER
-        else:
-            tile_n = gl.program_id(0)
-            split = gl.program_id(1)
+        tile_n = gl.program_id(0)
+        split = gl.program_id(1)
         n0 = tile_n * _BLOCK_N
         first_row = split * (TILES * _TILE_ROWS)
 
@@ -333,54 +319,36 @@ if GLUON_USABLE:
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
-        _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_, ADD, split, CLUSTER)
+        _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_, ADD)
 
     @gluon.jit
-    def _cluster_barrier():
-        """Every thread of the cluster's programs arrives (their stores released to the cluster), then waits."""
-        gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned; "
-                                  "// $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _sum_partials(Partials, n, N, splits, WARPS_: gl.constexpr):
-        """The column tile's partials of splits 0 .. splits - 1 summed in that order, FIX_CHUNK a load."""
-        fix_l: gl.constexpr = gl.BlockedLayout([_FIX_CHUNK, 2], [1, 32], [1, WARPS_], [1, 0])
-        rows = gl.arange(0, _FIX_CHUNK, layout=gl.SliceLayout(1, fix_l))[:, None]
-        cols = gl.convert_layout(n, gl.SliceLayout(0, fix_l))[None, :]
-        total = gl.zeros([_BLOCK_N], gl.float32, layout=gl.SliceLayout(0, fix_l))
-        for first in range(0, splits, _FIX_CHUNK):  # chunks in split order, each summed in a fixed order
-            ok = (first + rows < splits) & (cols < N)
-            total += gl.sum(gl.load(Partials + (first + rows) * N + cols, mask=ok, other=0.0, cache_modifier=".cg"),
-                            axis=0)
-        return gl.convert_layout(total, n.type.layout)
-
-    @gluon.jit
-    def _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr,
-                split, CLUSTER: gl.constexpr):
+    def _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr):
         """y[n0 : n0 + 256] = out, or with splits ``split_k.finish``'s fix-up: each program stores its fp32 partial, the
         last of the column tile to arrive sums them, FIX_CHUNK splits a load (one round trip to L2 each, where a
         load a split took ~0.07 us each: figures/h200/sweeps/w4a16_gemv_probe.json), and writes y (``_store_y``)."""
         cols_l: gl.constexpr = out.type.layout
         n = tile_n * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=cols_l)
-        if CLUSTER:  # EXPERIMENT: the cluster's barrier in place of the fence and the arrival atomic
-            gl.store(Partials + split * N + n, out, mask=n < N)
-            _cluster_barrier()
-            if split == 0:
-                _store_y(_sum_partials(Partials, n, N, CLUSTER, WARPS_), Y, n, N, R, SumSqOut, tile_n, ADD)
+        splits = gl.num_programs(1)
+        if splits == 1:
+            _store_y(out, Y, n, N, R, SumSqOut, tile_n, ADD)
         else:
-            splits = gl.num_programs(1)
-            if splits == 1:
-                _store_y(out, Y, n, N, R, SumSqOut, tile_n, ADD)
-            else:
-                gl.store(Partials + gl.program_id(1) * N + n, out, mask=n < N)
-                warps_barrier()  # every thread's partial stored before the arrival (split_k.last_arrival)
-                if gl.atomic_add(Counters + tile_n, 1, sem="acq_rel") == splits - 1:
-                    gl.store(Counters + tile_n, 0)
-                    if ADD:  # the residual on its way to L1 while the partials are summed (no registers held for it)
-                        lines_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
-                        lines = tile_n * _BLOCK_N + 64 * gl.arange(0, 4, layout=lines_l)  # 128-byte lines of bf16
-                        _prefetch_l1(R + gl.minimum(lines, N - 1))  # (none past the row's end)
-                    _store_y(_sum_partials(Partials, n, N, splits, WARPS_), Y, n, N, R, SumSqOut, tile_n, ADD)
+            gl.store(Partials + gl.program_id(1) * N + n, out, mask=n < N)
+            warps_barrier()  # every thread's partial stored before the arrival (split_k.last_arrival)
+            if gl.atomic_add(Counters + tile_n, 1, sem="acq_rel") == splits - 1:
+                gl.store(Counters + tile_n, 0)
+                if ADD:  # the residual on its way to L1 while the partials are summed (no registers held for it)
+                    lines_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
+                    lines = tile_n * _BLOCK_N + 64 * gl.arange(0, 4, layout=lines_l)  # 128-byte lines of bf16
+                    _prefetch_l1(R + gl.minimum(lines, N - 1))  # (none past the row's end)
+                fix_l: gl.constexpr = gl.BlockedLayout([_FIX_CHUNK, 2], [1, 32], [1, WARPS_], [1, 0])
+                rows = gl.arange(0, _FIX_CHUNK, layout=gl.SliceLayout(1, fix_l))[:, None]
+                cols = gl.convert_layout(n, gl.SliceLayout(0, fix_l))[None, :]
+                total = gl.zeros([_BLOCK_N], gl.float32, layout=gl.SliceLayout(0, fix_l))
+                for first in range(0, splits, _FIX_CHUNK):  # chunks in split order, each summed in a fixed order
+                    ok = (first + rows < splits) & (cols < N)
+                    total += gl.sum(gl.load(Partials + (first + rows) * N + cols, mask=ok, other=0.0,
+                                            cache_modifier=".cg"), axis=0)
+                _store_y(gl.convert_layout(total, cols_l), Y, n, N, R, SumSqOut, tile_n, ADD)
 
     @gluon.jit
     def _prefetch_l1(ptrs):
@@ -432,32 +400,19 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         raise ValueError(f"sumsq must hold cdiv(N, {SUMSQ_COLUMNS}) = {-(-n // SUMSQ_COLUMNS)} fp32, got "
                          f"{sumsq.dtype} {tuple(sumsq.shape)}")
     splits = splits_needed(k, tiles)
-    cluster = splits if cluster_when(k, n, tiles, splits) else 0
     if splits > 1 and partials.numel() < splits * n:
         raise ValueError(f"partials holds {partials.numel()} floats; {splits} splits x N = {n} need {splits * n}")
-    grid = (-(-n // BLOCK_N), 1 if cluster else splits)
+    grid = (-(-n // BLOCK_N), splits)
     if splits > 1 and grid[0] > MAX_TILES:
         raise ValueError(f"N = {n} is {grid[0]} column tiles; the split-K counters hold {MAX_TILES}")
     words = x.view(torch.int32)
     added = (residual, sumsq) if residual is not None else (out, partials)  # (unread without a residual)
     normed = (norm.weight.view(torch.int32), norm.sumsq, norm.eps) if norm else (words, partials, 0.0)
     sumsq_tiles = triton.next_power_of_2(-(-k // SUMSQ_COLUMNS)) if norm else 1
-    args = (words, *_descriptors(qweight, scales, zeros, group), out, partials, counters, n, k // 8, *added, *normed)
-    options = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated, RUN=run, ADD=residual is not None,
-                   NORMED=norm is not None, SUMSQ_TILES=sumsq_tiles, CLUSTER=cluster, num_warps=WARPS, launch_pdl=pdl)
-    if cluster:
-        _launch_as_clusters(_w4_gemv_kernel, grid, cluster, args, options)
-    _w4_gemv_kernel[grid](*args, **options)
-
-
-def _launch_as_clusters(kernel, grid, size: int, args, options) -> None:
-    """EXPERIMENT: make ``kernel``'s compiled form launch each program of ``grid`` as a cluster of ``size`` (Triton's
-    launcher does for num_ctas > 1: grid x times size, cluster dims (size, 1, 1)); the kernel, compiled for one CTA,
-    reads its rank from its program id. Compiles it first if needed."""
-    compiled = kernel.run(*args, grid=grid, warmup=True, **options)
-    compiled = compiled.result() if hasattr(compiled, "result") else compiled
-    warps, _, shared = compiled.packed_metadata
-    compiled.packed_metadata = (warps, size, shared)
+    _w4_gemv_kernel[grid](words, *_descriptors(qweight, scales, zeros, group), out, partials, counters,
+                          n, k // 8, *added, *normed, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated,
+                          RUN=run, ADD=residual is not None, NORMED=norm is not None, SUMSQ_TILES=sumsq_tiles,
+                          num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,

@@ -4,8 +4,9 @@ Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms fo
 ``model/norm_folding.py``), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with the decode attention's splits merged
 by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
 GEMV program in every projection (2 won on cold standalone calls), or other counts for some of a layer's four
-projections (``choose_tiles`` gives o_proj 1 and the others 4; o_proj at 4 as before session 22, down_proj at 2 ...);
-bf16, and bf16 merged in the last split.
+projections (``choose_tiles`` gives o_proj 1 and the others 4; o_proj at 4 as before session 22, down_proj at 2 ...),
+with the attention's splits pinned to 1, 2 or 4 (9 by default at batch 1); bf16, bf16 at 1 split, and bf16 merged in
+the last split.
 
 - **GPU time a token:** the engines' batch-1 decode graphs replayed back to back (no host work between replays:
   what the GPU alone takes a token), in interleaved rounds ABC CBA ..., so that a drift weighs on all alike.
@@ -34,8 +35,7 @@ ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 # name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
 DEFAULTS = {norm_folding: {"ENABLED": True},
             paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits},
-            w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles,
-                             "CLUSTERED": False, "cluster_when": w4_gemv_hopper.cluster_when}}
+            w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
 
 
 LLAMA2_7B_PROJECTIONS = {(4096, 12288): "qkv", (4096, 4096): "o", (4096, 22016): "gate_up", (11008, 4096): "down"}
@@ -65,11 +65,6 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_
        "int4_qkv_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=2)}),
        "int4_o_2_gate_up_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2, gate_up=2)}),
        **{f"int4_splits{s}": ("rtn-int4", {paged_attention: splits(s)}) for s in (1, 2, 4)},
-       "int4_cluster": ("rtn-int4", {w4_gemv_hopper: {"CLUSTERED": True}}),
-       "int4_cluster_o4": ("rtn-int4", {w4_gemv_hopper: {"CLUSTERED": True, **tiles_by_projection(o=4)}}),
-       "int4_cluster_o_only": ("rtn-int4", {w4_gemv_hopper: {  # o_proj at 4 tiles (8 splits, 128 programs) clustered
-           "cluster_when": lambda k, n, tiles, splits: (k, n) == (4096, 4096) and 1 < splits <= 8,
-           **tiles_by_projection(o=4)}}),
        "bf16": (None, {}), "bf16_splits1": (None, {paged_attention: splits(1)}),
        "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
 ENGINES = {name: ALL[name] for name in os.environ.get("VARIANTS", ",".join(ALL)).split(",")}
