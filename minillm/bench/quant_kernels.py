@@ -101,6 +101,7 @@ def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dty
 
     row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "weight_copies": copies,
            "torch": timed("bf16", None)}
+    tiles = choose_tiles(shape.k, shape.n, num_sms(device))  # the Gluon GEMV's, for its config label
     for fmt, ref in refs.items():
         dequant = fmt == "w4a16" and shape.m >= DEQUANT_MIN_M
         paths = ("gemv", "dot") if shape.m <= GEMV_BENCH_MAX_M else ("dot", "dequant") if dequant else ("dot",)
@@ -110,7 +111,6 @@ def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dty
         for path in paths:
             run = timed(fmt, path)
             run["speedup"] = row["torch"]["ms"] / run["ms"]
-            tiles = choose_tiles(shape.k, shape.n, num_sms(device))
             run["config"] = "dequantize + cuBLAS" if path == "dequant" else \
                 f"Gluon (w4_gemv_hopper.py), {tiles} tiles a program" if gluon and path == "gemv" else \
                 autotuned_config(fmt[:2], path.removesuffix("_triton")) if device.type == "cuda" else \
