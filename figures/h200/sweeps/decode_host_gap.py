@@ -30,7 +30,6 @@ def analyse(trace: dict) -> dict:
     graph_ids = {e["args"].get("correlation") for e in events
                  if e.get("cat") == "cuda_runtime" and e["name"] == "cudaGraphLaunch"}
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
     replays = [e for e in gpu if e["args"].get("correlation") in graph_ids]
     # Steady state: from the start of replay SKIP's first kernel to the end of the last replay's last kernel.
     first = {}
@@ -47,34 +46,27 @@ def analyse(trace: dict) -> dict:
             busy += f - s
             end = f
     in_graph = sum(e["dur"] for e in inside if e["args"].get("correlation") in graph_ids)
-    others = collections.defaultdict(lambda: [0, 0.0])
-    for e in inside:
-        if e["args"].get("correlation") not in graph_ids:
-            others[e["name"][:70]][0] += 1
-            others[e["name"][:70]][1] += e["dur"]
-    calls = collections.defaultdict(lambda: [0, 0.0])
-    ops = collections.defaultdict(lambda: [0, 0.0])
-    for e in events:
-        if e.get("cat") == "cpu_op" and t0 <= e["ts"] < t1:
-            ops[e["name"]][0] += 1
-            ops[e["name"]][1] += e["dur"]
-    for e in runtime:
-        if t0 <= e["ts"] < t1:
-            calls[e["name"]][0] += 1
-            calls[e["name"]][1] += e["dur"]
 
     def per(value):
         return round(value / tokens, 2)
 
+    def by_name(selected, most=None, width=None):
+        """Calls and time a token per name (cut to ``width`` characters) of ``selected``, most time first."""
+        totals = collections.defaultdict(lambda: [0, 0.0])
+        for e in selected:
+            totals[e["name"][:width]][0] += 1
+            totals[e["name"][:width]][1] += e["dur"]
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:most]
+        return {name: {"calls": per(count), "us": per(time)} for name, (count, time) in ranked}
+
+    window = [e for e in events if t0 <= e["ts"] < t1]
     return {"tokens": tokens, "wall_us_per_token": per(t1 - t0), "gpu_busy_us_per_token": per(busy),
             "gpu_idle_us_per_token": per(t1 - t0 - busy),
             "graph_kernels_us_per_token (summed durations, overlaps counted twice)": per(in_graph),
-            "outside_graph_per_token": {n: {"calls": per(c), "us": per(d)}
-                                        for n, (c, d) in sorted(others.items(), key=lambda kv: -kv[1][1])},
-            "runtime_calls_per_token": {n: {"calls": per(c), "us": per(d)}
-                                        for n, (c, d) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:12]},
-            "cpu_ops_per_token (inclusive)": {n: {"calls": per(c), "us": per(d)}
-                                              for n, (c, d) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:15]}}
+            "outside_graph_per_token": by_name((e for e in inside if e["args"].get("correlation") not in graph_ids),
+                                               width=70),
+            "runtime_calls_per_token": by_name((e for e in window if e.get("cat") == "cuda_runtime"), most=12),
+            "cpu_ops_per_token (inclusive)": by_name((e for e in window if e.get("cat") == "cpu_op"), most=15)}
 
 
 runs = {}
