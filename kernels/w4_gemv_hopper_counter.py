@@ -1,5 +1,5 @@
-"""EXPERIMENT (session 24, removed after it): the Gluon W4A16 GEMV as of 85bc552, its split-K fix-up on arrival
-counters, for A/B runs beside kernels/w4_gemv_hopper.py in one process."""
+# EXPERIMENT (session 24, removed after it): the Gluon W4A16 GEMV as of 85bc552, its split-K fix-up on arrival
+# counters, for A/B runs beside kernels/w4_gemv_hopper.py in one process.
 """The W4A16 GEMV (M = 1) for Hopper (sm_90), in Gluon: ``w4a16_matmul`` runs it for one row of bf16 x on an
 H100/H200, the matmul a batch-1 decode step of an INT4 model mostly runs.
 
