@@ -92,7 +92,7 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
+FIX_CHUNK = 8  # EXPERIMENT
 
 
 def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -159,7 +159,6 @@ def choose_tiles(k: int, n: int, sms: int) -> int:
 if GLUON_USABLE:
     _TILE_ROWS, _SUB_ROWS, _BLOCK_N = gl.constexpr(TILE_ROWS), gl.constexpr(SUB_ROWS), gl.constexpr(BLOCK_N)
     _TWO_POW_32 = gl.constexpr(4294967296.0)
-    _FIX_CHUNK = gl.constexpr(FIX_CHUNK)
     _EMPTY, _CANONICAL_NAN = gl.constexpr(EMPTY_BITS), gl.constexpr(0x7FFFFFFF)
 
     @gluon.jit
@@ -263,7 +262,8 @@ if GLUON_USABLE:
     @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr,
+                        FIX_CHUNK: gl.constexpr):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
         R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
         the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``)."""
@@ -320,44 +320,53 @@ if GLUON_USABLE:
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
-        _finish(out, Y, Partials, tile_n, N, R, SumSqOut, WARPS_, ADD)
+        _finish(out, Y, Partials, tile_n, N, R, SumSqOut, WARPS_, ADD, FIX_CHUNK)
 
     @gluon.jit
-    def _finish(out, Y, Partials, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr):
+    def _finish(out, Y, Partials, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr,
+                FIX_CHUNK: gl.constexpr):
         """y[n0 : n0 + 256] = out, or with splits the fix-up: each program but the column tile's last split stores its
         fp32 partial (as int32 bits, never EMPTY_BITS); the last split reads them, FIX_CHUNK splits a load, again
-        where any is still EMPTY_BITS, sums them in split order with its own, sets them back to EMPTY_BITS and writes
-        y (``_store_y``). No fence and no counter: a partial's bits are its own sign of arrival (``split_k.py``).
-        The last split waits only for programs dispatched before it (lower linear ids), as CUTLASS's stream-K
-        fix-up does, so it cannot wait for a program that waits for its slot."""
+        where any is still EMPTY_BITS, sums them in split order and its own last, sets them back to EMPTY_BITS and
+        writes y (``_store_y``). No fence and no counter: a partial's bits are its own sign of arrival
+        (``split_k.py``). The last split waits only for programs dispatched before it (lower linear ids), as CUTLASS's
+        stream-K fix-up does, so it cannot wait for a program that waits for its slot."""
         cols_l: gl.constexpr = out.type.layout
         n = tile_n * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=cols_l)
+        split = gl.program_id(1)
         splits = gl.num_programs(1)
         if splits == 1:
             _store_y(out, Y, n, N, R, SumSqOut, tile_n, ADD)
-        elif gl.program_id(1) < splits - 1:
+        elif split < splits - 1:
             bits = out.to(gl.int32, bitcast=True)
-            gl.store(Partials + gl.program_id(1) * N + n, gl.where(bits == _EMPTY, _CANONICAL_NAN, bits), mask=n < N)
+            gl.store(Partials + _partial_offset(split // FIX_CHUNK, split % FIX_CHUNK, n, N, FIX_CHUNK),
+                     gl.where(bits == _EMPTY, _CANONICAL_NAN, bits), mask=n < N)
         else:
             if ADD:  # the residual on its way to L1 while the partials are summed (no registers held for it)
                 lines_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
                 lines = tile_n * _BLOCK_N + 64 * gl.arange(0, 4, layout=lines_l)  # 128-byte lines of bf16
                 _prefetch_l1(R + gl.minimum(lines, N - 1))  # (none past the row's end)
-            fix_l: gl.constexpr = gl.BlockedLayout([_FIX_CHUNK, 2], [1, 32], [1, WARPS_], [1, 0])
-            rows = gl.arange(0, _FIX_CHUNK, layout=gl.SliceLayout(1, fix_l))[:, None]
+            fix_l: gl.constexpr = gl.BlockedLayout([FIX_CHUNK, 2], [1, 32], [1, WARPS_], [1, 0])
+            rows = gl.arange(0, FIX_CHUNK, layout=gl.SliceLayout(1, fix_l))[:, None]
             cols = gl.convert_layout(n, gl.SliceLayout(0, fix_l))[None, :]
             total = gl.zeros([_BLOCK_N], gl.float32, layout=gl.SliceLayout(0, fix_l))
-            for first in range(0, splits - 1, _FIX_CHUNK):  # chunks in split order, each summed in a fixed order
+            for first in range(0, splits - 1, FIX_CHUNK):  # chunks in split order, each summed in a fixed order
                 ok = (first + rows < splits - 1) & (cols < N)
-                ptrs = Partials + (first + rows) * N + cols
-                bits = gl.load(ptrs, mask=ok, other=0, volatile=True)  # (from L2: L1 is not coherent between SMs)
-                waiting = ok & (bits == _EMPTY)
-                while gl.max(gl.max(waiting.to(gl.int32), axis=1), axis=0) > 0:
-                    bits = gl.where(waiting, gl.load(ptrs, mask=waiting, other=0, volatile=True), bits)
-                    waiting = waiting & (bits == _EMPTY)
+                ptrs = Partials + _partial_offset(first // FIX_CHUNK, rows, cols, N, FIX_CHUNK)
+                # (Masked-off partials read as 0, never EMPTY. From L2: L1 is not coherent between SMs.)
+                bits = gl.load(ptrs, mask=ok, other=0, volatile=True)
+                while gl.max(gl.max((bits == _EMPTY).to(gl.int32), axis=1), axis=0) > 0:
+                    bits = gl.load(ptrs, mask=ok, other=0, volatile=True)
                 total += gl.sum(bits.to(gl.float32, bitcast=True), axis=0)
                 gl.store(ptrs, gl.full(bits.shape, _EMPTY, gl.int32, layout=fix_l), mask=ok)  # for the next launch
             _store_y(gl.convert_layout(total, cols_l) + out, Y, n, N, R, SumSqOut, tile_n, ADD)
+
+    @gluon.jit
+    def _partial_offset(chunk, row, n, N, FIX_CHUNK: gl.constexpr):
+        """Where the partial of split chunk * FIX_CHUNK + row for column n lies in Partials, which holds [chunks,
+        N / 2 column pairs, FIX_CHUNK splits, 2 columns]: a fix-up thread's two columns of a chunk in one run of
+        8 FIX_CHUNK bytes, addressed from one register (where rows of N floats would take a pointer each)."""
+        return ((chunk * (N // 2) + n // 2) * FIX_CHUNK + row) * 2 + n % 2
 
     @gluon.jit
     def _prefetch_l1(ptrs):
@@ -389,7 +398,8 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
             out: torch.Tensor, pdl: bool, tiles: int | None = None, gated: bool = False, run: int = RUN,
-            residual: torch.Tensor | None = None, sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
+            residual: torch.Tensor | None = None, sumsq: torch.Tensor | None = None, norm: Norm | None = None,
+            fix_chunk: int | None = None) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted, the split-K
     partials in the device's ``split_k.empty_partials``. ``tiles`` (a program's, for sweeps): by default
     ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
@@ -408,7 +418,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         raise ValueError(f"sumsq must hold cdiv(N, {SUMSQ_COLUMNS}) = {-(-n // SUMSQ_COLUMNS)} fp32, got "
                          f"{sumsq.dtype} {tuple(sumsq.shape)}")
     splits = splits_needed(k, tiles)
-    partials = empty_partials(x.device, (splits - 1) * n or 1)  # (the last split keeps its own)
+    fix_chunk = fix_chunk or FIX_CHUNK
+    partials = empty_partials(x.device, -(-(splits - 1) // fix_chunk) * fix_chunk * n or 1)  # (_partial_offset)
     words = x.view(torch.int32)
     added = (residual, sumsq) if residual is not None else (out, partials)  # (unread without a residual)
     normed = (norm.weight.view(torch.int32), norm.sumsq, norm.eps) if norm else (words, partials, 0.0)
@@ -416,7 +427,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     _w4_gemv_kernel[(-(-n // BLOCK_N), splits)](
         words, *_descriptors(qweight, scales, zeros, group), out, partials, n, k // 8, *added, *normed, TILES=tiles,
         GROUP_ROWS=group // 8, PDL=pdl, GATED=gated, RUN=run, ADD=residual is not None, NORMED=norm is not None,
-        SUMSQ_TILES=sumsq_tiles, num_warps=WARPS, launch_pdl=pdl)
+        SUMSQ_TILES=sumsq_tiles, FIX_CHUNK=fix_chunk, num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,

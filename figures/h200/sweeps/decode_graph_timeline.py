@@ -36,7 +36,7 @@ ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 DEFAULTS = {norm_folding: {"ENABLED": True},
             paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits},
             w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles,
-                             "gemv": w4_gemv_hopper.gemv},
+                             "gemv": w4_gemv_hopper.gemv, "FIX_CHUNK": w4_gemv_hopper.FIX_CHUNK},
             w4_gemv_fused: {"gemv": w4_gemv_fused.gemv}}
 
 
@@ -64,6 +64,7 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_
        "int4_tiles_2_down_4": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=2, o=2, gate_up=2, down=4)}),
        "int4_counter_fixup": ("rtn-int4", {w4_gemv_hopper: {"gemv": w4_gemv_hopper_counter.gemv},
                                            w4_gemv_fused: {"gemv": w4_gemv_hopper_counter.gemv}}),
+       **{f"int4_fix_chunk{c}": ("rtn-int4", {w4_gemv_hopper: {"FIX_CHUNK": c}}) for c in (4, 16, 32)},
        "int4_o_4": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=4)}),
        "int4_o_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2)}),
        "int4_qkv_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=2)}),
