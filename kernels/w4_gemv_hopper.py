@@ -93,6 +93,7 @@ TILES = 4
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
 FIX_CHUNK = 8  # EXPERIMENT
+POLL = 1  # EXPERIMENT
 
 
 def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -263,7 +264,7 @@ if GLUON_USABLE:
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
                         RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr,
-                        FIX_CHUNK: gl.constexpr):
+                        FIX_CHUNK: gl.constexpr, POLL: gl.constexpr):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
         R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
         the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``)."""
@@ -320,11 +321,11 @@ if GLUON_USABLE:
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
-        _finish(out, Y, Partials, tile_n, N, R, SumSqOut, WARPS_, ADD, FIX_CHUNK)
+        _finish(out, Y, Partials, tile_n, N, R, SumSqOut, WARPS_, ADD, FIX_CHUNK, POLL)
 
     @gluon.jit
     def _finish(out, Y, Partials, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr,
-                FIX_CHUNK: gl.constexpr):
+                FIX_CHUNK: gl.constexpr, POLL: gl.constexpr):
         """y[n0 : n0 + 256] = out, or with splits the fix-up: each program but the column tile's last split stores its
         fp32 partial (as int32 bits, never EMPTY_BITS); the last split reads them, FIX_CHUNK splits a load, again
         where any is still EMPTY_BITS, sums them in split order and its own last, sets them back to EMPTY_BITS and
@@ -354,12 +355,27 @@ if GLUON_USABLE:
                 ok = (first + rows < splits - 1) & (cols < N)
                 ptrs = Partials + _partial_offset(first // FIX_CHUNK, rows, cols, N, FIX_CHUNK)
                 # (Masked-off partials read as 0, never EMPTY. From L2: L1 is not coherent between SMs.)
-                bits = gl.load(ptrs, mask=ok, other=0, volatile=True)
+                bits = _poll(ptrs, ok, Partials, POLL)
                 while gl.max(gl.max((bits == _EMPTY).to(gl.int32), axis=1), axis=0) > 0:
-                    bits = gl.load(ptrs, mask=ok, other=0, volatile=True)
+                    bits = _poll(ptrs, ok, Partials, POLL)
                 total += gl.sum(bits.to(gl.float32, bitcast=True), axis=0)
                 gl.store(ptrs, gl.full(bits.shape, _EMPTY, gl.int32, layout=fix_l), mask=ok)  # for the next launch
             _store_y(gl.convert_layout(total, cols_l) + out, Y, n, N, R, SumSqOut, tile_n, ADD)
+
+    @gluon.jit
+    def _poll(ptrs, ok, Partials, POLL: gl.constexpr):
+        """EXPERIMENT: the partials at ptrs where ok (0 elsewhere): 0 ld.volatile (STRONG.SYS), 1 ld.relaxed.gpu,
+        2 ld.global.cg (weak, from L2; inline asm, so never hoisted out of the loop)."""
+        if POLL == 0:
+            return gl.load(ptrs, mask=ok, other=0, volatile=True)
+        elif POLL == 1:
+            return gl.where(ok, gl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l",
+                                                          [gl.where(ok, ptrs, Partials)], dtype=gl.int32,
+                                                          is_pure=False, pack=1), 0)
+        else:
+            return gl.where(ok, gl.inline_asm_elementwise("ld.global.cg.b32 $0, [$1];", "=r,l",
+                                                          [gl.where(ok, ptrs, Partials)], dtype=gl.int32,
+                                                          is_pure=False, pack=1), 0)
 
     @gluon.jit
     def _partial_offset(chunk, row, n, N, FIX_CHUNK: gl.constexpr):
@@ -399,7 +415,7 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
             out: torch.Tensor, pdl: bool, tiles: int | None = None, gated: bool = False, run: int = RUN,
             residual: torch.Tensor | None = None, sumsq: torch.Tensor | None = None, norm: Norm | None = None,
-            fix_chunk: int | None = None) -> None:
+            fix_chunk: int | None = None, poll: int | None = None) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted, the split-K
     partials in the device's ``split_k.empty_partials``. ``tiles`` (a program's, for sweeps): by default
     ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
@@ -427,7 +443,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     _w4_gemv_kernel[(-(-n // BLOCK_N), splits)](
         words, *_descriptors(qweight, scales, zeros, group), out, partials, n, k // 8, *added, *normed, TILES=tiles,
         GROUP_ROWS=group // 8, PDL=pdl, GATED=gated, RUN=run, ADD=residual is not None, NORMED=norm is not None,
-        SUMSQ_TILES=sumsq_tiles, FIX_CHUNK=fix_chunk, num_warps=WARPS, launch_pdl=pdl)
+        SUMSQ_TILES=sumsq_tiles, FIX_CHUNK=fix_chunk, POLL=poll if poll is not None else POLL, num_warps=WARPS,
+        launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,

@@ -36,7 +36,8 @@ ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 DEFAULTS = {norm_folding: {"ENABLED": True},
             paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits},
             w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles,
-                             "gemv": w4_gemv_hopper.gemv, "FIX_CHUNK": w4_gemv_hopper.FIX_CHUNK},
+                             "gemv": w4_gemv_hopper.gemv, "FIX_CHUNK": w4_gemv_hopper.FIX_CHUNK,
+                             "POLL": w4_gemv_hopper.POLL},
             w4_gemv_fused: {"gemv": w4_gemv_fused.gemv}}
 
 
@@ -65,6 +66,7 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_
        "int4_counter_fixup": ("rtn-int4", {w4_gemv_hopper: {"gemv": w4_gemv_hopper_counter.gemv},
                                            w4_gemv_fused: {"gemv": w4_gemv_hopper_counter.gemv}}),
        **{f"int4_fix_chunk{c}": ("rtn-int4", {w4_gemv_hopper: {"FIX_CHUNK": c}}) for c in (4, 16, 32)},
+       **{f"int4_poll{p}": ("rtn-int4", {w4_gemv_hopper: {"POLL": p}}) for p in (0, 1, 2)},
        "int4_o_4": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=4)}),
        "int4_o_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2)}),
        "int4_qkv_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=2)}),

@@ -63,11 +63,11 @@ def main():
                  "triton gemv": (cycled(lambda w: w4a16_matmul(x, *w, group, path="gemv", out=out, hopper=False),
                                         sets), w4_bytes),
                  "gluon gemv": (cycled(lambda w: w4a16_matmul(x, *w, group, out=out, hopper=True), sets), w4_bytes)}
-        variants = {f"gluon split-K, {tiles} tiles": (w4_gemv_hopper.w4_gemv, dict(tiles=tiles)) for tiles in (1, 2, 4)}
-        variants["gluon split-K, 2 tiles, run 1"] = (w4_gemv_hopper.w4_gemv, dict(tiles=2, run=1))
-        for tiles in (1, 4):  # the fix-up's splits a load (chunk), its registers' count
-            variants[f"gluon split-K, {tiles} tiles, chunk 16"] = (w4_gemv_hopper.w4_gemv, dict(tiles=tiles,
-                                                                                                fix_chunk=16))
+        variants = {}
+        for tiles in (1, 4):  # how the fix-up polls the partials: ld.volatile, ld.relaxed.gpu, ld.global.cg
+            for poll in (0, 1):
+                variants[f"gluon split-K, {tiles} tiles, poll {poll}"] = (w4_gemv_hopper.w4_gemv, dict(tiles=tiles,
+                                                                                                     poll=poll))
         for tiles in (1, 2, 4):  # the fix-up on arrival counters, as before session 24
             variants[f"counter fix-up, {tiles} tiles"] = (w4_gemv_hopper_counter.w4_gemv, dict(
                 partials=partials, counters=tile_counters(dev), tiles=tiles))
