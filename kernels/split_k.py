@@ -14,13 +14,6 @@ find it clean. (Two streams must not run these kernels on one device at once; mi
 The paged decode attention kernel (``paged_attention.py``) merges its context splits the same way,
 on the same counters (``last_arrival``), and so does the Gluon W4A16 GEMV (``w4_gemv_hopper.py``):
 kernels on one stream run one after another, and each leaves every counter at zero.
-
-The Gluon W4A16 GEMV needs no counter (``empty_partials``): its partials start as a bit pattern no partial can take
-(EMPTY_BITS), and the fix-up's program reads them until none is left. The counter's protocol costs the last program
-three round trips to L2 after its math (its partial's store acknowledged before the release fence lets the atomic
-go, the atomic, the partials' loads), ~1.9 us a GEMV on an H200
-(figures/h200/sweeps/decode_graph_tail_probes.json); reading the values themselves costs one, as a flag set with
-the data would in CUTLASS's stream-K fix-up, without a fence between the two.
 """
 
 from __future__ import annotations
@@ -33,12 +26,6 @@ from minillm.kernels.checks import check
 
 MAX_TILES = 1 << 16  # arrival counters per device: the tiles of one split-K launch (see each user's check)
 COUNTERS: dict[torch.device, torch.Tensor] = {}
-# A partial not yet written: a NaN with every payload bit set but the quiet one, which no arithmetic produces (an
-# NVIDIA GPU's NaNs are 0x7FFFFFFF); a kernel writing a partial with these bits writes 0x7FFFFFFF instead.
-EMPTY_BITS = 0x7FBFFFFF
-# The empty partials' buffers of each device, newest last: a larger one is added when a launch needs it, and the older
-# ones are kept, as CUDA graphs captured with them still read them.
-EMPTY_PARTIALS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 @triton.jit
@@ -88,16 +75,3 @@ def tile_counters(device: torch.device) -> torch.Tensor:
               "with merge='last_split') allocates its counters; run one before capturing a CUDA graph (warm-up does)")
         COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
     return COUNTERS[device]
-
-
-def empty_partials(device: torch.device, numel: int) -> torch.Tensor:
-    """At least ``numel`` int32 of EMPTY_BITS on ``device``, for a kernel that leaves them so: its fix-up sets
-    each partial it read back to EMPTY_BITS, so the next launch (or CUDA-graph replay) finds them empty."""
-    buffers = EMPTY_PARTIALS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < numel:
-        check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
-              f"the Gluon W4A16 GEMV needs {numel} empty partials on {device}, more than any launch before it; run "
-              "one of its shapes before capturing a CUDA graph (warm-up does)")
-        size = max(numel, 2 * buffers[-1].numel() if buffers else numel)
-        buffers.append(torch.full((size,), EMPTY_BITS, dtype=torch.int32, device=device))
-    return buffers[-1]

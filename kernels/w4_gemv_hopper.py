@@ -63,7 +63,7 @@ from minillm.kernels.checks import num_sms
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
 from minillm.kernels.pdl import supported as pdl_supported
-from minillm.kernels.split_k import EMPTY_BITS, empty_partials
+from minillm.kernels.split_k import MAX_TILES, tile_counters
 from minillm.kernels.w4_gemv_norms import SUMSQ_COLUMNS, Norm
 
 if GLUON_USABLE:
@@ -92,8 +92,7 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-FIX_CHUNK = 8  # EXPERIMENT
-POLL = 1  # EXPERIMENT
+FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
 
 
 def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -160,7 +159,7 @@ def choose_tiles(k: int, n: int, sms: int) -> int:
 if GLUON_USABLE:
     _TILE_ROWS, _SUB_ROWS, _BLOCK_N = gl.constexpr(TILE_ROWS), gl.constexpr(SUB_ROWS), gl.constexpr(BLOCK_N)
     _TWO_POW_32 = gl.constexpr(4294967296.0)
-    _EMPTY, _CANONICAL_NAN = gl.constexpr(EMPTY_BITS), gl.constexpr(0x7FFFFFFF)
+    _FIX_CHUNK = gl.constexpr(FIX_CHUNK)
 
     @gluon.jit
     def _fma2(a, b, c):
@@ -261,10 +260,9 @@ if GLUON_USABLE:
         return gl.sum(_word_sum(acc2), axis=0)
 
     @gluon.jit
-    def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
+    def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr,
-                        FIX_CHUNK: gl.constexpr, POLL: gl.constexpr):
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
         R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
         the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``)."""
@@ -321,68 +319,36 @@ if GLUON_USABLE:
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
-        _finish(out, Y, Partials, tile_n, N, R, SumSqOut, WARPS_, ADD, FIX_CHUNK, POLL)
+        _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_, ADD)
 
     @gluon.jit
-    def _finish(out, Y, Partials, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr,
-                FIX_CHUNK: gl.constexpr, POLL: gl.constexpr):
-        """y[n0 : n0 + 256] = out, or with splits the fix-up: each program but the column tile's last split stores its
-        fp32 partial (as int32 bits, never EMPTY_BITS); the last split reads them, FIX_CHUNK splits a load, again
-        where any is still EMPTY_BITS, sums them in split order and its own last, sets them back to EMPTY_BITS and
-        writes y (``_store_y``). No fence and no counter: a partial's bits are its own sign of arrival
-        (``split_k.py``). The last split waits only for programs dispatched before it (lower linear ids), as CUTLASS's
-        stream-K fix-up does, so it cannot wait for a program that waits for its slot."""
+    def _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr):
+        """y[n0 : n0 + 256] = out, or with splits ``split_k.finish``'s fix-up: each program stores its fp32 partial, the
+        last of the column tile to arrive sums them, FIX_CHUNK splits a load (one round trip to L2 each, where a
+        load a split took ~0.07 us each: figures/h200/sweeps/w4a16_gemv_probe.json), and writes y (``_store_y``)."""
         cols_l: gl.constexpr = out.type.layout
         n = tile_n * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=cols_l)
-        split = gl.program_id(1)
         splits = gl.num_programs(1)
         if splits == 1:
             _store_y(out, Y, n, N, R, SumSqOut, tile_n, ADD)
-        elif split < splits - 1:
-            bits = out.to(gl.int32, bitcast=True)
-            gl.store(Partials + _partial_offset(split // FIX_CHUNK, split % FIX_CHUNK, n, N, FIX_CHUNK),
-                     gl.where(bits == _EMPTY, _CANONICAL_NAN, bits), mask=n < N)
         else:
-            if ADD:  # the residual on its way to L1 while the partials are summed (no registers held for it)
-                lines_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
-                lines = tile_n * _BLOCK_N + 64 * gl.arange(0, 4, layout=lines_l)  # 128-byte lines of bf16
-                _prefetch_l1(R + gl.minimum(lines, N - 1))  # (none past the row's end)
-            fix_l: gl.constexpr = gl.BlockedLayout([FIX_CHUNK, 2], [1, 32], [1, WARPS_], [1, 0])
-            rows = gl.arange(0, FIX_CHUNK, layout=gl.SliceLayout(1, fix_l))[:, None]
-            cols = gl.convert_layout(n, gl.SliceLayout(0, fix_l))[None, :]
-            total = gl.zeros([_BLOCK_N], gl.float32, layout=gl.SliceLayout(0, fix_l))
-            for first in range(0, splits - 1, FIX_CHUNK):  # chunks in split order, each summed in a fixed order
-                ok = (first + rows < splits - 1) & (cols < N)
-                ptrs = Partials + _partial_offset(first // FIX_CHUNK, rows, cols, N, FIX_CHUNK)
-                # (Masked-off partials read as 0, never EMPTY. From L2: L1 is not coherent between SMs.)
-                bits = _poll(ptrs, ok, Partials, POLL)
-                while gl.max(gl.max((bits == _EMPTY).to(gl.int32), axis=1), axis=0) > 0:
-                    bits = _poll(ptrs, ok, Partials, POLL)
-                total += gl.sum(bits.to(gl.float32, bitcast=True), axis=0)
-                gl.store(ptrs, gl.full(bits.shape, _EMPTY, gl.int32, layout=fix_l), mask=ok)  # for the next launch
-            _store_y(gl.convert_layout(total, cols_l) + out, Y, n, N, R, SumSqOut, tile_n, ADD)
-
-    @gluon.jit
-    def _poll(ptrs, ok, Partials, POLL: gl.constexpr):
-        """EXPERIMENT: the partials at ptrs where ok (0 elsewhere): 0 ld.volatile (STRONG.SYS), 1 ld.relaxed.gpu,
-        2 ld.global.cg (weak, from L2; inline asm, so never hoisted out of the loop)."""
-        if POLL == 0:
-            return gl.load(ptrs, mask=ok, other=0, volatile=True)
-        elif POLL == 1:
-            return gl.where(ok, gl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l",
-                                                          [gl.where(ok, ptrs, Partials)], dtype=gl.int32,
-                                                          is_pure=False, pack=1), 0)
-        else:
-            return gl.where(ok, gl.inline_asm_elementwise("ld.global.cg.b32 $0, [$1];", "=r,l",
-                                                          [gl.where(ok, ptrs, Partials)], dtype=gl.int32,
-                                                          is_pure=False, pack=1), 0)
-
-    @gluon.jit
-    def _partial_offset(chunk, row, n, N, FIX_CHUNK: gl.constexpr):
-        """Where the partial of split chunk * FIX_CHUNK + row for column n lies in Partials, which holds [chunks,
-        N / 2 column pairs, FIX_CHUNK splits, 2 columns]: a fix-up thread's two columns of a chunk in one run of
-        8 FIX_CHUNK bytes, addressed from one register (where rows of N floats would take a pointer each)."""
-        return ((chunk * (N // 2) + n // 2) * FIX_CHUNK + row) * 2 + n % 2
+            gl.store(Partials + gl.program_id(1) * N + n, out, mask=n < N)
+            warps_barrier()  # every thread's partial stored before the arrival (split_k.last_arrival)
+            if gl.atomic_add(Counters + tile_n, 1, sem="acq_rel") == splits - 1:
+                gl.store(Counters + tile_n, 0)
+                if ADD:  # the residual on its way to L1 while the partials are summed (no registers held for it)
+                    lines_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
+                    lines = tile_n * _BLOCK_N + 64 * gl.arange(0, 4, layout=lines_l)  # 128-byte lines of bf16
+                    _prefetch_l1(R + gl.minimum(lines, N - 1))  # (none past the row's end)
+                fix_l: gl.constexpr = gl.BlockedLayout([_FIX_CHUNK, 2], [1, 32], [1, WARPS_], [1, 0])
+                rows = gl.arange(0, _FIX_CHUNK, layout=gl.SliceLayout(1, fix_l))[:, None]
+                cols = gl.convert_layout(n, gl.SliceLayout(0, fix_l))[None, :]
+                total = gl.zeros([_BLOCK_N], gl.float32, layout=gl.SliceLayout(0, fix_l))
+                for first in range(0, splits, _FIX_CHUNK):  # chunks in split order, each summed in a fixed order
+                    ok = (first + rows < splits) & (cols < N)
+                    total += gl.sum(gl.load(Partials + (first + rows) * N + cols, mask=ok, other=0.0,
+                                            cache_modifier=".cg"), axis=0)
+                _store_y(gl.convert_layout(total, cols_l), Y, n, N, R, SumSqOut, tile_n, ADD)
 
     @gluon.jit
     def _prefetch_l1(ptrs):
@@ -413,12 +379,12 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-            out: torch.Tensor, pdl: bool, tiles: int | None = None, gated: bool = False, run: int = RUN,
-            residual: torch.Tensor | None = None, sumsq: torch.Tensor | None = None, norm: Norm | None = None,
-            fix_chunk: int | None = None, poll: int | None = None) -> None:
-    """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted, the split-K
-    partials in the device's ``split_k.empty_partials``. ``tiles`` (a program's, for sweeps): by default
-    ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
+            out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
+            tiles: int | None = None, gated: bool = False, run: int = RUN, residual: torch.Tensor | None = None,
+            sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
+    """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
+    fp32, at least ``splits_needed(K, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
+    for sweeps): by default ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
     ``w4_gemv_fused.fused_unsupported`` checked: ``gated``: x is the MLP's gate_up row [1, 2K] and the product's
     input silu(gate) * up; ``residual`` [1, N] with ``sumsq`` (fp32, cdiv(N, 256)): out = residual + y, and sumsq
     its sums of squares per column tile; ``norm``: x is the row s and the product's input RMSNorm(s)."""
@@ -434,29 +400,35 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         raise ValueError(f"sumsq must hold cdiv(N, {SUMSQ_COLUMNS}) = {-(-n // SUMSQ_COLUMNS)} fp32, got "
                          f"{sumsq.dtype} {tuple(sumsq.shape)}")
     splits = splits_needed(k, tiles)
-    fix_chunk = fix_chunk or FIX_CHUNK
-    partials = empty_partials(x.device, -(-(splits - 1) // fix_chunk) * fix_chunk * n or 1)  # (_partial_offset)
+    if splits > 1 and partials.numel() < splits * n:
+        raise ValueError(f"partials holds {partials.numel()} floats; {splits} splits x N = {n} need {splits * n}")
+    grid = (-(-n // BLOCK_N), splits)
+    if splits > 1 and grid[0] > MAX_TILES:
+        raise ValueError(f"N = {n} is {grid[0]} column tiles; the split-K counters hold {MAX_TILES}")
     words = x.view(torch.int32)
     added = (residual, sumsq) if residual is not None else (out, partials)  # (unread without a residual)
     normed = (norm.weight.view(torch.int32), norm.sumsq, norm.eps) if norm else (words, partials, 0.0)
     sumsq_tiles = triton.next_power_of_2(-(-k // SUMSQ_COLUMNS)) if norm else 1
-    _w4_gemv_kernel[(-(-n // BLOCK_N), splits)](
-        words, *_descriptors(qweight, scales, zeros, group), out, partials, n, k // 8, *added, *normed, TILES=tiles,
-        GROUP_ROWS=group // 8, PDL=pdl, GATED=gated, RUN=run, ADD=residual is not None, NORMED=norm is not None,
-        SUMSQ_TILES=sumsq_tiles, FIX_CHUNK=fix_chunk, POLL=poll if poll is not None else POLL, num_warps=WARPS,
-        launch_pdl=pdl)
+    _w4_gemv_kernel[grid](words, *_descriptors(qweight, scales, zeros, group), out, partials, counters,
+                          n, k // 8, *added, *normed, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated,
+                          RUN=run, ADD=residual is not None, NORMED=norm is not None, SUMSQ_TILES=sumsq_tiles,
+                          num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
          out: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None,
          sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
-    """``w4_gemv`` at the default tiles, with PDL where the device has it: what ``w4a16_matmul`` and
-    ``w4_gemv_fused.fused_gemv`` run."""
-    w4_gemv(x, qweight, scales, zeros, group, out, pdl_supported(x.device), gated=gated, residual=residual,
-            sumsq=sumsq, norm=norm)
+    """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
+    where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run."""
+    k, n = 8 * qweight.shape[0], qweight.shape[1]
+    tiles = choose_tiles(k, n, num_sms(x.device))
+    splits = splits_needed(k, tiles)
+    partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
+    w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),
+            tiles=tiles, gated=gated, residual=residual, sumsq=sumsq, norm=norm)
 
 
 def splits_needed(k: int, tiles: int) -> int:
     """The splits ``w4_gemv`` launches at ``tiles`` a program (``choose_tiles``'s, by default): the partials it needs
-    are one fewer times N (the last split keeps its own)."""
+    are this times N floats."""
     return -(-k // (8 * TILE_ROWS * tiles))

@@ -28,10 +28,10 @@ SCRIPT = textwrap.dedent('''
         types = {"XW": "*i32", "w_desc": f"tensordesc<i32[{wh.TILE_ROWS},{wh.BLOCK_N}],{layout(32)!r}>",
                  "s_desc": f"tensordesc<bf16[{groups},{wh.BLOCK_N}],{layout(16)!r}>",
                  "z_desc": f"tensordesc<i8[{groups},{wh.BLOCK_N // 2}],{layout(8)!r}>",
-                 "Y": "*bf16", "Partials": "*i32", "R": "*bf16", "SumSqOut": "*fp32",
+                 "Y": "*bf16", "Partials": "*fp32", "Counters": "*i32", "R": "*bf16", "SumSqOut": "*fp32",
                  "NormW": "*i32", "SumSqIn": "*fp32", "eps": "fp32"}
         consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True, GATED=gated, RUN=run, ADD=add, NORMED=normed,
-                      SUMSQ_TILES=16, FIX_CHUNK=wh.FIX_CHUNK)
+                      SUMSQ_TILES=16)
         fn = wh._w4_gemv_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=wh.WARPS))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kernels import w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
+from minillm.kernels import split_k, w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
 from minillm.kernels.fused_layer_ops import silu_and_mul
 from minillm.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
 from minillm.parallel.tp import RowParallelQuantLinear
@@ -42,13 +42,16 @@ CASES = [
 @needs_sm90
 @pytest.mark.parametrize("k,n,group,tiles", CASES)
 def test_hopper_w4_gemv_matches_ref(k, n, group, tiles):
-    """Through ``w4a16_matmul`` at the default tiles; a pinned tile count launches the kernel itself."""
+    """Through ``w4a16_matmul`` at the default tiles; a pinned tile count launches the kernel itself, with the partials
+    its splits need."""
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + group)
     out = poisoned((1, n), torch.bfloat16)
     if tiles is None:
         assert w4a16_matmul(x, qweight, scales, zeros, group, out=out) is out
     else:
-        hopper.w4_gemv(x, qweight, scales, zeros, group, out, True, tiles=tiles)
+        partials = torch.full((hopper.splits_needed(k, tiles) * n,), float("nan"), device=x.device)
+        hopper.w4_gemv(x, qweight, scales, zeros, group, out, partials, split_k.tile_counters(x.device), True,
+                       tiles=tiles)
     want = w4a16_matmul_ref(x, qweight, scales, zeros, group)
     assert_matches(out, want, torch.bfloat16)
     assert counters_are_clean()
@@ -70,10 +73,10 @@ def test_hopper_w4_gemv_keeps_large_and_small_activations(magnitude):
 
 @needs_sm90
 def test_hopper_w4_gemv_replays_in_a_cuda_graph():
-    """Split-K partials set back to empty by the last split: replays with new x each stay right."""
+    """Split-K arrival counters reset by the last program: replays with new x each stay right."""
     x, qweight, scales, zeros, _, _ = int4_problem(1, 4096, 1024, 128, torch.bfloat16, seed=11)
     h = x.clone()
-    w4a16_matmul(h, qweight, scales, zeros, 128, hopper=True)  # the partials exist before the capture
+    w4a16_matmul(h, qweight, scales, zeros, 128, hopper=True)  # the counters exist before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = w4a16_matmul(h, qweight, scales, zeros, 128, hopper=True)
@@ -210,7 +213,7 @@ def test_unsupported_names_the_reason():
     with pytest.raises(ValueError, match="config"):
         w4a16_matmul(x, qweight, scales, zeros, 128, hopper=True, config=dict(BLOCK_N=32, BLOCK_KP=8, SPLIT_K=1))
     with pytest.raises(ValueError, match="power of two"):
-        hopper.w4_gemv(x, qweight, scales, zeros, 128, x, False, tiles=3)
+        hopper.w4_gemv(x, qweight, scales, zeros, 128, x, x, x, False, tiles=3)
     with pytest.raises(ValueError, match="path"):
         w4a16_matmul(x, qweight, scales, zeros, 128, hopper=True, path="dot")
 

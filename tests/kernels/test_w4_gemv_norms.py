@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kernels import w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
+from minillm.kernels import split_k, w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
 from minillm.kernels.w4_gemv_norms import Norm
 from minillm.kernels.quant_matmul import w4a16_matmul
 from minillm.model.norm_folding import ResidualRow
@@ -135,7 +135,7 @@ def test_fold_refusals_name_the_reason():
         with pytest.raises(ValueError, match=reason):
             fused_forms.fused_gemv(row, qweight, scales, zeros, 128, **args)
     out = poisoned((1, 64), torch.bfloat16)
-    launch = (x, qweight, scales, zeros, 128, out, False)
+    launch = (x, qweight, scales, zeros, 128, out, sumsq, split_k.tile_counters(x.device), False)
     with pytest.raises(ValueError, match="come together"):
         hopper.w4_gemv(*launch, residual=torch.ones_like(x[:, :64]))
     with pytest.raises(ValueError, match="1 fp32"):

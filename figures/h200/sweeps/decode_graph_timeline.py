@@ -28,17 +28,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from launch_sweep import save_result  # noqa: E402
 
 from minillm import LLM, SamplingParams  # noqa: E402
-from minillm.kernels import paged_attention, w4_gemv_fused, w4_gemv_hopper, w4_gemv_hopper_counter  # noqa: E402
+from minillm.kernels import paged_attention, w4_gemv_hopper  # noqa: E402
 from minillm.model import norm_folding  # noqa: E402
 
 ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 # name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
 DEFAULTS = {norm_folding: {"ENABLED": True},
             paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits},
-            w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles,
-                             "gemv": w4_gemv_hopper.gemv, "FIX_CHUNK": w4_gemv_hopper.FIX_CHUNK,
-                             "POLL": w4_gemv_hopper.POLL},
-            w4_gemv_fused: {"gemv": w4_gemv_fused.gemv}}
+            w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
 
 
 LLAMA2_7B_PROJECTIONS = {(4096, 12288): "qkv", (4096, 4096): "o", (4096, 22016): "gate_up", (11008, 4096): "down"}
@@ -63,10 +60,6 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_
           for t in (1, 2, 4, 8)},  # (every projection at t tiles a program)
        "int4_tiles_4_down_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=4, down=2)}),
        "int4_tiles_2_down_4": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=2, o=2, gate_up=2, down=4)}),
-       "int4_counter_fixup": ("rtn-int4", {w4_gemv_hopper: {"gemv": w4_gemv_hopper_counter.gemv},
-                                           w4_gemv_fused: {"gemv": w4_gemv_hopper_counter.gemv}}),
-       **{f"int4_fix_chunk{c}": ("rtn-int4", {w4_gemv_hopper: {"FIX_CHUNK": c}}) for c in (4, 16, 32)},
-       **{f"int4_poll{p}": ("rtn-int4", {w4_gemv_hopper: {"POLL": p}}) for p in (0, 1, 2)},
        "int4_o_4": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=4)}),
        "int4_o_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2)}),
        "int4_qkv_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=2)}),

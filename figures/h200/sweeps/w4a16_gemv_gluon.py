@@ -8,7 +8,8 @@ so no call finds its weight in L2. The Gluon kernel is timed at its default and 
 silu(gate) * up applied as it is loaded, against ``silu_and_mul`` and the GEMV as two kernels.
 (w4a16_gemv_gluon_slice.json: a run with a second Gluon kernel, since removed, that split no K.)
 Every candidate's answer is compared with ``w4a16_matmul_ref`` (y poisoned before): ``max_rel_error_vs_ref``. Bytes: ``bytes_moved``.
-Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/w4a16_gemv_gluon.py``.
+Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/w4a16_gemv_gluon.py``
+(NAME names the JSON: w4a16_gemv_gluon by default).
 """
 import itertools
 import os
@@ -22,7 +23,7 @@ from launch_sweep import save_result  # noqa: E402
 from minillm.bench.kernels import time_interleaved  # noqa: E402
 from minillm.bench.quant_kernels import QuantShape, _copies, bytes_moved  # noqa: E402
 from minillm.bench.roofline import measure_bandwidth  # noqa: E402
-from minillm.kernels import w4_gemv_fused, w4_gemv_hopper, w4_gemv_hopper_counter  # noqa: E402
+from minillm.kernels import w4_gemv_fused, w4_gemv_hopper  # noqa: E402
 from minillm.kernels.checks import num_sms  # noqa: E402
 from minillm.kernels.fused_layer_ops import silu_and_mul  # noqa: E402
 from minillm.kernels.quant_matmul import pack_int4, pack_int4_along_n, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
@@ -63,14 +64,10 @@ def main():
                  "triton gemv": (cycled(lambda w: w4a16_matmul(x, *w, group, path="gemv", out=out, hopper=False),
                                         sets), w4_bytes),
                  "gluon gemv": (cycled(lambda w: w4a16_matmul(x, *w, group, out=out, hopper=True), sets), w4_bytes)}
-        variants = {}
-        for tiles in (1, 4):  # how the fix-up polls the partials: ld.volatile, ld.relaxed.gpu, ld.global.cg
-            for poll in (0, 1):
-                variants[f"gluon split-K, {tiles} tiles, poll {poll}"] = (w4_gemv_hopper.w4_gemv, dict(tiles=tiles,
-                                                                                                     poll=poll))
-        for tiles in (1, 2, 4):  # the fix-up on arrival counters, as before session 24
-            variants[f"counter fix-up, {tiles} tiles"] = (w4_gemv_hopper_counter.w4_gemv, dict(
-                partials=partials, counters=tile_counters(dev), tiles=tiles))
+        variants = {f"gluon split-K, {tiles} tiles": (w4_gemv_hopper.w4_gemv, dict(
+            partials=partials, counters=tile_counters(dev), tiles=tiles)) for tiles in (1, 2, 4)}
+        variants["gluon split-K, 2 tiles, run 1"] = (w4_gemv_hopper.w4_gemv, dict(
+            partials=partials, counters=tile_counters(dev), tiles=2, run=1))
         for name, (fn, kw) in variants.items():
             calls[name] = (cycled(lambda w, fn=fn, kw=kw: fn(x, *w, group, out, pdl=True, **kw), sets), w4_bytes)
         calls["gluon gated"] = (cycled(lambda w: w4_gemv_fused.fused_gemv(gate_up, *w, group, gated=True), sets),
@@ -102,7 +99,8 @@ def main():
         print({key: (v if not isinstance(v, dict) else {a: b for a, b in v.items() if a != "us_rounds"})
                for key, v in row.items()}, flush=True)
         runs["shapes"].append(row)
-    save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "w4a16_gemv_gluon"), "W4A16 GEMV, M = 1, bf16",
+    save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "w4a16_gemv_gluon"),
+                "W4A16 GEMV, M = 1, bf16",
                 "bytes: bytes_moved (weights, scales, zeros, x, y); speed-ups over torch.matmul on the dense bf16 "
                 "weight in the same rounds; best of three interleaved rounds, each the best of 5 graph replays of 20 "
                 "calls", runs)
