@@ -45,6 +45,9 @@ def add_model_args(p: argparse.ArgumentParser, several_quantizations: bool = Fal
     g.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="continuous: decode passes per scheduler step, each fed the previous one's tokens on "
                         "the device, with one host sync at the end (default 1)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="continuous: launch a decode batch's successor before reading its tokens, so the host's "
+                        "step overlaps the GPU's (default: on for continuous batching in one process)")
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV of shared prompt prefixes through a radix tree (continuous)")
     g.add_argument("--seed", type=int, default=0)
@@ -86,6 +89,7 @@ def engine_kwargs(args) -> dict:
                 memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
+                async_scheduling=args.async_scheduling,
                 enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                 quantization=args.quantization, calibration_samples=args.calibration_samples,
                 cpu_offload_gb=args.cpu_offload_gb)

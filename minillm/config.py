@@ -47,6 +47,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs (continuous decode steps replay graphs on CUDA otherwise)
     num_scheduler_steps: int = 1  # continuous: a pure-decode batch runs up to this many forward passes per
     #                               scheduler step, each fed the last one's tokens on the device (multi_step.py)
+    async_scheduling: bool | None = None  # continuous: launch a pure-decode batch's successor before reading its
+    #                                       tokens, so the host's step overlaps the GPU's (multi_step.chain_steps);
+    #                                       None: where it can run (continuous batching in one process)
     seed: int = 0  # seeds dummy weights and unseeded sampling
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; > 1 needs batching="continuous".
     #                                On GPUs every rank captures the same decode graphs, NCCL collectives inside
@@ -170,6 +173,17 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps} with pipeline_parallel_size="
                              f"{self.pipeline_parallel_size} is not supported; use num_scheduler_steps=1 "
                              f"or tensor_parallel_size")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None (where it can run), "
+                             f"got {self.async_scheduling!r}")
+        one_process = self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1
+        if self.async_scheduling and (self.batching != "continuous" or not one_process):
+            # The other ranks would need each chained batch's first ids, which only rank 0's device holds.
+            raise ValueError(f"async_scheduling=True needs batching='continuous' in one process, got batching="
+                             f"{self.batching!r}, tensor_parallel_size={self.tensor_parallel_size}, "
+                             f"pipeline_parallel_size={self.pipeline_parallel_size}")
+        if self.async_scheduling is None:
+            self.async_scheduling = self.batching == "continuous" and one_process
         if self.pipeline_parallel_size > 1:
             # Micro-batches hand activations between processes mid-step: no graph spans that.
             self.enforce_eager = True

@@ -28,6 +28,7 @@ from minillm.kv.quant import kv_bytes_per_token
 from minillm.kv.radix import RadixCache
 from minillm.kv.swap import KVSwapper, swap_blocks_that_fit
 from minillm.model.loader import load_model, model_bytes, resolve_dtype
+from minillm.multi_step import chain_steps
 from minillm.offload import offload_layers
 from minillm.parallel import all_reduce as tp_all_reduce
 from minillm.parallel.pp import PipelineRunner, Stage, stage_footprints
@@ -129,6 +130,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats: deque[StepStats] = deque(maxlen=100_000)  # the most recent steps
+        # Async scheduling: the batch launched and not yet read, with its [pass, request] tokens on the device.
+        self._in_flight: tuple[ScheduledBatch, torch.Tensor] | None = None
 
     def _build_static(self) -> None:
         per_sequence = self.kv_bytes_per_token * self.max_model_len
@@ -248,7 +251,15 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step: one forward pass, or up to ``num_scheduler_steps`` decode passes;
-        return the requests that got a token (cumulative outputs, one per request)."""
+        return the requests that got a token (cumulative outputs, one per request).
+
+        With async scheduling a pure decode batch is launched, then the batch that continues it
+        (``multi_step.chain_steps``), and only then are the first one's tokens read: the GPU runs the
+        second while the host postprocesses the first. The second stays in flight (``_in_flight``) and
+        the next step chains a third to it before reading it, until the scheduler must decide again
+        (an arrival, a request that ended or ran out of budget, blocks short)."""
+        if self._in_flight is not None:
+            return self._finish_in_flight()
         batch = self.scheduler.schedule(time.perf_counter())
         if batch is None:
             return []
@@ -256,14 +267,38 @@ class Engine:
             self.swapper.run(batch.swaps)
         if not batch.requests:
             return []
+        if self.config.async_scheduling and self._is_pure_decode(batch):
+            self._in_flight = (batch, self.runner.launch_steps(batch))
+            return self._finish_in_flight()
         if batch.num_steps > 1:
             outputs = self._postprocess_passes(batch, self.runner.run_steps(batch))
         else:
             outputs = self._postprocess(batch, self.runner.run(batch))
+        self._record_step(batch)
+        return outputs
+
+    @staticmethod
+    def _is_pure_decode(batch: ScheduledBatch) -> bool:
+        """Every request brings its last token and samples the next: a batch another can be chained to."""
+        return all(n == 1 and r.num_computed_tokens + 1 == r.num_tokens
+                   for r, n in zip(batch.requests, batch.num_new_tokens))
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Chain the next batch to the one in flight (if the scheduler need not decide), then read and
+        postprocess the one in flight; the chained one is in flight after."""
+        batch, tokens = self._in_flight
+        chained = chain_steps(self.scheduler, batch)
+        self._in_flight = None if chained is None else (chained, self.runner.launch_steps(chained, tokens[-1]))
+        outputs = self._postprocess_passes(batch, tokens.tolist())
+        self._record_step(batch)
+        if chained is not None and all(r.finished for r in chained.requests):
+            self._in_flight = None  # every token it computes would be dropped: let it run, unread
+        return outputs
+
+    def _record_step(self, batch: ScheduledBatch) -> None:
         self.stats.append(StepStats(time.perf_counter(), len(batch.requests),
                                     sum(batch.num_new_tokens) * batch.num_steps,
                                     self._kv_usage(), getattr(self.scheduler, "num_preemptions", 0), batch.num_steps))
-        return outputs
 
     def _kv_usage(self) -> float:
         if self.config.batching != "continuous":  # every row of a contiguous cache reserves a full sequence

@@ -12,6 +12,18 @@ tokens are fetched once, then postprocessed in order as if each pass had been a 
 This is vLLM's multi-step scheduling (``--num-scheduler-steps``, vLLM v0.6.0, "vLLM v0.6.0: 2.7x
 Throughput Improvement and 5x Latency Reduction", vLLM blog, September 2024).
 
+Async scheduling (``EngineConfig.async_scheduling``, on by default for continuous batching in one
+process; vLLM's ``--async-scheduling``) takes the same idea across scheduler steps: once a pure decode
+batch is launched, ``chain_steps`` launches the batch that continues it (the same requests, its last
+tokens as their inputs on the device, up to k passes again) before the host reads the first one's
+tokens, so the host's postprocessing and the next launch overlap the GPU's passes even at k = 1. The
+chain ends where the scheduler must decide: a request arrives or waits, one ended (a stop found when
+its batch was read, or an abort: the chained batch's tokens for it are dropped like a multi-step
+batch's after a stop), one has no budget left past the tokens in flight, or the blocks for the next
+passes would take preemption. Its trade-offs are those of k passes below, with k counted across the
+chain: a request's passes after its stop are computed and dropped (one more batch's at most), and an
+arrival waits for the batch in flight.
+
 Only a *pure decode* batch runs several passes: every sequence brings one token that completes its
 context. The scheduler (``lookahead_steps``) picks k_eff = min(k, every request's remaining output
 budget), so no request is computed past ``max_tokens`` or ``max_model_len``, and allocates the KV
@@ -63,22 +75,47 @@ if TYPE_CHECKING:
 def lookahead_steps(scheduler: ContinuousScheduler, scheduled: list[tuple[Request, int]]) -> int:
     """Scheduler side: how many decode passes this step's batch runs (1: an ordinary step); grows
     the requests' block tables to hold every pass's K/V."""
-    steps = scheduler.num_scheduler_steps
-    if steps == 1 or not scheduled:
+    if scheduler.num_scheduler_steps == 1 or not scheduled:
         return 1
     for request, num_new in scheduled:
         if num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
             return 1  # a prefill chunk: its next input is a prompt token, known on the host
-        steps = min(steps, output_budget(request, scheduler.max_model_len) - len(request.output_token_ids))
+    return max(1, _grow_for_passes(scheduler, [r for r, _ in scheduled], scheduler.num_scheduler_steps, 0))
+
+
+def chain_steps(scheduler: ContinuousScheduler, batch: ScheduledBatch) -> ScheduledBatch | None:
+    """Async scheduling (``EngineConfig.async_scheduling``): the batch that continues ``batch``, a pure
+    decode batch still on the device whose tokens the host has not read, or None where the scheduler
+    must decide. The same requests, one token each, up to ``num_scheduler_steps`` passes fed
+    ``batch``'s last tokens on the device; their blocks grown here. None if a request arrived or waits
+    (the scheduler admits it), one of ``batch``'s requests ended (aborted, or finished by an earlier
+    batch), one has no output budget left after ``batch``'s passes, or blocks would need preemption."""
+    from minillm.scheduler import ScheduledBatch  # noqa: F811 (at run time: the scheduler imports this module)
+
+    if scheduler.waiting or not batch.requests or any(r.finished for r in batch.requests):
+        return None
+    steps = _grow_for_passes(scheduler, batch.requests, scheduler.num_scheduler_steps, batch.num_steps)
+    if steps < 1:
+        return None
+    # (Chained while ``batch`` is in flight, when the host has read every batch before it.)
+    return ScheduledBatch(list(batch.requests), [1] * len(batch.requests), num_steps=steps, in_flight=batch.num_steps)
+
+
+def _grow_for_passes(scheduler: ContinuousScheduler, requests: list[Request], steps: int, in_flight: int) -> int:
+    """Passes (at most ``steps``; 0 if none) that decode batch of ``requests`` can run after ``in_flight``
+    tokens each that are computed or being computed but not yet on the host: no request past its output
+    budget, the K/V blocks of them all free without preempting anyone. Grows the block tables to them."""
+    for request in requests:
+        left = output_budget(request, scheduler.max_model_len) - len(request.output_token_ids) - in_flight
+        steps = min(steps, left)
     tables = scheduler.block_tables
-    # Pass i of a request with n tokens writes position n - 1 + i: the table must cover n + steps - 1.
-    while steps > 1 and scheduler.available_blocks() < sum(
-            tables.extra_blocks_needed(r.request_id, r.num_tokens + steps - 1) for r, _ in scheduled):
+    # Pass i of a request with n tokens (n + in_flight on the device) writes position n + in_flight - 1 + i.
+    while steps > 0 and scheduler.available_blocks() < sum(
+            tables.extra_blocks_needed(r.request_id, r.num_tokens + in_flight + steps - 1) for r in requests):
         steps -= 1
-    if steps <= 1:
-        return 1
-    for request, _ in scheduled:
-        tables.grow(request.request_id, request.num_tokens + steps - 1)
+    for request in requests:
+        if steps > 0:
+            tables.grow(request.request_id, request.num_tokens + in_flight + steps - 1)
     return steps
 
 
@@ -87,30 +124,34 @@ class DecodePlan:
     """All the host knows of a multi-step batch before it runs: everything but the input ids after
     the first pass. Plain lists, so that tensor parallelism sends it to the other ranks pickled."""
 
-    ids: list[int]  # each sequence's last token: pass 0's input
+    ids: list[int] | None  # each sequence's last token: pass 0's input (None: the batch before's, on the device)
     positions: list[int]  # pass 0's positions; pass i's are these + i
     slots: list[list[int]]  # [pass][sequence]: the pool slot each pass's K/V go to
     tables: list[list[int]]  # block tables, already covering every pass
 
     @classmethod
     def of(cls, batch: ScheduledBatch, block_tables: BlockTables) -> DecodePlan:
-        starts = [r.num_computed_tokens for r in batch.requests]
+        starts = [r.num_computed_tokens + batch.in_flight for r in batch.requests]
         per_sequence = [block_tables.slots(r.request_id, start, start + batch.num_steps)
                         for r, start in zip(batch.requests, starts)]
-        return cls([r.last_token_id for r in batch.requests], starts, [list(s) for s in zip(*per_sequence)],
-                   [block_tables.tables[r.request_id] for r in batch.requests])
+        return cls(None if batch.in_flight else [r.last_token_id for r in batch.requests], starts,
+                   [list(s) for s in zip(*per_sequence)], [block_tables.tables[r.request_id] for r in batch.requests])
 
 
 @torch.inference_mode()
 def decode_steps(runner: PagedRunner, plan: DecodePlan, requests: list[Request] | None,
-                 share: bool = False) -> torch.Tensor:
+                 share: bool = False, first_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run the plan's passes on this rank; return the [passes, sequences] tokens, on the device.
 
     ``requests`` given (rank 0): sample each pass's tokens, and with ``share`` broadcast them to the
-    other ranks. None (ranks > 0): receive them. Nothing here waits for the device.
+    other ranks. None (ranks > 0): receive them. ``first_ids``: pass 0's input on the device, where
+    the plan has no ids (a batch chained to the one before it). Nothing here waits for the device.
     """
-    batch = len(plan.ids)
-    ids = to_device(plan.ids, torch.long, runner.device)
+    batch = len(plan.positions)
+    ids = to_device(plan.ids, torch.long, runner.device) if plan.ids is not None else first_ids
+    if ids is None or len(ids) != batch:
+        raise ValueError(f"a plan without ids needs first_ids of its {batch} sequences on the device, got "
+                         f"{None if ids is None else tuple(ids.shape)}")
     every_row = list(range(batch))
     tokens = []
     for step, slots in enumerate(plan.slots):

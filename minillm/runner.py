@@ -119,10 +119,18 @@ class PagedRunner:
     def run_steps(self, batch: ScheduledBatch) -> list[list[int]]:
         """A pure decode batch's ``batch.num_steps`` passes, each fed the last one's tokens on the
         device: [pass][request] tokens, fetched from the device once."""
+        return self.launch_steps(batch).tolist()
+
+    def launch_steps(self, batch: ScheduledBatch, first_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``run_steps`` without the fetch: the [pass, request] tokens on the device, not waited for.
+        ``first_ids``: the first pass's input for a batch chained to one still in flight (``batch.in_flight``)."""
         plan = DecodePlan.of(batch, self.block_tables)
         if self.on_decode_steps is not None:
+            if plan.ids is None:
+                raise ValueError("a chained batch (async scheduling) runs in one process: the other ranks would "
+                                 "need its first ids")
             self.on_decode_steps(plan)
-        return decode_steps(self, plan, batch.requests, share=self.on_decode_steps is not None).tolist()
+        return decode_steps(self, plan, batch.requests, share=self.on_decode_steps is not None, first_ids=first_ids)
 
     def forward(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
                 query_lens: list[int], context_lens: list[int], last_index: list[int]) -> torch.Tensor | None:
@@ -148,4 +156,3 @@ class PagedRunner:
         if not last_index:
             return None  # skipped on every rank alike: the tensor-parallel LM head is a collective
         return self.model.compute_logits(hidden[0, last_index])
-

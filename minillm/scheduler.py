@@ -33,6 +33,9 @@ class ScheduledBatch:
     # swapped-out request, ("in", CPU blocks, GPU blocks) for a swapped-in one (preemption_mode="swap").
     swaps: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     num_steps: int = 1  # decode passes to run back to back (num_scheduler_steps; minillm/multi_step.py)
+    # Async scheduling (multi_step.chain_steps): tokens a request has on the device beyond what the host has seen, its
+    # batch's first input the last of them. 0: every request's last token is on the host.
+    in_flight: int = 0
 
 
 class StaticScheduler:

@@ -34,9 +34,10 @@ def smollm_continuous():
     return LLM(dtype="float32", device="cpu", batching="continuous")
 
 
-def generate_with_steps(llm: LLM, k: int, prompts, params) -> tuple[list, int]:
+def generate_with_steps(llm: LLM, k: int, prompts, params, async_scheduling: bool = True) -> tuple[list, int]:
     """Outputs with k passes per scheduler step, and how many scheduler steps they took."""
     llm.engine.scheduler.num_scheduler_steps = k
+    llm.engine.config.async_scheduling = async_scheduling  # (read at each step)
     steps_before = len(llm.engine.stats)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return outputs, len(llm.engine.stats) - steps_before
@@ -49,25 +50,27 @@ def test_greedy_smollm_outputs_equal_one_step_for_every_k(smollm_continuous):
     prompts = ["The capital of France is", "def fibonacci(n):", {"prompt_token_ids": chat}, story, story]
     plain = [SamplingParams(max_tokens=n, temperature=0) for n in (19, 7, 23, 21, 21)]
     # The stops come from k = 1's own output: a string and a token id from the middle of the story.
-    reference, _ = generate_with_steps(llm, 1, prompts, plain)
+    reference, _ = generate_with_steps(llm, 1, prompts, plain, async_scheduling=False)
     story_text, story_ids = reference[3].outputs[0].text, reference[4].outputs[0].token_ids
     stop_string = story_text[len(story_text) // 2:len(story_text) // 2 + 4]
     params = plain[:3] + [SamplingParams(max_tokens=21, temperature=0, stop=stop_string),
                           SamplingParams(max_tokens=21, temperature=0, stop_token_ids=[story_ids[9]])]
-    expected, one_step_count = generate_with_steps(llm, 1, prompts, params)
+    # Synchronous one pass a step is the reference; every k runs with async scheduling (the default), k = 4
+    # also without.
+    expected, one_step_count = generate_with_steps(llm, 1, prompts, params, async_scheduling=False)
     finish = [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in expected]
     # Each way of ending is exercised: length, EOS (stop with no reason), stop string, stop token.
     assert finish == [("length", None), ("length", None), ("stop", None), ("stop", stop_string),
                       ("stop", story_ids[9])], finish
     assert len(expected[4].outputs[0].token_ids) == story_ids.index(story_ids[9]) + 1
-    for k in STEPS[1:]:
-        outputs, step_count = generate_with_steps(llm, k, prompts, params)
-        assert step_count < one_step_count, f"k={k} ran no multi-step batch"
+    for k, async_scheduling in [(k, True) for k in STEPS] + [(4, False)]:
+        outputs, step_count = generate_with_steps(llm, k, prompts, params, async_scheduling)
+        assert k == 1 or step_count < one_step_count, f"k={k} ran no multi-step batch"
         for got, want in zip(outputs, expected):
-            assert got.outputs[0].token_ids == want.outputs[0].token_ids, (k, got.prompt)
-            assert got.outputs[0].text == want.outputs[0].text, (k, got.prompt)
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids, (k, async_scheduling, got.prompt)
+            assert got.outputs[0].text == want.outputs[0].text, (k, async_scheduling, got.prompt)
             assert (got.outputs[0].finish_reason, got.outputs[0].stop_reason) == \
-                   (want.outputs[0].finish_reason, want.outputs[0].stop_reason), (k, got.prompt)
+                   (want.outputs[0].finish_reason, want.outputs[0].stop_reason), (k, async_scheduling, got.prompt)
     assert llm.engine.block_tables.allocator.num_free == llm.engine.block_tables.allocator.num_blocks
 
 
@@ -220,18 +223,21 @@ def test_tensor_parallel_ranks_follow_rank_0s_tokens():
 
 @needs_cuda
 def test_cuda_graph_passes_equal_one_step():
-    """On a GPU: the static input_ids buffer filled from the device gives k = 1's tokens."""
+    """On a GPU: the static input_ids buffer filled from the device (by the pass before, or by the batch in
+    flight with async scheduling) gives synchronous k = 1's tokens."""
     prompts = [torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 17, 40)]
     results = {}
-    for k in (1, 8):
-        engine = tiny_engine(batching="continuous", device="cuda", num_scheduler_steps=k, max_num_seqs=4)
+    for k, async_scheduling in ((1, False), (1, True), (8, True), (8, False)):
+        engine = tiny_engine(batching="continuous", device="cuda", num_scheduler_steps=k, max_num_seqs=4,
+                             async_scheduling=async_scheduling)
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, SamplingParams(max_tokens=(21, 9, 30)[i], temperature=0, ignore_eos=True),
                                request_id=str(i))
+        outputs = results.setdefault((k, async_scheduling), {})
         while engine.has_unfinished():
-            results.setdefault(k, {}).update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         assert engine.runner.graphs.num_replays > 20 and max(s.num_passes for s in engine.stats) == k
-    assert results[8] == results[1]
+    assert all(tokens == results[1, False] for tokens in results.values())
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, True, "4"])
