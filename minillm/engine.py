@@ -34,7 +34,7 @@ from minillm.parallel import all_reduce as tp_all_reduce
 from minillm.parallel.pp import PipelineRunner, Stage, stage_footprints
 from minillm.parallel.workers import Workers
 from minillm.request import Request, RequestOutput, SamplingParams
-from minillm.runner import PagedRunner, StaticRunner
+from minillm.runner import LaunchedSteps, PagedRunner, StaticRunner
 from minillm.scheduler import ContinuousScheduler, DynamicScheduler, ScheduledBatch, StaticScheduler
 from minillm.tokenizer import detokenize_step, encode_prompt
 
@@ -130,8 +130,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats: deque[StepStats] = deque(maxlen=100_000)  # the most recent steps
-        # Async scheduling: the batch launched and not yet read, with its [pass, request] tokens on the device.
-        self._in_flight: tuple[ScheduledBatch, torch.Tensor] | None = None
+        # Async scheduling: the batch launched and not yet read, with its tokens (runner.LaunchedSteps).
+        self._in_flight: tuple[ScheduledBatch, LaunchedSteps] | None = None
 
     def _build_static(self) -> None:
         per_sequence = self.kv_bytes_per_token * self.max_model_len
@@ -286,10 +286,10 @@ class Engine:
     def _finish_in_flight(self) -> list[RequestOutput]:
         """Chain the next batch to the one in flight (if the scheduler need not decide), then read and
         postprocess the one in flight; the chained one is in flight after."""
-        batch, tokens = self._in_flight
+        batch, launched = self._in_flight
         chained = chain_steps(self.scheduler, batch)
-        self._in_flight = None if chained is None else (chained, self.runner.launch_steps(chained, tokens[-1]))
-        outputs = self._postprocess_passes(batch, tokens.tolist())
+        self._in_flight = None if chained is None else (chained, self.runner.launch_steps(chained, launched.tokens[-1]))
+        outputs = self._postprocess_passes(batch, launched.read())
         self._record_step(batch)
         if chained is not None and all(r.finished for r in chained.requests):
             self._in_flight = None  # every token it computes would be dropped: let it run, unread

@@ -119,18 +119,19 @@ class PagedRunner:
     def run_steps(self, batch: ScheduledBatch) -> list[list[int]]:
         """A pure decode batch's ``batch.num_steps`` passes, each fed the last one's tokens on the
         device: [pass][request] tokens, fetched from the device once."""
-        return self.launch_steps(batch).tolist()
+        return self.launch_steps(batch).read()
 
-    def launch_steps(self, batch: ScheduledBatch, first_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``run_steps`` without the fetch: the [pass, request] tokens on the device, not waited for.
-        ``first_ids``: the first pass's input for a batch chained to one still in flight (``batch.in_flight``)."""
+    def launch_steps(self, batch: ScheduledBatch, first_ids: torch.Tensor | None = None) -> LaunchedSteps:
+        """``run_steps`` without the wait: the passes' tokens, on their way to the host. ``first_ids``: the
+        first pass's input for a batch chained to one still in flight (``batch.in_flight``)."""
         plan = DecodePlan.of(batch, self.block_tables)
         if self.on_decode_steps is not None:
             if plan.ids is None:
                 raise ValueError("a chained batch (async scheduling) runs in one process: the other ranks would "
                                  "need its first ids")
             self.on_decode_steps(plan)
-        return decode_steps(self, plan, batch.requests, share=self.on_decode_steps is not None, first_ids=first_ids)
+        tokens = decode_steps(self, plan, batch.requests, share=self.on_decode_steps is not None, first_ids=first_ids)
+        return LaunchedSteps(tokens)
 
     def forward(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
                 query_lens: list[int], context_lens: list[int], last_index: list[int]) -> torch.Tensor | None:
@@ -156,3 +157,26 @@ class PagedRunner:
         if not last_index:
             return None  # skipped on every rank alike: the tensor-parallel LM head is a collective
         return self.model.compute_logits(hidden[0, last_index])
+
+
+class LaunchedSteps:
+    """A launched batch's [pass, request] tokens: ``tokens`` on the device (the next batch's input), and
+    a copy to the host queued right behind the passes. ``read`` waits for that copy alone: a batch
+    launched after this one (async scheduling) does not delay it, where ``tokens.tolist()`` would
+    queue its copy behind that batch and wait for it too."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+        self._copied = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = tokens
+
+    def read(self) -> list[list[int]]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()
