@@ -1,7 +1,7 @@
 """The ``latency`` workload on llama2-7b (dummy weights), RTN INT4 and bf16, with synchronous and async scheduling
 (``EngineConfig.async_scheduling``, minillm/multi_step.py's ``chain_steps``: a decode batch's successor is launched
 before its tokens are read), one decode pass a scheduler step and eight; engines built in the order ABBA per dtype and
-pass count in one process (REPEATS=2: ABBA ABBA; NAME names the JSON). The host's share before it: a one-pass step
+pass count in one process (REPEATS=2: ABBA ABBA; PASSES=1 one pass only; NAME names the JSON). The host's share before it: a one-pass step
 paid ~0.15 ms a token in series with the GPU (latency_multi_step.py's docstring).
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/latency_async.py``."""
 import os
@@ -12,7 +12,7 @@ from launch_sweep import latency_engines, save_result  # noqa: E402
 
 REPEATS = int(os.environ.get("REPEATS", "1"))
 runs, mean = {}, {}
-for passes in (1, 8):
+for passes in [int(p) for p in os.environ.get("PASSES", "1,8").split(",")]:
     order = ["sync", "async", "async", "sync"] * REPEATS
     for quant in ("rtn-int4", "bf16"):
         tok_s = latency_engines(order, lambda name: None, quant, lambda name: {
