@@ -20,6 +20,7 @@ from minillm.cli_args import engine_kwargs
 from minillm.config import EngineConfig
 from minillm.scheduler import ContinuousScheduler
 from minillm.tokenizer import encode_chat
+from test_async_scheduling import ChainChecks
 from test_continuous import DEVICE, check_outputs_equal_solo_runs, requests_strategy, schedules, sharpen, tiny_engine
 from test_cuda_graphs import needs_cuda
 from test_prefix_cache import shared_requests
@@ -125,14 +126,16 @@ def test_tiny_batch_with_admission_chunks_and_preemption_equals_solo_runs(k):
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=requests_strategy, block_size=st.sampled_from([1, 2, 4, 16]), k=st.integers(2, 8), **schedules)
+@given(requests=requests_strategy, block_size=st.sampled_from([1, 2, 4, 16]), k=st.integers(1, 8), **schedules)
 def test_tiny_outputs_equal_solo_runs_under_any_schedule(requests, block_size, token_budget, spare_blocks, policy,
                                                          arrivals, max_num_seqs, k):
-    checks = PlanChecks()
-    with checks.patch:
+    """With async scheduling (the default): the scheduler's batches and the ones chained between them."""
+    checks, chains = PlanChecks(), ChainChecks()
+    with checks.patch, chains.patch:
         check_outputs_equal_solo_runs(requests, block_size, token_budget, spare_blocks, policy, arrivals,
                                       max_num_seqs, num_scheduler_steps=k)
     event("multi-step batches" if max(checks.num_steps) > 1 else "single passes only")
+    event("chained batches" if chains.num_steps else "no chain")
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -143,8 +146,8 @@ def test_prefix_cache_and_swap_outputs_equal_solo_runs(stems, picks, block_size,
                                                        spare_blocks, policy, arrivals, max_num_seqs):
     """The passes' K/V past a stop are never cached: only computed whole blocks enter the tree."""
     requests = [(tuple(stems[stem] + suffix), max_tokens, priority) for stem, suffix, max_tokens, priority in picks]
-    checks = PlanChecks()
-    with checks.patch:
+    checks, chains = PlanChecks(), ChainChecks()
+    with checks.patch, chains.patch:
         engine = check_outputs_equal_solo_runs(requests, block_size, token_budget, spare_blocks, policy, arrivals,
                                                max_num_seqs, num_scheduler_steps=k, enable_prefix_caching=True,
                                                preemption_mode=preemption_mode, swap_space=4 * block_size * 512)
