@@ -51,10 +51,7 @@ class Step:
 
 STEPS = (
     Step("0_static", "static batching, contiguous KV, 16-bit weights", {"batching": "static"}, 40),
-    # (Async scheduling, on by default with continuous batching since session 24, stays off along the path: its
-    # steps are the ones measured before it, figures/*/tuning_path.json.)
-    Step("1_paged", "+ continuous batching, paged KV (PagedAttention)",
-         {"batching": "continuous", "async_scheduling": False}, 120),
+    Step("1_paged", "+ continuous batching, paged KV (PagedAttention)", {"batching": "continuous"}, 120),
     Step("2_kv_int8", "+ INT8 KV cache", {"kv_cache_dtype": "int8"}, 200),
     Step("3_awq_int4", "+ AWQ INT4 weights", {"quantization": "awq-int4"}, 280),
     Step("4_prefix_cache", "+ prefix caching, longest prefix first",
@@ -104,6 +101,8 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
         engine_kwargs["calibration_samples"] = CALIBRATION_SAMPLES[scale]
     budget = memory_budget if memory_budget is not None else (GPU_BUDGET if scale == "gpu" else None)
     configs, config, checked = {}, dict(engine_kwargs), []
+    if config.get("async_scheduling") is None:  # (on by default since session 24; the path's steps were measured
+        config["async_scheduling"] = False      # without it, figures/*/tuning_path.json: --async-scheduling adds it)
     for step in STEPS:  # every step's configuration is checked before the first one runs
         config = configs[step.name] = config | step.changes
         checked.append(EngineConfig(model=model, load_format=load_format, max_model_len=max_model_len,
