@@ -166,7 +166,7 @@ def decode_steps(runner: PagedRunner, plan: DecodePlan, requests: list[Request] 
             if share:
                 dist.broadcast(ids, src=0)
         tokens.append(ids)
-    return torch.stack(tokens)
+    return torch.stack(tokens) if len(tokens) > 1 else tokens[0][None]  # (one pass: a view, no copy kernel)
 
 
 def follow_decode_steps(runner: PagedRunner, plan: DecodePlan) -> None:
