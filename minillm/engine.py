@@ -28,7 +28,7 @@ from minillm.kv.quant import kv_bytes_per_token
 from minillm.kv.radix import RadixCache
 from minillm.kv.swap import KVSwapper, swap_blocks_that_fit
 from minillm.model.loader import load_model, model_bytes, resolve_dtype
-from minillm.multi_step import chain_steps
+from minillm.multi_step import chain_steps, is_pure_decode
 from minillm.offload import offload_layers
 from minillm.parallel import all_reduce as tp_all_reduce
 from minillm.parallel.pp import PipelineRunner, Stage, stage_footprints
@@ -267,7 +267,7 @@ class Engine:
             self.swapper.run(batch.swaps)
         if not batch.requests:
             return []
-        if self.config.async_scheduling and self._is_pure_decode(batch):
+        if self.config.async_scheduling and is_pure_decode(zip(batch.requests, batch.num_new_tokens)):
             self._in_flight = (batch, self.runner.launch_steps(batch))
             return self._finish_in_flight()
         if batch.num_steps > 1:
@@ -276,12 +276,6 @@ class Engine:
             outputs = self._postprocess(batch, self.runner.run(batch))
         self._record_step(batch)
         return outputs
-
-    @staticmethod
-    def _is_pure_decode(batch: ScheduledBatch) -> bool:
-        """Every request brings its last token and samples the next: a batch another can be chained to."""
-        return all(n == 1 and r.num_computed_tokens + 1 == r.num_tokens
-                   for r, n in zip(batch.requests, batch.num_new_tokens))
 
     def _finish_in_flight(self) -> list[RequestOutput]:
         """Chain the next batch to the one in flight (if the scheduler need not decide), then read and

@@ -58,7 +58,8 @@ the ranks feed identical ids even when sampling is random. Pipeline parallelism 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,12 +76,16 @@ if TYPE_CHECKING:
 def lookahead_steps(scheduler: ContinuousScheduler, scheduled: list[tuple[Request, int]]) -> int:
     """Scheduler side: how many decode passes this step's batch runs (1: an ordinary step); grows
     the requests' block tables to hold every pass's K/V."""
-    if scheduler.num_scheduler_steps == 1 or not scheduled:
-        return 1
-    for request, num_new in scheduled:
-        if num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
-            return 1  # a prefill chunk: its next input is a prompt token, known on the host
+    if scheduler.num_scheduler_steps == 1 or not scheduled or not is_pure_decode(scheduled):
+        return 1  # (a prefill chunk's next input is a prompt token, known on the host)
     return max(1, _grow_for_passes(scheduler, [r for r, _ in scheduled], scheduler.num_scheduler_steps, 0))
+
+
+def is_pure_decode(scheduled: Iterable[tuple[Request, int]]) -> bool:
+    """Every (request, new tokens) brings the request's last token and samples the next: a batch that can run
+    several passes, or have another chained to it."""
+    return all(num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens
+               for request, num_new in scheduled)
 
 
 def chain_steps(scheduler: ContinuousScheduler, batch: ScheduledBatch) -> ScheduledBatch | None:
@@ -90,15 +95,13 @@ def chain_steps(scheduler: ContinuousScheduler, batch: ScheduledBatch) -> Schedu
     ``batch``'s last tokens on the device; their blocks grown here. None if a request arrived or waits
     (the scheduler admits it), one of ``batch``'s requests ended (aborted, or finished by an earlier
     batch), one has no output budget left after ``batch``'s passes, or blocks would need preemption."""
-    from minillm.scheduler import ScheduledBatch  # noqa: F811 (at run time: the scheduler imports this module)
-
     if scheduler.waiting or not batch.requests or any(r.finished for r in batch.requests):
         return None
     steps = _grow_for_passes(scheduler, batch.requests, scheduler.num_scheduler_steps, batch.num_steps)
     if steps < 1:
         return None
     # (Chained while ``batch`` is in flight, when the host has read every batch before it.)
-    return ScheduledBatch(list(batch.requests), [1] * len(batch.requests), num_steps=steps, in_flight=batch.num_steps)
+    return replace(batch, swaps=[], num_steps=steps, in_flight=batch.num_steps)
 
 
 def _grow_for_passes(scheduler: ContinuousScheduler, requests: list[Request], steps: int, in_flight: int) -> int:
@@ -113,8 +116,8 @@ def _grow_for_passes(scheduler: ContinuousScheduler, requests: list[Request], st
     while steps > 0 and scheduler.available_blocks() < sum(
             tables.extra_blocks_needed(r.request_id, r.num_tokens + in_flight + steps - 1) for r in requests):
         steps -= 1
-    for request in requests:
-        if steps > 0:
+    if steps > 0:
+        for request in requests:
             tables.grow(request.request_id, request.num_tokens + in_flight + steps - 1)
     return steps
 
