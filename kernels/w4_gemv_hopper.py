@@ -92,6 +92,7 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
+RED_PROBE = ""  # EXPERIMENT: "residual" (GEMVs adding a residual) or "all": red.add each split's partial, no fix-up
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
 
 
@@ -262,7 +263,8 @@ if GLUON_USABLE:
     @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr,
+                        RED: gl.constexpr = False):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
         R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
         the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``)."""
@@ -319,7 +321,11 @@ if GLUON_USABLE:
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
-        _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_, ADD)
+        if RED:  # EXPERIMENT (timing only): each split's partial added into fp32 at Partials, no fence, no counter
+            n = tile_n * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=cols_l)
+            gl.atomic_add(Partials + n, out, mask=n < N, sem="relaxed")
+        else:
+            _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_, ADD)
 
     @gluon.jit
     def _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr):
@@ -409,10 +415,11 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     added = (residual, sumsq) if residual is not None else (out, partials)  # (unread without a residual)
     normed = (norm.weight.view(torch.int32), norm.sumsq, norm.eps) if norm else (words, partials, 0.0)
     sumsq_tiles = triton.next_power_of_2(-(-k // SUMSQ_COLUMNS)) if norm else 1
+    red = splits > 1 and (RED_PROBE == "all" or (RED_PROBE == "residual" and residual is not None))
     _w4_gemv_kernel[grid](words, *_descriptors(qweight, scales, zeros, group), out, partials, counters,
                           n, k // 8, *added, *normed, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated,
                           RUN=run, ADD=residual is not None, NORMED=norm is not None, SUMSQ_TILES=sumsq_tiles,
-                          num_warps=WARPS, launch_pdl=pdl)
+                          RED=red, num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
