@@ -11,7 +11,7 @@ import torch
 
 from minillm.kernels.int4_dequantize import check_int4_layout
 from minillm.kernels.w4_gemv_hopper import gemv, unsupported
-from minillm.kernels.w4_gemv_norms import SUMSQ_COLUMNS, Norm
+from minillm.kernels.w4_gemv_norms import Norm
 
 
 def fused_unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -26,45 +26,47 @@ def _fused_check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  gated: bool, residual: torch.Tensor | None, norm: Norm | None) -> tuple[str | None, int]:
     """(``fused_unsupported``'s answer, the group size the launch takes): the layout is checked once."""
     try:
-        k, n, group = check_int4_layout(qweight, scales, zeros, group_size, x)
+        k, n, group = check_int4_layout(qweight, scales, zeros, group_size, scales)
     except ValueError as error:
         return str(error), 0
+    if x.device != qweight.device:
+        return f"its row is on {x.device}, its weight on {qweight.device}", group
     width = 2 * k if gated else k
     if x.dim() < 1 or x.shape[-1] != width or x.numel() != width:
         return f"it takes one {'gate_up row of 2K' if gated else 'row of K'} = {width} inputs, not shape " \
                f"{tuple(x.shape)}", group
     if gated and norm is not None:
         return "it applies SiLU-and-multiply to x or normalises it, not both", group
-    if residual is not None and (residual.shape[-1] != n or residual.numel() != n or residual.dtype != x.dtype
+    if norm is not None and residual is not None:
+        return "it normalises its input or adds to the residual stream, not both", group
+    if residual is not None and (residual.shape[-1] != n or residual.numel() != n or residual.dtype != torch.float32
                                  or residual.device != x.device or not residual.is_contiguous()):
-        return f"it adds one contiguous {x.dtype} residual row of N = {n} on {x.device}, not " \
+        return f"it adds to one contiguous fp32 residual row of N = {n} on {x.device}, not " \
                f"{residual.dtype} {tuple(residual.shape)} on {residual.device}", group
     if norm is not None:
-        weight, sumsq, sumsq_tiles = norm.weight, norm.sumsq, -(-k // SUMSQ_COLUMNS)
-        if (weight.shape != (k,) or weight.dtype != x.dtype or weight.device != x.device
+        if x.dtype != torch.float32:
+            return f"it normalises the residual stream's fp32 row, not a {x.dtype} one", group
+        weight = norm.weight
+        if (weight.shape != (k,) or weight.dtype != scales.dtype or weight.device != x.device
                 or not weight.is_contiguous() or weight.data_ptr() % 4):
-            return f"it takes the norm's weight as a contiguous {x.dtype} [K = {k}] on {x.device}, not " \
+            return f"it takes the norm's weight as a contiguous {scales.dtype} [K = {k}] on {x.device}, not " \
                    f"{weight.dtype} {tuple(weight.shape)} on {weight.device}", group
-        if sumsq.dtype != torch.float32 or sumsq.device != x.device or sumsq.numel() < sumsq_tiles:
-            return f"it takes the row's {sumsq_tiles} fp32 sums of squares on {x.device}, not {sumsq.dtype} " \
-                   f"{tuple(sumsq.shape)} on {sumsq.device}", group
-    return unsupported(x.reshape(1, width), qweight, scales, zeros, group), group
+    return unsupported(x.reshape(1, width), qweight, scales, zeros, group, normed=norm is not None), group
 
 
 def fused_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               gated: bool = False, residual: torch.Tensor | None = None, norm: Norm | None = None):
+               gated: bool = False, residual: torch.Tensor | None = None, norm: Norm | None = None) -> torch.Tensor:
     """x @ W for one row x [..., K] of a batch-1 decoder layer, with what surrounds the product folded in:
     ``gated``: x is the MLP's gate_up row [..., 2K] (K gates, then K ups) and the product's input silu(gate) * up,
     bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV (one kernel where there were two; ``gemv.py``
-    does the same for bf16 weights); ``norm``: x is the residual stream's row s and the input RMSNorm(s);
-    ``residual`` [..., N]: returns (residual + x @ W [..., N], its sums of squares per 256 columns [cdiv(N, 256)],
-    fp32) instead of y [..., N] (``w4_gemv_norms.py``: the norm between two GEMVs folded into them)."""
+    does the same for bf16 weights); ``norm``: x is the residual stream's fp32 row s and the input RMSNorm(s);
+    ``residual``: the residual stream's fp32 row [..., N], to which x @ W is added in place, and which is returned
+    instead of y (``w4_gemv_norms.py``: the norm between two GEMVs folded into them)."""
     reason, group = _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm)
     if reason:
         raise ValueError(f"the Gluon W4A16 GEMV cannot run these inputs: {reason}")
     n = qweight.shape[1]
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    sumsq = None if residual is None else torch.empty(-(-n // SUMSQ_COLUMNS), dtype=torch.float32, device=x.device)
-    gemv(x.reshape(1, -1), qweight, scales, zeros, group, out.view(1, n), gated=gated, sumsq=sumsq, norm=norm,
-         residual=None if residual is None else residual.view(1, n))
-    return out if residual is None else (out, sumsq)
+    out = residual if residual is not None else torch.empty(*x.shape[:-1], n, dtype=scales.dtype, device=x.device)
+    gemv(x.reshape(1, -1), qweight, scales, zeros, group, out.view(1, n), gated=gated, add=residual is not None,
+         norm=norm)
+    return out

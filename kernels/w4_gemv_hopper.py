@@ -64,7 +64,7 @@ from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, glu
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
 from minillm.kernels.pdl import supported as pdl_supported
 from minillm.kernels.split_k import MAX_TILES, tile_counters
-from minillm.kernels.w4_gemv_norms import SUMSQ_COLUMNS, Norm
+from minillm.kernels.w4_gemv_norms import Norm
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
@@ -73,13 +73,12 @@ if GLUON_USABLE:
 
     from minillm.kernels.flash_attention_hopper import tma_load, warps_barrier
     from minillm.kernels.fused_layer_ops import silu_mul
-    from minillm.kernels.w4_gemv_norms import bf16_words, high_bf16, inv_rms, low_bf16, normed_words, store_added
+    from minillm.kernels.w4_gemv_norms import bf16_words, high_bf16, inv_rms, low_bf16, weighted_word
 
 TILE_ROWS = 16  # packed rows a tile: 128 inputs
 SUB_ROWS = 8  # packed rows a thread holds at a time (two columns each), loaded RUN slices of SUB_ROWS / RUN rows
 RUN = 2  # packed rows whose products share 16-bit sums (rows i and i + SUB_ROWS / RUN; w4_gemv_pairs.py's accuracy)
 BLOCK_N = 256  # columns a tile: TMA's largest box dimension
-assert BLOCK_N == SUMSQ_COLUMNS, "a program adding the residual sums the squares of its own column tile"
 WARPS = 4
 GROUP_SIZES = (64, 128)
 # Tiles a program. Alone and cold, 2 is the H200's best at each Llama-2-7B shape (1 and 4 were slower:
@@ -92,16 +91,15 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-RED_PROBE = ""  # EXPERIMENT: "residual" (GEMVs adding a residual) or "all": red.add each split's partial, no fix-up
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free
 
 
 def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group: int) -> str | None:
+                group: int, normed: bool = False) -> str | None:
     """Why this kernel cannot run ``w4a16_matmul``'s checked inputs (x [M, K], group the checked group size), or
-    None if it can."""
-    if x.dtype != torch.bfloat16:
-        return f"it takes bf16 x, not {x.dtype}"
+    None if it can; ``normed``: x is the residual stream's fp32 row, which the kernel normalises."""
+    if x.dtype != (torch.float32 if normed else torch.bfloat16):
+        return f"it takes {'an fp32 row to normalise' if normed else 'bf16 x'}, not {x.dtype}"
     if x.shape[0] != 1:
         return f"it computes one row of x (a GEMV), not {x.shape[0]}"
     reason = weight_unsupported(qweight, scales, group)
@@ -193,26 +191,29 @@ if GLUON_USABLE:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _x_tables(XW, first_row, K_ROWS, NormW, SumSq, eps, ROWS: gl.constexpr, WARPS_: gl.constexpr,
-                  GATED: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr):
+    def _x_tables(XW, first_row, K_ROWS, NormW, ROWS: gl.constexpr, WARPS_: gl.constexpr, GATED: gl.constexpr,
+                  NORMED: gl.constexpr):
         """The program's ROWS packed rows of x (two bf16 a word, XW) as the products want them, in shared memory:
         four [ROWS] int32, pair j of row r = (x_8r+j, x_8r+j+4) times 2**101 (j even) or 2**97 (j odd), and [ROWS] fp32,
-        each row's sum of x. Rows past K_ROWS are zeros. GATED: XW is the MLP's gate_up row (K gates, then K ups) and
-        x = silu(gate) * up, rounded as ``fused_layer_ops.silu_and_mul`` rounds it. NORMED: XW is the row s and x its
-        RMSNorm with the weight's words NormW, the row's sums of squares SumSq and eps (``w4_gemv_norms.py``)."""
+        each row's sum of x; and the sum of squares of the program's inputs for a norm (0 without). Rows past K_ROWS
+        are zeros. GATED: XW is the MLP's gate_up row (K gates, then K ups) and x = silu(gate) * up, rounded as
+        ``fused_layer_ops.silu_and_mul`` rounds it. NORMED: XW is the residual stream's fp32 row s and x = s times the
+        norm's weight (its words NormW), the sum of squares s's (``w4_gemv_norms.py``: 1 / rms comes after)."""
         rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
         r = first_row + gl.arange(0, ROWS, layout=rows_l)
         ok = r < K_ROWS
-        w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, GATED)  # inputs 8r, 8r + 1
-        w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, GATED)
-        w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, GATED)
-        w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, GATED)
-        if NORMED:  # the row's and the weight's words in flight before 1 / rms is formed: one round trip for all
-            n0, n1 = gl.load(NormW + 4 * r, mask=ok, other=0), gl.load(NormW + 4 * r + 1, mask=ok, other=0)
-            n2, n3 = gl.load(NormW + 4 * r + 2, mask=ok, other=0), gl.load(NormW + 4 * r + 3, mask=ok, other=0)
-            inv = inv_rms(SumSq, 8 * K_ROWS, eps, SUMSQ_TILES, WARPS_)
-            w0, w1 = normed_words(w0, n0, inv), normed_words(w1, n1, inv)
-            w2, w3 = normed_words(w2, n2, inv), normed_words(w3, n3, inv)
+        if NORMED:  # inputs 8r, 8r + 1 in word 0 ...
+            w0, q0 = weighted_word(XW, NormW, 4 * r, ok)
+            w1, q1 = weighted_word(XW, NormW, 4 * r + 1, ok)
+            w2, q2 = weighted_word(XW, NormW, 4 * r + 2, ok)
+            w3, q3 = weighted_word(XW, NormW, 4 * r + 3, ok)
+            squares = gl.sum(q0 + q1 + q2 + q3, axis=0)
+        else:
+            w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, GATED)
+            w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, GATED)
+            w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, GATED)
+            w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, GATED)
+            squares = 0.0
         # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
         pairs = (_table(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
                  _table(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),
@@ -220,7 +221,7 @@ if GLUON_USABLE:
                  _table(_fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0)))
         # Exact: a bf16 is an fp32 with its low 16 bits zero.
         total = _word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3)
-        return pairs, _table(total)
+        return pairs, _table(total), squares
 
     @gluon.jit
     def _x_words(XW, word, ok, UP_WORDS, GATED: gl.constexpr):
@@ -261,13 +262,12 @@ if GLUON_USABLE:
         return gl.sum(_word_sum(acc2), axis=0)
 
     @gluon.jit
-    def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, R, SumSqOut, NormW, SumSqIn, eps,
+    def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, NormW, eps,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SUMSQ_TILES: gl.constexpr,
-                        RED: gl.constexpr = False):
-        """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: y is
-        R + y, with its sums of squares per column tile in SumSqOut; NORMED: x is RMSNorm(x) with the weight NormW and
-        the sums of squares SumSqIn (SUMSQ_TILES a power of two at least their count), eps (``w4_gemv_norms.py``)."""
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr):
+        """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: Y is the
+        residual stream's fp32 row, and each split adds its part of y to it; NORMED: XW is that row s, and the product's
+        input RMSNorm(s) with the weight NormW and eps (``w4_gemv_norms.py``)."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS // GROUP_ROWS  # scale rows a tile
         tile_n = gl.program_id(0)
@@ -295,8 +295,7 @@ if GLUON_USABLE:
         # and issues its copies during this kernel's tail (fix-up, last tiles' math), as a norm ahead of it lets it.
         _let_next_start(PDL)
         _wait_for_previous(PDL)
-        pairs, sums = _x_tables(XW, first_row, K_ROWS, NormW, SumSqIn, eps, TILES * _TILE_ROWS, WARPS_, GATED, NORMED,
-                                SUMSQ_TILES)
+        pairs, sums, squares = _x_tables(XW, first_row, K_ROWS, NormW, TILES * _TILE_ROWS, WARPS_, GATED, NORMED)
         warps_barrier()  # the tables are written
 
         # A thread: two neighbouring columns, SUB_ROWS / RUN rows a slice; the 128 threads span the tile's 256 columns.
@@ -321,55 +320,54 @@ if GLUON_USABLE:
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
-        if RED:  # EXPERIMENT (timing only): each split's partial added into fp32 at Partials, no fence, no counter
-            n = tile_n * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=cols_l)
-            gl.atomic_add(Partials + n, out, mask=n < N, sem="relaxed")
-        else:
-            _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_, ADD)
+        _finish(out, Y, Partials, Counters, tile_n, N, 8 * K_ROWS, squares, eps, WARPS_, ADD, NORMED)
 
     @gluon.jit
-    def _finish(out, Y, Partials, Counters, tile_n, N, R, SumSqOut, WARPS_: gl.constexpr, ADD: gl.constexpr):
+    def _finish(out, Y, Partials, Counters, tile_n, N, K, squares, eps, WARPS_: gl.constexpr, ADD: gl.constexpr,
+                NORMED: gl.constexpr):
         """y[n0 : n0 + 256] = out, or with splits ``split_k.finish``'s fix-up: each program stores its fp32 partial, the
         last of the column tile to arrive sums them, FIX_CHUNK splits a load (one round trip to L2 each, where a
-        load a split took ~0.07 us each: figures/h200/sweeps/w4a16_gemv_probe.json), and writes y (``_store_y``)."""
+        load a split took ~0.07 us each: figures/h200/sweeps/w4a16_gemv_probe.json), and writes y (``_store_y``).
+        NORMED: each split's sum of squares goes with its partial (after the N x splits of them), and y is scaled by
+        1 / rms of their sum. ADD: each program adds its partial to Y itself (``w4_gemv_norms.py``): no fix-up."""
         cols_l: gl.constexpr = out.type.layout
         n = tile_n * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=cols_l)
         splits = gl.num_programs(1)
-        if splits == 1:
-            _store_y(out, Y, n, N, R, SumSqOut, tile_n, ADD)
+        if ADD:
+            gl.atomic_add(Y + n, out, mask=n < N, sem="relaxed")  # a RED: nothing comes back, nothing waits
+        elif splits == 1:
+            _store_y(out, Y, n, N, squares, K, eps, NORMED)
         else:
-            gl.store(Partials + gl.program_id(1) * N + n, out, mask=n < N)
+            split = gl.program_id(1)
+            gl.store(Partials + split * N + n, out, mask=n < N)
+            if NORMED:  # (every column tile's split stores the same value: its inputs' squares)
+                gl.store(Partials + splits * N + split, squares)
             warps_barrier()  # every thread's partial stored before the arrival (split_k.last_arrival)
             if gl.atomic_add(Counters + tile_n, 1, sem="acq_rel") == splits - 1:
                 gl.store(Counters + tile_n, 0)
-                if ADD:  # the residual on its way to L1 while the partials are summed (no registers held for it)
-                    lines_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
-                    lines = tile_n * _BLOCK_N + 64 * gl.arange(0, 4, layout=lines_l)  # 128-byte lines of bf16
-                    _prefetch_l1(R + gl.minimum(lines, N - 1))  # (none past the row's end)
                 fix_l: gl.constexpr = gl.BlockedLayout([_FIX_CHUNK, 2], [1, 32], [1, WARPS_], [1, 0])
                 rows = gl.arange(0, _FIX_CHUNK, layout=gl.SliceLayout(1, fix_l))[:, None]
                 cols = gl.convert_layout(n, gl.SliceLayout(0, fix_l))[None, :]
                 total = gl.zeros([_BLOCK_N], gl.float32, layout=gl.SliceLayout(0, fix_l))
+                squares_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])  # a split's squares a lane
+                lanes = gl.arange(0, _FIX_CHUNK, layout=squares_l)
+                all_squares = 0.0
                 for first in range(0, splits, _FIX_CHUNK):  # chunks in split order, each summed in a fixed order
                     ok = (first + rows < splits) & (cols < N)
                     total += gl.sum(gl.load(Partials + (first + rows) * N + cols, mask=ok, other=0.0,
                                             cache_modifier=".cg"), axis=0)
-                _store_y(gl.convert_layout(total, cols_l), Y, n, N, R, SumSqOut, tile_n, ADD)
+                    if NORMED:
+                        split_squares = Partials + splits * N + first + lanes
+                        all_squares += gl.sum(gl.load(split_squares, mask=first + lanes < splits, other=0.0,
+                                                      cache_modifier=".cg"), axis=0)
+                _store_y(gl.convert_layout(total, cols_l), Y, n, N, all_squares, K, eps, NORMED)
 
     @gluon.jit
-    def _prefetch_l1(ptrs):
-        """Asks the lines at ``ptrs`` into L1: a later load of them waits ~0.03 us, not an L2 round trip."""
-        gl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def _store_y(y, Y, n, N, R, SumSqOut, tile_n, ADD: gl.constexpr):
-        """Columns n of y (fp32) into Y in its dtype; ADD: R + y and its sum of squares
-        (``w4_gemv_norms.store_added``)."""
-        if ADD:
-            store_added(y, gl.load(R + n, mask=n < N, other=0.0), Y, SumSqOut, n, N, tile_n)
-        else:
-            gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
+    def _store_y(y, Y, n, N, squares, K, eps, NORMED: gl.constexpr):
+        """Columns n of y (fp32) into Y in its dtype; NORMED: y / rms, from the row's sum of squares."""
+        if NORMED:
+            y = y * inv_rms(squares, K, eps)
+        gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
 
 
 def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
@@ -386,53 +384,55 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
             out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
-            tiles: int | None = None, gated: bool = False, run: int = RUN, residual: torch.Tensor | None = None,
-            sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
+            tiles: int | None = None, gated: bool = False, run: int = RUN, add: bool = False,
+            norm: Norm | None = None) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
-    fp32, at least ``splits_needed(K, tiles)`` x N; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's,
-    for sweeps): by default ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
+    fp32, at least ``partials_needed``; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's, for sweeps):
+    by default ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
     ``w4_gemv_fused.fused_unsupported`` checked: ``gated``: x is the MLP's gate_up row [1, 2K] and the product's
-    input silu(gate) * up; ``residual`` [1, N] with ``sumsq`` (fp32, cdiv(N, 256)): out = residual + y, and sumsq
-    its sums of squares per column tile; ``norm``: x is the row s and the product's input RMSNorm(s)."""
+    input silu(gate) * up; ``add``: ``out`` is the residual stream's fp32 row, and y is added to it; ``norm``: x is
+    that row s and the product's input RMSNorm(s) (``w4_gemv_norms.py``)."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     tiles = tiles or choose_tiles(k, n, num_sms(x.device))
     if tiles not in (1, 2, 4, 8):
         raise ValueError(f"tiles must be 1, 2, 4 or 8 (a power of two, 16 KB of shared memory each), got {tiles}")
     if run not in (1, 2):
         raise ValueError(f"run must be 1 or 2 (packed rows a 16-bit sum; longer runs lose accuracy), got {run}")
-    if (residual is None) != (sumsq is None):
-        raise ValueError("residual and sumsq come together: the sum's squares are written where the sum is")
-    if sumsq is not None and (sumsq.dtype != torch.float32 or sumsq.numel() < -(-n // SUMSQ_COLUMNS)):
-        raise ValueError(f"sumsq must hold cdiv(N, {SUMSQ_COLUMNS}) = {-(-n // SUMSQ_COLUMNS)} fp32, got "
-                         f"{sumsq.dtype} {tuple(sumsq.shape)}")
-    splits = splits_needed(k, tiles)
-    if splits > 1 and partials.numel() < splits * n:
-        raise ValueError(f"partials holds {partials.numel()} floats; {splits} splits x N = {n} need {splits * n}")
-    grid = (-(-n // BLOCK_N), splits)
-    if splits > 1 and grid[0] > MAX_TILES:
+    if add and norm:
+        raise ValueError("it normalises its input or adds to the residual stream, not both: a program adding its part "
+                         "of y has no fix-up to apply the norm's 1 / rms in")
+    if add and out.dtype != torch.float32:
+        raise ValueError(f"add=True adds y to the residual stream's fp32 row in out, not to {out.dtype}")
+    needed = partials_needed(k, n, tiles, norm is not None)
+    if partials.numel() < needed:
+        raise ValueError(f"partials holds {partials.numel()} floats; {splits_needed(k, tiles)} splits of N = {n}"
+                         f"{' and their sums of squares' if norm else ''} need {needed}")
+    grid = (-(-n // BLOCK_N), splits_needed(k, tiles))
+    if grid[1] > 1 and not add and grid[0] > MAX_TILES:
         raise ValueError(f"N = {n} is {grid[0]} column tiles; the split-K counters hold {MAX_TILES}")
-    words = x.view(torch.int32)
-    added = (residual, sumsq) if residual is not None else (out, partials)  # (unread without a residual)
-    normed = (norm.weight.view(torch.int32), norm.sumsq, norm.eps) if norm else (words, partials, 0.0)
-    sumsq_tiles = triton.next_power_of_2(-(-k // SUMSQ_COLUMNS)) if norm else 1
-    red = splits > 1 and (RED_PROBE == "all" or (RED_PROBE == "residual" and residual is not None))
-    _w4_gemv_kernel[grid](words, *_descriptors(qweight, scales, zeros, group), out, partials, counters,
-                          n, k // 8, *added, *normed, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated,
-                          RUN=run, ADD=residual is not None, NORMED=norm is not None, SUMSQ_TILES=sumsq_tiles,
-                          RED=red, num_warps=WARPS, launch_pdl=pdl)
+    weight, eps = (norm.weight.view(torch.int32), norm.eps) if norm else (partials, 0.0)  # (unread without a norm)
+    _w4_gemv_kernel[grid](x if norm else x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out,
+                          partials, counters, n, k // 8, weight, eps, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl,
+                          GATED=gated, RUN=run, ADD=add, NORMED=norm is not None, num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-         out: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None,
-         sumsq: torch.Tensor | None = None, norm: Norm | None = None) -> None:
+         out: torch.Tensor, gated: bool = False, add: bool = False, norm: Norm | None = None) -> None:
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
     where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     tiles = choose_tiles(k, n, num_sms(x.device))
-    splits = splits_needed(k, tiles)
-    partials = torch.empty(splits * n if splits > 1 else 1, dtype=torch.float32, device=x.device)
+    partials = torch.empty(max(partials_needed(k, n, tiles, norm is not None), 1), dtype=torch.float32,
+                           device=x.device)
     w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),
-            tiles=tiles, gated=gated, residual=residual, sumsq=sumsq, norm=norm)
+            tiles=tiles, gated=gated, add=add, norm=norm)
+
+
+def partials_needed(k: int, n: int, tiles: int, normed: bool = False) -> int:
+    """fp32 the fix-up of a K x N GEMV at ``tiles`` a program needs: N for each split, and with a norm each split's
+    sum of squares; none at one split."""
+    splits = splits_needed(k, tiles)
+    return 0 if splits == 1 else splits * (n + normed)
 
 
 def splits_needed(k: int, tiles: int) -> int:

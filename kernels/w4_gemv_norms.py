@@ -1,28 +1,31 @@
-"""The residual add and RMSNorm between two batch-1 INT4 GEMVs, folded into them: the GEMV ahead adds the residual,
-the GEMV behind normalises its input as it reads it.
+"""The residual add and RMSNorm between two batch-1 INT4 GEMVs, folded into them: the GEMV ahead adds its output to
+the residual stream, the GEMV behind normalises its input.
 
 Why: a batch-1 INT4 Llama-2-7B layer runs two RMSNorm kernels (each with the residual add before it) between its
 GEMVs. They do almost no work, but each is a kernel boundary on the token's critical path: 0.23 ms of a 2.30 ms
 token (figures/h200/sweeps/latency_what_if.json), where bf16's longer GEMVs hide them (0.04 ms). A norm needs two
-things of the row: the sum of the squares of all of it, and each input's own value. The first is a sum over the
-producing GEMV's column tiles; the second is local to each program of the consuming GEMV, which reads only its own
-slice of K. So (``w4_gemv_hopper.py`` runs both):
+things of the row: the sum of the squares of all of it, and each input's own value. So (``w4_gemv_hopper.py`` runs
+both):
 
-- **The GEMV ahead** (o_proj, down_proj) adds the residual where it writes y: the program that writes columns
-  n0 .. n0 + 255 (the split-K fix-up's last arrival) writes s = residual + y there instead, rounded as the norm
-  kernel rounds it (y to bf16, then the sum), and the sum of s**2 over those 256 columns, one fp32 a column tile
-  (``store_added``).
-- **The GEMV behind** (gate_up_proj, the next layer's qkv_proj) reads those partial sums (16 floats at a width of
-  4096), forms 1 / rms (``inv_rms``), and normalises only the inputs of its own slice as it builds its x tables,
-  with the norm's weight, rounded in transformers' order as ``fused_layer_ops.rms_norm`` does (``normed_words``).
+- **The GEMV ahead** (o_proj, down_proj) adds y to the residual stream, kept in fp32 for the step, where each
+  program holds its split's part of y: a reduction in L2 (``red.global.add.f32``), no fix-up. The split-K fix-up
+  this replaces (store the partial, a fenced atomic, the last program's loads of every partial) cost ~1.9 us a
+  GEMV in the decode graph: without it in o_proj and down_proj, 1.668 against 1.785 ms a token
+  (figures/h200/sweeps/decode_graph_red_probe.json). The price: the order in which the splits' parts arrive varies,
+  so the stream's last bits, and rarely a token, may differ from one run to the next.
+- **The GEMV behind** (gate_up_proj, the next layer's qkv_proj) takes the stream's row s, multiplies each input of
+  its slice of K by the norm's weight as it builds its x tables (``weighted_word``), and sums the squares of those
+  inputs of s. A norm is one factor for the whole row, so it comes after the product:
+  RMSNorm(s) @ W = (s * weight) @ W / rms(s). The split-K fix-up sums the splits' squares with their partials and
+  scales y by 1 / rms (``inv_rms``). No program reads the whole row, and none waits for another beyond what the
+  fix-up already does. (Session 20's normed GEMV had every program read the whole row for its RMS: 2.4 us a GEMV
+  against the norm kernel's 1.4, figures/h200/sweeps/normed_gemv.json; session 22's fold had the GEMV ahead store
+  the sums of squares of each 256 columns beside s, which needed its fix-up.)
 
-No program reads the whole row, and none waits for another beyond what the fix-up already does. (Session 20's
-normed GEMV had every program read the whole row for its RMS: 2.4 us a GEMV against the norm kernel's 1.4,
-figures/h200/sweeps/normed_gemv.json.)
-
-Numerics: s is bit for bit the norm kernel's residual sum. Its squares are summed in another order (per 256-column
-tile, then the tiles in order) than the norm kernel's, so 1 / rms may differ from its in the last bits, and with it,
-rarely, the rounding of a normalised input.
+Numerics: the stream holds s in fp32 where the unfolded layer (and transformers) round it to bf16 at every add;
+the input is s * weight rounded to bf16 once, where transformers rounds s / rms, then the product with the weight.
+So the folded layer is not bit for bit the unfolded one: its errors are of the size of one bf16 rounding (tested
+against the norm computed in fp64 in tests/kernels/test_w4_gemv_norms.py).
 """
 
 from __future__ import annotations
@@ -33,21 +36,16 @@ import torch
 
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, gluon
 
-SUMSQ_COLUMNS = 256  # columns a partial sum of squares covers: the GEMV's column tile (w4_gemv_hopper.BLOCK_N)
-
 
 class Norm(NamedTuple):
-    """An RMSNorm the GEMV applies to its input row as it reads it (this module): the norm's ``weight`` [K],
-    the row's sums of squares per 256 columns (fp32, ``sumsq``: what a GEMV given a residual wrote), and ``eps``."""
+    """An RMSNorm the GEMV applies to its input row as it reads it (this module): the norm's ``weight`` [K] and
+    ``eps``; the row is the residual stream's fp32 row."""
     weight: torch.Tensor
-    sumsq: torch.Tensor
     eps: float
 
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
-
-    _SUMSQ_COLUMNS = gl.constexpr(SUMSQ_COLUMNS)
 
     @gluon.jit
     def low_bf16(w):
@@ -67,33 +65,18 @@ if GLUON_USABLE:
         return ((low_bits >> 16) & 0xFFFF) | (high_bits & -65536)
 
     @gluon.jit
-    def inv_rms(SumSq, K, eps, SUMSQ_TILES: gl.constexpr, WARPS_: gl.constexpr):
-        """1 / sqrt(mean(s**2) + eps) of a row of K inputs whose sums of squares per 256 columns are at SumSq
-        (cdiv(K, 256) of them, SUMSQ_TILES a power of two at least that), as the norm kernel forms it. Every thread
-        loads and sums them all itself: the same value everywhere, in a fixed order, without a barrier."""
-        layout: gl.constexpr = gl.BlockedLayout([SUMSQ_TILES], [32], [WARPS_], [0])
-        i = gl.arange(0, SUMSQ_TILES, layout=layout)
-        total = gl.sum(gl.load(SumSq + i, mask=i < gl.cdiv(K, _SUMSQ_COLUMNS), other=0.0), axis=0)
-        return 1.0 / gl.sqrt(total / K + eps)
+    def weighted_word(S, NormW, word, ok):
+        """(word ``word`` of the product's input: inputs 2 word and 2 word + 1 of the fp32 row S times the norm's
+        weight, whose int32 words are at NormW, each rounded to bf16; the sum of their squares in S), zeros where not
+        ok."""
+        low, high = gl.load(S + 2 * word, mask=ok, other=0.0), gl.load(S + 2 * word + 1, mask=ok, other=0.0)
+        weight = gl.load(NormW + word, mask=ok, other=0)
+        scaled = bf16_words((low * low_bf16(weight).to(gl.float32)).to(gl.bfloat16),
+                            (high * high_bf16(weight).to(gl.float32)).to(gl.bfloat16))
+        return scaled, low * low + high * high
 
     @gluon.jit
-    def _normed(s, weight, inv):
-        """One bf16 input of the norm: s / rms rounded to bf16, times the weight, rounded again (transformers)."""
-        return ((s.to(gl.float32) * inv).to(gl.bfloat16).to(gl.float32) * weight.to(gl.float32)).to(gl.bfloat16)
-
-    @gluon.jit
-    def normed_words(words, weight_words, inv):
-        """int32 words of the row s (two bf16 each) normalised with the norm's weight (its words alike) and 1 / rms."""
-        return bf16_words(_normed(low_bf16(words), low_bf16(weight_words), inv),
-                          _normed(high_bf16(words), high_bf16(weight_words), inv))
-
-    @gluon.jit
-    def store_added(y, residual, Y, SumSq, n, N, tile_n):
-        """s = residual + y at columns n (one column tile, the residual's loaded; fp32 y rounded to bf16 first, as the
-        unfused GEMV stores it, then added as the norm kernel adds) into Y, and sum(s**2) over them into
-        SumSq[tile_n]."""
-        ok = n < N
-        s = (y.to(gl.bfloat16).to(gl.float32) + residual.to(gl.float32)).to(gl.bfloat16)
-        gl.store(Y + n, s, mask=ok)
-        squares = gl.where(ok, s.to(gl.float32), 0.0)
-        gl.store(SumSq + tile_n, gl.sum(squares * squares, axis=0))
+    def inv_rms(squares, K, eps):
+        """1 / sqrt(mean(s**2) + eps) of a row of K inputs whose squares sum to ``squares``, as the norm kernel forms
+        it."""
+        return 1.0 / gl.sqrt(squares / K + eps)

@@ -26,7 +26,7 @@ from torch import nn
 from minillm.model.config import ModelConfig
 from minillm.model import norm_folding
 from minillm.model.dense import Linear, gemv_choice, takes_gated
-from minillm.model.norm_folding import NormedRow, ResidualRow, folds_norms
+from minillm.model.norm_folding import NormedRow, ResidualRow, folds_norms, residual_stream
 
 
 class AttentionContext(Protocol):
@@ -57,6 +57,8 @@ class RMSNorm(nn.Module):
         if isinstance(x, ResidualRow):
             assert residual is None, "a ResidualRow already holds the residual"
             return NormedRow(x, self), x.total
+        if residual is not None and residual.dtype != x.dtype:  # the fp32 stream of folded norms (norm_folding.py)
+            residual = residual.to(x.dtype)
         if residual is not None and self.reduce_input is not None and self.reduce_input.fits(x):
             return self.reduce_input(x, self.weight, self.eps, residual)
         if self.fused_ops is not None:
@@ -192,13 +194,13 @@ class DecoderLayer(nn.Module):
             normed, residual = self.input_layernorm(x, residual=residual)  # residual = x + residual
         one_row = normed.shape[0] * normed.shape[1] == 1
         if self.fold_attention_norm and one_row:  # o_proj's GEMV adds the residual; gate_up_proj's normalises
-            attn_out = self.self_attn(normed, cos, sin, attn, add_to=residual)
+            attn_out = self.self_attn(normed, cos, sin, attn, add_to=residual_stream(residual))
             normed, residual = self.post_attention_layernorm(attn_out)
         else:
             attn_out = self.self_attn(normed, cos, sin, attn)
             normed, residual = self.post_attention_layernorm(attn_out, residual=residual)  # residual += attn_out
         if self.fold_mlp_norm and one_row:  # down_proj's GEMV adds the residual; the next qkv_proj's normalises
-            return self.mlp(normed, add_to=residual), None
+            return self.mlp(normed, add_to=residual_stream(residual)), None
         return self.mlp(normed), residual
 
 

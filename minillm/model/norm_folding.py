@@ -3,16 +3,17 @@ what the layer hands between them instead of a normalised row.
 
 Why: a batch-1 INT4 llama2-7b layer runs two norm kernels (each with the residual add before it) between its GEMVs,
 0.23 ms of a 2.30 ms token, where bf16's longer GEMVs hide theirs (figures/h200/sweeps/latency_what_if.json). With
-the norms folded (``LlamaForCausalLM.fold_norms``), and the step one row:
+the norms folded (``LlamaForCausalLM.fold_norms``), and the step one row, the residual stream is an fp32 row
+(``residual_stream``) that the GEMVs add to in place (``kernels/w4_gemv_norms.py`` says why fp32 and in place):
 
-- o_proj, given the residual (``add_to``), returns a ``ResidualRow``: the residual stream's new row and the sums of
-  its squares, written by its GEMV (``kernels/w4_gemv_norms.py``);
+- o_proj, given the stream (``add_to``), adds its output to it and returns it as a ``ResidualRow``;
 - the post-attention RMSNorm turns that into a ``NormedRow`` and runs no kernel;
 - gate_up_proj's GEMV normalises the row as it reads it. down_proj, the next layer's input norm and its qkv_proj
-  do the same. The last layer's down_proj does not: the final norm and the LM head follow it.
+  do the same. The last layer's down_proj does not: the final norm and the LM head follow it, and take the stream
+  back in the model's dtype (``RMSNorm.forward`` rounds a residual of another dtype to x's).
 
-Nothing is lost where a kernel cannot run: a projection that cannot fold the add returns ``ResidualRow.add`` (the
-same sum, in torch), and one that cannot take a ``NormedRow`` calls ``materialize`` (the norm's own forward on the
+Nothing is lost where a kernel cannot run: a projection that cannot fold the add calls ``ResidualRow.add`` (the
+same add, in torch), and one that cannot take a ``NormedRow`` calls ``materialize`` (the norm's own forward on the
 row, what the unfolded layer computes). MINILLM_NORM_IN_GEMV=0 keeps the norm kernels (for A/B runs).
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minillm.kernels.checks import switched_on
@@ -30,24 +30,22 @@ from minillm.kernels.checks import switched_on
 ENABLED = switched_on("MINILLM_NORM_IN_GEMV")
 
 
+def residual_stream(residual: torch.Tensor) -> torch.Tensor:
+    """The residual as the fp32 row a folded GEMV adds to in place: itself if it is one, else an fp32 copy (the
+    first folded add of a step, whose residual is the embedding or a norm kernel's sum)."""
+    return residual if residual.dtype == torch.float32 else residual.float()
+
+
 @dataclass(frozen=True)
 class ResidualRow:
-    """The residual stream's new row ``total`` = residual + a projection's output (rounded to the dtype, as the norm
-    kernel's add is), with ``sumsq``: fp32 sums of total**2 over each 256 columns (``w4_gemv_norms.SUMSQ_COLUMNS``).
-    What a projection returns where it folded the residual add; an RMSNorm makes a ``NormedRow`` of it."""
+    """The residual stream's fp32 row ``total``, a projection's output just added to it (in place): what a projection
+    returns where it folded the residual add; an RMSNorm makes a ``NormedRow`` of it."""
     total: torch.Tensor
-    sumsq: torch.Tensor
 
     @classmethod
-    def add(cls, y: torch.Tensor, residual: torch.Tensor) -> ResidualRow:
-        """The row and its sums of squares computed in torch: where no GEMV folds the add."""
-        from minillm.kernels.w4_gemv_norms import SUMSQ_COLUMNS
-
-        total = y + residual
-        flat = total.reshape(-1).float()
-        tiles = -(-flat.numel() // SUMSQ_COLUMNS)
-        squares = F.pad(flat, (0, tiles * SUMSQ_COLUMNS - flat.numel())).square()
-        return cls(total, squares.view(tiles, SUMSQ_COLUMNS).sum(dim=1))
+    def add(cls, y: torch.Tensor, stream: torch.Tensor) -> ResidualRow:
+        """y added to the stream in torch, in place as the GEMV adds it: where no GEMV folds the add."""
+        return cls(stream.add_(y))
 
 
 @dataclass(frozen=True)
@@ -62,8 +60,9 @@ class NormedRow:
         return self.row.total.shape
 
     def materialize(self) -> torch.Tensor:
-        """The normalised row, by the norm's own forward: what the unfolded layer computes."""
-        return self.norm(self.row.total)
+        """The normalised row, by the norm's own forward on the row in the norm's dtype: what the unfolded layer
+        computes."""
+        return self.norm(self.row.total.to(self.norm.weight.dtype))
 
 
 def folds_norms(layer: nn.Module) -> bool:

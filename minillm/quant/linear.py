@@ -128,8 +128,9 @@ class QuantLinear(nn.Module):
                 add_to: torch.Tensor | None = None) -> torch.Tensor | ResidualRow:
         """``gated``: x is the MLP's gate_up row and the product's input is silu(gate) * up, applied by the kernel
         as it loads x (``gated_matmul``); only where ``takes_gated`` said so. With the norms folded
-        (``model/norm_folding.py``): x may be a ``NormedRow``, and ``add_to`` a residual to add, the product then
-        returned as a ``ResidualRow``; the GEMV does both where it can, torch and the norm's kernel elsewhere."""
+        (``model/norm_folding.py``): x may be a ``NormedRow``, and ``add_to`` the residual stream's fp32 row, to which
+        the product is added in place, then returned as a ``ResidualRow``; the GEMV does both where it can, torch and
+        the norm's kernel elsewhere."""
         if isinstance(x, NormedRow) or add_to is not None:
             return self._folded(x, gated, add_to)
         if gated:
@@ -147,11 +148,10 @@ class QuantLinear(nn.Module):
             from minillm.kernels.w4_gemv_fused import fused_gemv, fused_unsupported
             from minillm.kernels.w4_gemv_norms import Norm
 
-            fused = dict(gated=gated, residual=add_to, norm=Norm(x.norm.weight, x.row.sumsq, x.norm.eps) if normed
-                         else None)
+            fused = dict(gated=gated, residual=add_to, norm=Norm(x.norm.weight, x.norm.eps) if normed else None)
             if fused_unsupported(row, self.qweight, self.scales, self.zeros, self.group_size, **fused) is None:
                 out = fused_gemv(row, self.qweight, self.scales, self.zeros, self.group_size, **fused)
-                return out if add_to is None else ResidualRow(*out)
+                return out if add_to is None else ResidualRow(out)
         y = self.forward(x.materialize() if normed else x, gated)
         return y if add_to is None else ResidualRow.add(y, add_to)
 

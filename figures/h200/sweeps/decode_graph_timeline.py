@@ -35,8 +35,7 @@ ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 # name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
 DEFAULTS = {norm_folding: {"ENABLED": True},
             paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits},
-            w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles,
-                             "RED_PROBE": ""}}
+            w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
 
 
 LLAMA2_7B_PROJECTIONS = {(4096, 12288): "qkv", (4096, 4096): "o", (4096, 22016): "gate_up", (11008, 4096): "down"}
@@ -66,8 +65,6 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_
        "int4_qkv_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=2)}),
        "int4_o_2_gate_up_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2, gate_up=2)}),
        **{f"int4_splits{s}": ("rtn-int4", {paged_attention: splits(s)}) for s in (1, 2, 4)},
-       "int4_red_residual": ("rtn-int4", {w4_gemv_hopper: {"RED_PROBE": "residual"}}),  # EXPERIMENT (timing only)
-       "int4_red_all": ("rtn-int4", {w4_gemv_hopper: {"RED_PROBE": "all"}}),  # EXPERIMENT (timing only)
        "bf16": (None, {}), "bf16_splits1": (None, {paged_attention: splits(1)}),
        "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
 ENGINES = {name: ALL[name] for name in os.environ.get("VARIANTS", ",".join(ALL)).split(",")}
