@@ -31,10 +31,12 @@ in shared memory while it computes. The design:
   row and the tables are built from silu(gate) * up, computed by ``fused_layer_ops.silu_mul`` as x is loaded: one
   kernel where there were two.
 - **Norms folded** (``fused_gemv(residual=...)``, ``fused_gemv(norm=...)``): the residual add and RMSNorm between two
-  of a layer's GEMVs done by them, the add where y is written, the norm as the tables are built
-  (``w4_gemv_norms.py``).
+  of a layer's GEMVs done by them: the GEMV ahead adds its part of y to the residual stream's fp32 row where each
+  program holds it, the GEMV behind weights its inputs as the tables are built and applies 1 / rms where its fix-up
+  writes y (``w4_gemv_norms.py``).
 - **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
-  sums them, FIX_CHUNK partials a load, and writes y.
+  sums them, FIX_CHUNK partials a load, and writes y. A GEMV adding to the residual stream has none: its programs'
+  reductions in L2 (``red.global.add.f32``) are the sum.
 
 Measured on the H200 at 2 tiles (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 9.9 us at
 4096 x 11008 (2.50x the bf16 matmul; the Triton GEMV 12.7 us), 10.5 us at 11008 x 4096 (2.43x), 5.2 us at
