@@ -62,7 +62,7 @@ def test_quantized_layers_offload_their_packed_codes(quantization):
     results = []
     for gb in (0, 1e-5):  # a quantized tiny layer holds 21 (int4) to 37 (fp8) KB: one layer
         llm = LLM("tiny", load_format="dummy", dtype="float32", device=DEVICE, batching="continuous",
-                  quantization=quantization, cpu_offload_gb=gb)
+                  quantization=quantization, cpu_offload_gb=gb, num_kv_blocks=64)  # (on a GPU: not all its memory)
         sharpen(llm.engine)
         results.append(greedy(llm, prompts, max_tokens))
     offloader = llm.engine.offloader
