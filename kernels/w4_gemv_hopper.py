@@ -197,10 +197,10 @@ if GLUON_USABLE:
                   NORMED: gl.constexpr):
         """The program's ROWS packed rows of x (two bf16 a word, XW) as the products want them, in shared memory:
         four [ROWS] int32, pair j of row r = (x_8r+j, x_8r+j+4) times 2**101 (j even) or 2**97 (j odd), and [ROWS] fp32,
-        each row's sum of x; and the sum of squares of the program's inputs for a norm (0 without). Rows past K_ROWS
+        each row's sum of x; and for a norm the sum of squares of the program's inputs (0 without). Rows past K_ROWS
         are zeros. GATED: XW is the MLP's gate_up row (K gates, then K ups) and x = silu(gate) * up, rounded as
-        ``fused_layer_ops.silu_and_mul`` rounds it. NORMED: XW is the residual stream's fp32 row s and x = s times the
-        norm's weight (its words NormW), the sum of squares s's (``w4_gemv_norms.py``: 1 / rms comes after)."""
+        ``fused_layer_ops.silu_and_mul`` rounds it. NORMED: XW is the residual stream's fp32 row s, x = s times the
+        norm's weight (its words NormW), and the squares are s's (``w4_gemv_norms.py``: 1 / rms comes after)."""
         rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
         r = first_row + gl.arange(0, ROWS, layout=rows_l)
         ok = r < K_ROWS
