@@ -225,3 +225,15 @@ def test_cli_info_with_two_stages(capsys):
     printed = capsys.readouterr().out
     assert "pipeline stage 0 of 2, layers 0-0; the rows below are this rank's share" in printed
     assert "2 layers" not in printed and "1 layers" in printed  # rank 0's model: its one layer
+
+
+def test_the_boundary_sum_is_in_the_hidden_states_dtype():
+    """What crosses a stage boundary has the hidden states' dtype, the receiver's buffer: with the norms folded at
+    one row the residual is the fp32 stream (model/norm_folding.py), and the sum is rounded to x's dtype once."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 64, generator=g).to(torch.bfloat16)
+    stream = torch.randn(1, 1, 64, generator=g)
+    hidden, same = ResidualSum()(x, stream)
+    assert hidden is same and hidden.dtype == torch.bfloat16
+    assert torch.equal(hidden, (x.float() + stream).to(torch.bfloat16))
+    assert torch.equal(ResidualSum()(x, stream.to(torch.bfloat16))[0], x + stream.to(torch.bfloat16))

@@ -72,7 +72,8 @@ class ResidualSum(nn.Module):
     sum its fused norm would have computed, so the outputs are those of one process."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = x + residual
+        # (in x's dtype: with the norms folded, the residual is the fp32 stream, norm_folding.py)
+        hidden = (x + residual).to(x.dtype)
         return hidden, hidden  # what RMSNorm(x, residual) returns, (normed, sum), without the norm
 
 
