@@ -405,11 +405,11 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                          "of y has no fix-up to apply the norm's 1 / rms in")
     if add and out.dtype != torch.float32:
         raise ValueError(f"add=True adds y to the residual stream's fp32 row in out, not to {out.dtype}")
+    grid = (-(-n // BLOCK_N), splits_needed(k, tiles))
     needed = partials_needed(k, n, tiles, norm is not None)
     if partials.numel() < needed:
-        raise ValueError(f"partials holds {partials.numel()} floats; {splits_needed(k, tiles)} splits of N = {n}"
+        raise ValueError(f"partials holds {partials.numel()} floats; {grid[1]} splits of N = {n}"
                          f"{' and their sums of squares' if norm else ''} need {needed}")
-    grid = (-(-n // BLOCK_N), splits_needed(k, tiles))
     if grid[1] > 1 and not add and grid[0] > MAX_TILES:
         raise ValueError(f"N = {n} is {grid[0]} column tiles; the split-K counters hold {MAX_TILES}")
     weight, eps = (norm.weight.view(torch.int32), norm.eps) if norm else (partials, 0.0)  # (unread without a norm)

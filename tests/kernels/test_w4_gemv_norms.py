@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from minillm.kernels import split_k, w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
+from minillm.kernels.quant_pack import dequantize_int4
 from minillm.kernels.w4_gemv_norms import Norm
 
 from test_quant_matmul import counters_are_clean, int4_problem, poisoned
@@ -36,12 +37,6 @@ def random_row(width: int, seed: int, scale: float = 1.0, dtype=torch.bfloat16) 
     return (torch.randn(1, width, generator=g) * scale).to(dtype).to("cuda")
 
 
-def weight_fp64(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """The INT4 weight [K, N] dequantized in fp64 from its codes and zero points (``int4_problem``'s q, z)."""
-    rows = torch.arange(q.shape[0]) // group
-    return ((q - z[rows]).double() * scales.double().cpu()[rows]).cuda()
-
-
 def assert_close_to(got: torch.Tensor, want: torch.Tensor, scale: float) -> None:
     assert torch.isfinite(got).all()
     error = (got.double() - want).abs().max().item()
@@ -52,9 +47,9 @@ def assert_close_to(got: torch.Tensor, want: torch.Tensor, scale: float) -> None
 @pytest.mark.parametrize("k,n,group", CASES)
 def test_added_to_the_residual_stream(k, n, group):
     """The stream's fp32 row gains x @ W in place, each split's part added where it is computed."""
-    x, qweight, scales, zeros, q, z = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n)
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n)
     stream = random_row(n, seed=n, scale=4.0, dtype=torch.float32)
-    y = x.double() @ weight_fp64(q, z, scales, group)
+    y = x.double() @ dequantize_int4(qweight, scales, zeros, group, torch.float64)
     want = stream.double() + y
     returned = fused_forms.fused_gemv(x, qweight, scales, zeros, group, residual=stream)
     assert returned is stream
@@ -86,11 +81,11 @@ def rms_normed_fp64(s: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def test_normed_input(k, n, group):
     """The GEMV of RMSNorm(s), s the stream's fp32 row: s times the norm's weight in the x tables, each split's
     squares beside its partial, 1 / rms where y is written (at one split, by the only program)."""
-    _, qweight, scales, zeros, q, z = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + 1)
+    _, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + 1)
     s, weight = random_row(k, seed=k, scale=3.0, dtype=torch.float32), random_row(k, seed=k + 1)[0] + 1
     out = poisoned((1, n), torch.bfloat16)
     hopper.gemv(s, qweight, scales, zeros, group, out, norm=Norm(weight, EPS))
-    want = rms_normed_fp64(s, weight) @ weight_fp64(q, z, scales, group)
+    want = rms_normed_fp64(s, weight) @ dequantize_int4(qweight, scales, zeros, group, torch.float64)
     assert_close_to(out, want, want.abs().max().item())
     assert counters_are_clean()
 
@@ -100,8 +95,8 @@ def test_folds_in_a_cuda_graph():
     """Replayed in a CUDA graph with new inputs: the normalising GEMV gives what a launch outside the graph gives
     (its fix-up sums in a fixed order; the counters reset), and the adding one adds again at each replay."""
     k, n, group = 4096, 4096, 128
-    _, qweight, scales, zeros, q, z = int4_problem(1, k, n, group, torch.bfloat16, seed=9)
-    w = weight_fp64(q, z, scales, group)
+    _, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=9)
+    w = dequantize_int4(qweight, scales, zeros, group, torch.float64)
     weight = random_row(k, seed=10)[0] + 1
     s, stream = random_row(k, seed=11, scale=2.0, dtype=torch.float32), random_row(n, seed=12, dtype=torch.float32)
 
