@@ -10,20 +10,22 @@ from __future__ import annotations
 import torch
 
 from minillm.kernels.int4_dequantize import check_int4_layout
-from minillm.kernels.w4_gemv_hopper import gemv, unsupported
-from minillm.kernels.w4_gemv_norms import Norm
+from minillm.kernels.w4_gemv_hopper import gemv, splits_needed, unsupported
+from minillm.kernels.w4_gemv_norms import Norm, Rms
 
 
 def fused_unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       group_size: int, gated: bool = False, residual: torch.Tensor | None = None,
-                      norm: Norm | None = None) -> str | None:
+                      norm: Norm | None = None, squares: torch.Tensor | None = None,
+                      rms: Rms | None = None) -> str | None:
     """Why ``fused_gemv`` cannot take this row and INT4 weight (``QuantLinear``'s layout, checked here too), or None
     if it can."""
-    return _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm)[0]
+    return _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm, squares, rms)[0]
 
 
 def _fused_check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 gated: bool, residual: torch.Tensor | None, norm: Norm | None) -> tuple[str | None, int]:
+                 gated: bool, residual: torch.Tensor | None, norm: Norm | None, squares: torch.Tensor | None,
+                 rms: Rms | None) -> tuple[str | None, int]:
     """(``fused_unsupported``'s answer, the group size the launch takes): the layout is checked once."""
     try:
         k, n, group = check_int4_layout(qweight, scales, zeros, group_size, scales)
@@ -37,8 +39,23 @@ def _fused_check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                f"{tuple(x.shape)}", group
     if gated and norm is not None:
         return "it applies SiLU-and-multiply to x or normalises it, not both", group
-    if norm is not None and residual is not None:
-        return "it normalises its input or adds to the residual stream, not both", group
+    if norm is not None and residual is not None and squares is None:
+        return "it normalises its input and adds to a row only with squares (it then leaves the norm's 1 / rms to " \
+               "the row's reader)", group
+    if squares is not None and (norm is None or residual is None):
+        return "squares are where a GEMV that normalises its input and adds y to a row leaves its sums of squares: " \
+               "it needs both norm and residual", group
+    if rms is not None and not gated:
+        return "rms applies the 1 / rms a gate_up GEMV left to its row's reader: it needs gated=True", group
+    most = splits_needed(k, 1)  # (at one tile a program)
+    if squares is not None and (squares.dtype != torch.float32 or squares.device != x.device or squares.dim() != 1
+                                or not squares.is_contiguous() or squares.numel() < most):
+        return f"it takes squares as a contiguous fp32 vector on {x.device} with a slot for each of up to {most} " \
+               f"splits, not {squares.dtype} {tuple(squares.shape)} on {squares.device}", group
+    if rms is not None and (rms.squares.dtype != torch.float32 or rms.squares.device != x.device
+                            or rms.squares.dim() != 1 or not rms.squares.is_contiguous()):
+        return f"it takes rms.squares as a contiguous fp32 vector on {x.device}, not {rms.squares.dtype} " \
+               f"{tuple(rms.squares.shape)} on {rms.squares.device}", group
     if residual is not None and (residual.shape[-1] != n or residual.numel() != n or residual.dtype != torch.float32
                                  or residual.device != x.device or not residual.is_contiguous()):
         return f"it adds to one contiguous fp32 residual row of N = {n} on {x.device}, not " \
@@ -51,22 +68,27 @@ def _fused_check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                 or not weight.is_contiguous() or weight.data_ptr() % 4):
             return f"it takes the norm's weight as a contiguous {scales.dtype} [K = {k}] on {x.device}, not " \
                    f"{weight.dtype} {tuple(weight.shape)} on {weight.device}", group
-    return unsupported(x.reshape(1, width), qweight, scales, zeros, group, normed=norm is not None), group
+    fp32_row = norm is not None or rms is not None  # the row is read in fp32 and scaled as it is read
+    return unsupported(x.reshape(1, width), qweight, scales, zeros, group, normed=fp32_row), group
 
 
 def fused_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               gated: bool = False, residual: torch.Tensor | None = None, norm: Norm | None = None) -> torch.Tensor:
+               gated: bool = False, residual: torch.Tensor | None = None, norm: Norm | None = None,
+               squares: torch.Tensor | None = None, rms: Rms | None = None) -> torch.Tensor:
     """x @ W for one row x [..., K] of a batch-1 decoder layer, with what surrounds the product folded in:
     ``gated``: x is the MLP's gate_up row [..., 2K] (K gates, then K ups) and the product's input silu(gate) * up,
     bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV (one kernel where there were two; ``gemv.py``
     does the same for bf16 weights); ``norm``: x is the residual stream's fp32 row s and the input RMSNorm(s);
     ``residual``: the residual stream's fp32 row [..., N], to which x @ W is added in place, and which is returned
-    instead of y (``w4_gemv_norms.py``: the norm between two GEMVs folded into them)."""
-    reason, group = _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm)
+    instead of y (``w4_gemv_norms.py``: the norm between two GEMVs folded into them). ``norm``, ``residual`` and
+    ``squares`` together: ``residual`` is a zeroed fp32 row [..., N] that gets y before the norm's 1 / rms, and
+    ``squares`` the sums of squares a reader needs for it; ``gated`` with ``rms`` (``w4_gemv_norms.Rms``): x is such
+    a gate_up row, scaled by 1 / rms as it is read."""
+    reason, group = _fused_check(x, qweight, scales, zeros, group_size, gated, residual, norm, squares, rms)
     if reason:
         raise ValueError(f"the Gluon W4A16 GEMV cannot run these inputs: {reason}")
     n = qweight.shape[1]
     out = residual if residual is not None else torch.empty(*x.shape[:-1], n, dtype=scales.dtype, device=x.device)
     gemv(x.reshape(1, -1), qweight, scales, zeros, group, out.view(1, n), gated=gated, add=residual is not None,
-         norm=norm)
+         norm=norm, squares=squares, rms=rms)
     return out

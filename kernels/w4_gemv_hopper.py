@@ -33,7 +33,8 @@ in shared memory while it computes. The design:
 - **Norms folded** (``fused_gemv(residual=...)``, ``fused_gemv(norm=...)``): the residual add and RMSNorm between two
   of a layer's GEMVs done by them: the GEMV ahead adds its part of y to the residual stream's fp32 row where each
   program holds it, the GEMV behind weights its inputs as the tables are built and applies 1 / rms where its fix-up
-  writes y (``w4_gemv_norms.py``).
+  writes y (``w4_gemv_norms.py``). gate_up_proj leaves its norm's 1 / rms to down_proj: it adds its parts of y to a
+  zeroed fp32 row with the sums of squares beside it, and down_proj scales that row as it loads it.
 - **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
   sums them, FIX_CHUNK partials a load, and writes y. A GEMV adding to the residual stream has none: its programs'
   reductions in L2 (``red.global.add.f32``) are the sum.
@@ -66,7 +67,7 @@ from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, glu
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
 from minillm.kernels.pdl import supported as pdl_supported
 from minillm.kernels.split_k import MAX_TILES, tile_counters
-from minillm.kernels.w4_gemv_norms import Norm
+from minillm.kernels.w4_gemv_norms import Norm, Rms
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
@@ -75,7 +76,8 @@ if GLUON_USABLE:
 
     from minillm.kernels.flash_attention_hopper import tma_load, warps_barrier
     from minillm.kernels.fused_layer_ops import silu_mul
-    from minillm.kernels.w4_gemv_norms import bf16_words, high_bf16, inv_rms, low_bf16, weighted_word
+    from minillm.kernels.w4_gemv_norms import (bf16_words, high_bf16, inv_rms, low_bf16, scaled_bf16, stored_inv_rms,
+                                               weighted_word)
 
 TILE_ROWS = 16  # packed rows a tile: 128 inputs
 SUB_ROWS = 8  # packed rows a thread holds at a time (two columns each), loaded RUN slices of SUB_ROWS / RUN rows
@@ -193,14 +195,16 @@ if GLUON_USABLE:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _x_tables(XW, first_row, K_ROWS, NormW, ROWS: gl.constexpr, WARPS_: gl.constexpr, GATED: gl.constexpr,
-                  NORMED: gl.constexpr):
+    def _x_tables(XW, first_row, K_ROWS, NormW, inv, ROWS: gl.constexpr, WARPS_: gl.constexpr, GATED: gl.constexpr,
+                  NORMED: gl.constexpr, SCALED: gl.constexpr):
         """The program's ROWS packed rows of x (two bf16 a word, XW) as the products want them, in shared memory:
         four [ROWS] int32, pair j of row r = (x_8r+j, x_8r+j+4) times 2**101 (j even) or 2**97 (j odd), and [ROWS] fp32,
         each row's sum of x; and for a norm the sum of squares of the program's inputs (0 without). Rows past K_ROWS
         are zeros. GATED: XW is the MLP's gate_up row (K gates, then K ups) and x = silu(gate) * up, rounded as
         ``fused_layer_ops.silu_and_mul`` rounds it. NORMED: XW is the residual stream's fp32 row s, x = s times the
-        norm's weight (its words NormW), and the squares are s's (``w4_gemv_norms.py``: 1 / rms comes after)."""
+        norm's weight (its words NormW), and the squares are s's (``w4_gemv_norms.py``: 1 / rms comes after). SCALED
+        (with GATED): XW is the fp32 gate_up row its GEMV left unnormalised, each gate and up times ``inv`` (1 / rms)
+        and rounded to bf16 before SiLU-and-multiply."""
         rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
         r = first_row + gl.arange(0, ROWS, layout=rows_l)
         ok = r < K_ROWS
@@ -211,10 +215,10 @@ if GLUON_USABLE:
             w3, q3 = weighted_word(XW, NormW, 4 * r + 3, ok)
             squares = gl.sum(q0 + q1 + q2 + q3, axis=0)
         else:
-            w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, GATED)
-            w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, GATED)
-            w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, GATED)
-            w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, GATED)
+            w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, inv, GATED, SCALED)
+            w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, inv, GATED, SCALED)
+            w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, inv, GATED, SCALED)
+            w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, inv, GATED, SCALED)
             squares = 0.0
         # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
         pairs = (_table(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
@@ -226,13 +230,20 @@ if GLUON_USABLE:
         return pairs, _table(total), squares
 
     @gluon.jit
-    def _x_words(XW, word, ok, UP_WORDS, GATED: gl.constexpr):
+    def _x_words(XW, word, ok, UP_WORDS, inv, GATED: gl.constexpr, SCALED: gl.constexpr):
         """x's int32 words ``word`` (two bf16 each), zeros where not ok; GATED: silu(gate) * up of the gate words there
-        and the up words UP_WORDS further, each bf16 as ``fused_layer_ops.silu_mul`` computes it."""
-        w = gl.load(XW + word, mask=ok, other=0)
-        if GATED:
-            up = gl.load(XW + UP_WORDS + word, mask=ok, other=0)
-            w = bf16_words(silu_mul(low_bf16(w), low_bf16(up)), silu_mul(high_bf16(w), high_bf16(up)))
+        and the up words UP_WORDS further, each bf16 as ``fused_layer_ops.silu_mul`` computes it. SCALED: XW is an fp32
+        gate_up row, whose inputs 2 word and 2 word + 1 (and the ups 2 UP_WORDS further) are first multiplied by inv
+        and rounded to bf16, as the unfused GEMV's 1 / rms and rounding of y would have them."""
+        if SCALED:
+            low, high, up = 2 * word, 2 * word + 1, 2 * UP_WORDS
+            w = bf16_words(silu_mul(scaled_bf16(XW, low, ok, inv), scaled_bf16(XW, up + low, ok, inv)),
+                           silu_mul(scaled_bf16(XW, high, ok, inv), scaled_bf16(XW, up + high, ok, inv)))
+        else:
+            w = gl.load(XW + word, mask=ok, other=0)
+            if GATED:
+                up = gl.load(XW + UP_WORDS + word, mask=ok, other=0)
+                w = bf16_words(silu_mul(low_bf16(w), low_bf16(up)), silu_mul(high_bf16(w), high_bf16(up)))
         return w
 
     @gluon.jit
@@ -264,12 +275,17 @@ if GLUON_USABLE:
         return gl.sum(_word_sum(acc2), axis=0)
 
     @gluon.jit
-    def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, NormW, eps,
+    def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, NormW, eps, Squares,
+                        square_slots, norm_width,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
-                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr):
+                        RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SCALED: gl.constexpr = False,
+                        SQUARE_SLOTS: gl.constexpr = 1):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: Y is the
         residual stream's fp32 row, and each split adds its part of y to it; NORMED: XW is that row s, and the product's
-        input RMSNorm(s) with the weight NormW and eps (``w4_gemv_norms.py``)."""
+        input RMSNorm(s) with the weight NormW and eps (``w4_gemv_norms.py``). Both: Y is a zeroed fp32 row that
+        gets y before the norm's 1 / rms, and each split's sum of squares goes to Squares[split]. SCALED (GATED): XW
+        is such a row of gate_up, and its norm's 1 / rms comes from its ``square_slots`` sums of squares at Squares
+        (SQUARE_SLOTS: a power of two at least as large), a row of ``norm_width`` inputs, and eps."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS // GROUP_ROWS  # scale rows a tile
         tile_n = gl.program_id(0)
@@ -297,7 +313,11 @@ if GLUON_USABLE:
         # and issues its copies during this kernel's tail (fix-up, last tiles' math), as a norm ahead of it lets it.
         _let_next_start(PDL)
         _wait_for_previous(PDL)
-        pairs, sums, squares = _x_tables(XW, first_row, K_ROWS, NormW, TILES * _TILE_ROWS, WARPS_, GATED, NORMED)
+        inv = 1.0
+        if SCALED:
+            inv = stored_inv_rms(Squares, square_slots, SQUARE_SLOTS, norm_width, eps, WARPS_)
+        pairs, sums, squares = _x_tables(XW, first_row, K_ROWS, NormW, inv, TILES * _TILE_ROWS, WARPS_, GATED, NORMED,
+                                         SCALED)
         warps_barrier()  # the tables are written
 
         # A thread: two neighbouring columns, SUB_ROWS / RUN rows a slice; the 128 threads span the tile's 256 columns.
@@ -322,21 +342,24 @@ if GLUON_USABLE:
                     # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
                     out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
-        _finish(out, Y, Partials, Counters, tile_n, N, 8 * K_ROWS, squares, eps, WARPS_, ADD, NORMED)
+        _finish(out, Y, Partials, Counters, tile_n, N, 8 * K_ROWS, squares, eps, Squares, WARPS_, ADD, NORMED)
 
     @gluon.jit
-    def _finish(out, Y, Partials, Counters, tile_n, N, K, squares, eps, WARPS_: gl.constexpr, ADD: gl.constexpr,
-                NORMED: gl.constexpr):
+    def _finish(out, Y, Partials, Counters, tile_n, N, K, squares, eps, Squares, WARPS_: gl.constexpr,
+                ADD: gl.constexpr, NORMED: gl.constexpr):
         """y[n0 : n0 + 256] = out, or with splits ``split_k.finish``'s fix-up: each program stores its fp32 partial, the
         last of the column tile to arrive sums them, FIX_CHUNK splits a load (one round trip to L2 each, where a
         load a split took ~0.07 us each: figures/h200/sweeps/w4a16_gemv_probe.json), and writes y (``_store_y``).
         NORMED: each split's sum of squares goes with its partial (after the N x splits of them), and y is scaled by
-        1 / rms of their sum. ADD: each program adds its partial to Y itself (``w4_gemv_norms.py``): no fix-up."""
+        1 / rms of their sum. ADD: each program adds its partial to Y itself (``w4_gemv_norms.py``): no fix-up; with
+        NORMED, the first column tile's programs store their splits' sums of squares at Squares for the reader."""
         cols_l: gl.constexpr = out.type.layout
         n = tile_n * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=cols_l)
         splits = gl.num_programs(1)
         if ADD:
             gl.atomic_add(Y + n, out, mask=n < N, sem="relaxed")  # a RED: nothing comes back, nothing waits
+            if NORMED and tile_n == 0:  # (every column tile's split has the same squares: its inputs')
+                gl.store(Squares + gl.program_id(1), squares)
         elif splits == 1:
             _store_y(out, Y, n, N, squares, K, eps, NORMED)
         else:
@@ -387,39 +410,49 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
             out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool,
             tiles: int | None = None, gated: bool = False, run: int = RUN, add: bool = False,
-            norm: Norm | None = None) -> None:
+            norm: Norm | None = None, squares: torch.Tensor | None = None, rms: Rms | None = None) -> None:
     """y = x @ W into ``out`` [1, N] on inputs ``w4a16_matmul`` checked and ``unsupported`` accepted. ``partials``:
     fp32, at least ``partials_needed``; ``counters``: ``split_k.tile_counters``; ``tiles`` (a program's, for sweeps):
     by default ``choose_tiles``. ``run`` (for sweeps): packed rows a 16-bit sum, 1 or 2. What
     ``w4_gemv_fused.fused_unsupported`` checked: ``gated``: x is the MLP's gate_up row [1, 2K] and the product's
     input silu(gate) * up; ``add``: ``out`` is the residual stream's fp32 row, and y is added to it; ``norm``: x is
-    that row s and the product's input RMSNorm(s) (``w4_gemv_norms.py``)."""
+    that row s and the product's input RMSNorm(s) (``w4_gemv_norms.py``). ``add`` and ``norm`` together: ``out`` is a
+    zeroed fp32 row that gets y without the norm's 1 / rms, and ``squares`` (fp32, a slot a split) the splits' sums of
+    squares, for the GEMV that reads ``out``: ``gated`` with ``rms`` (whose squares those are) takes x = that row."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     tiles = tiles or choose_tiles(k, n, num_sms(x.device))
     if tiles not in (1, 2, 4, 8):
         raise ValueError(f"tiles must be 1, 2, 4 or 8 (a power of two, 16 KB of shared memory each), got {tiles}")
     if run not in (1, 2):
         raise ValueError(f"run must be 1 or 2 (packed rows a 16-bit sum; longer runs lose accuracy), got {run}")
-    if add and norm:
-        raise ValueError("it normalises its input or adds to the residual stream, not both: a program adding its part "
-                         "of y has no fix-up to apply the norm's 1 / rms in")
+    grid = (-(-n // BLOCK_N), splits_needed(k, tiles))
+    if add and norm and (squares is None or squares.dtype != torch.float32 or squares.numel() < grid[1]):
+        raise ValueError(f"it normalises its input and adds y to a row only if it leaves the norm's 1 / rms to the "
+                         f"row's reader: that needs squares, fp32 with a slot for each of its {grid[1]} splits; got "
+                         f"{None if squares is None else (squares.dtype, squares.numel())}")
     if add and out.dtype != torch.float32:
         raise ValueError(f"add=True adds y to the residual stream's fp32 row in out, not to {out.dtype}")
-    grid = (-(-n // BLOCK_N), splits_needed(k, tiles))
+    if rms is not None and not gated:
+        raise ValueError("rms (the 1 / rms of a gate_up row its GEMV left unnormalised) needs gated=True")
     needed = partials_needed(k, n, tiles, norm is not None)
     if partials.numel() < needed:
         raise ValueError(f"partials holds {partials.numel()} floats; {grid[1]} splits of N = {n}"
                          f"{' and their sums of squares' if norm else ''} need {needed}")
     if grid[1] > 1 and not add and grid[0] > MAX_TILES:
         raise ValueError(f"N = {n} is {grid[0]} column tiles; the split-K counters hold {MAX_TILES}")
-    weight, eps = (norm.weight.view(torch.int32), norm.eps) if norm else (partials, 0.0)  # (unread without a norm)
-    _w4_gemv_kernel[grid](x if norm else x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out,
-                          partials, counters, n, k // 8, weight, eps, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl,
-                          GATED=gated, RUN=run, ADD=add, NORMED=norm is not None, num_warps=WARPS, launch_pdl=pdl)
+    weight, eps = (norm.weight.view(torch.int32), norm.eps) if norm else (partials, rms.eps if rms else 0.0)
+    squares_at = squares if add and norm else rms.squares if rms else partials  # written, read, or not used
+    _w4_gemv_kernel[grid](x if norm or rms else x.view(torch.int32), *_descriptors(qweight, scales, zeros, group), out,
+                          partials, counters, n, k // 8, weight, eps, squares_at, rms.squares.numel() if rms else 0,
+                          rms.width if rms else 0, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated, RUN=run,
+                          ADD=add, NORMED=norm is not None, SCALED=rms is not None,
+                          SQUARE_SLOTS=triton.next_power_of_2(rms.squares.numel()) if rms else 1, num_warps=WARPS,
+                          launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-         out: torch.Tensor, gated: bool = False, add: bool = False, norm: Norm | None = None) -> None:
+         out: torch.Tensor, gated: bool = False, add: bool = False, norm: Norm | None = None,
+         squares: torch.Tensor | None = None, rms: Rms | None = None) -> None:
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
     where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
@@ -427,7 +460,7 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     partials = torch.empty(max(partials_needed(k, n, tiles, norm is not None), 1), dtype=torch.float32,
                            device=x.device)
     w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),
-            tiles=tiles, gated=gated, add=add, norm=norm)
+            tiles=tiles, gated=gated, add=add, norm=norm, squares=squares, rms=rms)
 
 
 def partials_needed(k: int, n: int, tiles: int, normed: bool = False) -> int:

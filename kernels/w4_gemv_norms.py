@@ -22,6 +22,11 @@ both):
   against the norm kernel's 1.4, figures/h200/sweeps/normed_gemv.json; session 22's fold had the GEMV ahead store
   the sums of squares of each 256 columns beside s, which needed its fix-up.)
 
+gate_up_proj goes one step further (``fused_gemv(norm=..., residual=..., squares=...)``, ``norm_folding.PendingNorm``):
+its splits add their unnormalised parts of y to a zeroed fp32 row with reductions too, and store their sums of
+squares beside it; down_proj, which reads that row whole anyway, applies 1 / rms as it loads it (``Rms``,
+``scaled_bf16``), before SiLU-and-multiply. So the gate_up GEMV has no fix-up either.
+
 Numerics: the stream holds s in fp32 where the unfolded layer (and transformers) round it to bf16 at every add;
 the input is s * weight rounded to bf16 once, where transformers rounds s / rms, then the product with the weight.
 So the folded layer is not bit for bit the unfolded one: its errors are of the size of one bf16 rounding (tested
@@ -41,6 +46,15 @@ class Norm(NamedTuple):
     """An RMSNorm the GEMV applies to its input row as it reads it (this module): the norm's ``weight`` [K] and
     ``eps``; the row is the residual stream's fp32 row."""
     weight: torch.Tensor
+    eps: float
+
+
+class Rms(NamedTuple):
+    """The 1 / rms of a norm whose GEMV left it to the next one (gate_up_proj's, left to down_proj: the module
+    docstring's last part): ``squares``, fp32, the sums of squares the producer's splits stored (zeros in the slots it
+    did not use), the norm's input ``width`` and ``eps``."""
+    squares: torch.Tensor
+    width: int
     eps: float
 
 
@@ -74,6 +88,19 @@ if GLUON_USABLE:
         scaled = bf16_words((low * low_bf16(weight).to(gl.float32)).to(gl.bfloat16),
                             (high * high_bf16(weight).to(gl.float32)).to(gl.bfloat16))
         return scaled, low * low + high * high
+
+    @gluon.jit
+    def scaled_bf16(Row, index, ok, inv):
+        """Row[index] (fp32) times ``inv``, rounded to bf16 (zeros where not ok): an input of a row whose norm's
+        1 / rms its producer left to this GEMV."""
+        return (gl.load(Row + index, mask=ok, other=0.0) * inv).to(gl.bfloat16)
+
+    @gluon.jit
+    def stored_inv_rms(Squares, slots, SLOTS: gl.constexpr, width, eps, WARPS_: gl.constexpr):
+        """1 / rms of a row of ``width`` inputs from the ``slots`` sums of squares at Squares (SLOTS: a power of two
+        at least as large), summed in one fixed order."""
+        lanes = gl.arange(0, SLOTS, layout=gl.BlockedLayout([1], [32], [WARPS_], [0]))
+        return inv_rms(gl.sum(gl.load(Squares + lanes, mask=lanes < slots, other=0.0), axis=0), width, eps)
 
     @gluon.jit
     def inv_rms(squares, K, eps):

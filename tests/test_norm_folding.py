@@ -9,6 +9,8 @@ test_w4_gemv_norms.py (sm_90).
 
 from __future__ import annotations
 
+import torch
+
 from minillm import LLM, SamplingParams
 from minillm.model import norm_folding
 from minillm.model.llama import LlamaForCausalLM
@@ -88,3 +90,81 @@ def test_which_norms_fold():
                                                     first.self_attn.o_proj.out_features, 4, 64, bias=False)
     model.fold_norms()
     assert folds(model) == [(False, True), (True, False)]
+
+
+def emulated_fused_gemv(x, qweight, scales, zeros, group_size, gated=False, residual=None, norm=None, squares=None,
+                        rms=None):
+    """What ``w4_gemv_fused.fused_gemv`` computes, in torch on any machine (its split-K aside: the one split stores
+    the row's sum of squares), for the model's flow to run through every folded form."""
+    from minillm.kernels.quant_pack import dequantize_int4
+
+    dtype = scales.dtype
+    w = dequantize_int4(qweight, scales, zeros, group_size, torch.float32)
+    if rms is not None:  # a gate_up row whose GEMV left 1 / rms to this one
+        x = (x * (1.0 / torch.sqrt(rms.squares.sum() / rms.width + rms.eps))).to(dtype)
+    if gated:
+        gate, up = x.to(dtype).chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    inv = row_squares = 1.0
+    if norm is not None:
+        row_squares = x.float().square().sum()
+        inv = 1.0 / torch.sqrt(row_squares / x.shape[-1] + norm.eps)
+        x = (x * norm.weight.float()).to(dtype)
+    y = x.float() @ w
+    if squares is not None:  # the norm's 1 / rms left to the reader: one split, its sum of squares in slot 0
+        squares[0] = row_squares
+    if residual is not None:  # (with a norm only with squares: y without 1 / rms)
+        return residual.add_(y.reshape(residual.shape))
+    return (y * inv).to(dtype)
+
+
+def test_gate_up_leaves_its_norm_to_down_proj(monkeypatch):
+    """With every fused form emulated in torch (``emulated_fused_gemv``), so that the model's flow runs on any
+    machine: each decode step, every layer's gate_up_proj adds its unnormalised output to its slot of the model's
+    ``PendingRows`` (zeroed at the step's start) and down_proj applies the norm's 1 / rms; the tokens are those of the
+    unfolded engine and of the fold without the deferral."""
+    from minillm.kernels import w4_gemv_fused
+
+    calls = []
+
+    def emulated(*args, **kwargs):
+        calls.append(tuple(sorted(k for k, v in kwargs.items() if v is not None and v is not False)))
+        return emulated_fused_gemv(*args, **kwargs)
+
+    monkeypatch.setattr(w4_gemv_fused, "fused_unsupported", lambda *a, **kw: None)
+    monkeypatch.setattr(w4_gemv_fused, "fused_gemv", emulated)
+    monkeypatch.setattr(norm_folding, "DEFER_MLP_NORM", True)
+    deferred, _ = generate(monkeypatch, fold=True)
+    layers, decode_steps = PRESETS["tiny"].num_layers, len(PROMPTS) * (MAX_TOKENS - 1)
+    forms = {form: calls.count(form) for form in set(calls)}
+    assert forms == {("norm", "residual", "squares"): layers * decode_steps,  # gate_up_proj
+                     ("gated", "residual", "rms"): (layers - 1) * decode_steps,  # down_proj, adding the residual
+                     ("gated", "rms"): decode_steps,  # the last layer's (the final norm follows it)
+                     ("residual",): layers * decode_steps,  # o_proj
+                     ("norm",): (layers - 1) * decode_steps}, forms  # qkv_proj, the first layer's aside
+    calls.clear()
+    monkeypatch.setattr(norm_folding, "DEFER_MLP_NORM", False)
+    not_deferred, _ = generate(monkeypatch, fold=True)
+    assert ("gated", "rms") not in calls and ("norm",) in calls
+    unfolded, _ = generate(monkeypatch, fold=False)
+    assert deferred == not_deferred == unfolded
+
+
+def test_pending_rows_and_their_fallback():
+    """Each layer's slot is its own part of one buffer, its row 16-byte aligned; ``materialize`` is the norm's output
+    as the GEMV that deferred it would have written it: y / rms(s), rounded to the norm's dtype."""
+    torch.manual_seed(0)
+    rows = norm_folding.PendingRows(3, width=10, slots=3, device=torch.device("cpu"))
+    slots = [rows.slot(i) for i in range(3)]
+    assert all(slot.total.data_ptr() % 16 == 0 for slot in slots)
+    assert [slot.total.numel() for slot in slots] == [10] * 3 and slots[1].squares.numel() == 3
+    for slot in slots:
+        slot.total.copy_(torch.randn(10))
+        slot.squares.copy_(torch.rand(3) * 50)
+    norm = torch.nn.Module()
+    norm.weight, norm.eps = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)), 1e-5
+    pending = norm_folding.PendingNorm(slots[1], norm, width=64, shape=torch.Size((1, 1, 10)))
+    want = (slots[1].total.view(1, 1, 10).double() / torch.sqrt(slots[1].squares.double().sum() / 64 + 1e-5)).bfloat16()
+    assert pending.materialize().dtype == torch.bfloat16 and torch.equal(pending.materialize(), want)
+    rows.clear()
+    assert not rows.buffer.any()

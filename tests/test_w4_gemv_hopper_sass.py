@@ -22,16 +22,17 @@ SCRIPT = textwrap.dedent('''
     from minillm.bench.sass import compile_gluon_sm90, whole_kernel
     from minillm.kernels import w4_gemv_hopper as wh
 
-    def counts(tiles, group, gated=False, run=wh.RUN, add=False, normed=False):
+    def counts(tiles, group, gated=False, run=wh.RUN, add=False, normed=False, scaled=False):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
         groups = wh.TILE_ROWS * 8 // group
-        types = {"XW": "*fp32" if normed else "*i32",  # (normed: the residual stream's fp32 row)
+        types = {"XW": "*fp32" if normed or scaled else "*i32",  # (the residual stream's or gate_up's fp32 row)
                  "w_desc": f"tensordesc<i32[{wh.TILE_ROWS},{wh.BLOCK_N}],{layout(32)!r}>",
                  "s_desc": f"tensordesc<bf16[{groups},{wh.BLOCK_N}],{layout(16)!r}>",
                  "z_desc": f"tensordesc<i8[{groups},{wh.BLOCK_N // 2}],{layout(8)!r}>",
                  "Y": "*fp32" if add else "*bf16", "Partials": "*fp32", "Counters": "*i32", "NormW": "*i32",
-                 "eps": "fp32"}
-        consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True, GATED=gated, RUN=run, ADD=add, NORMED=normed)
+                 "eps": "fp32", "Squares": "*fp32"}
+        consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True, GATED=gated, RUN=run, ADD=add, NORMED=normed,
+                      SCALED=scaled, SQUARE_SLOTS=32)
         fn = wh._w4_gemv_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=wh.WARPS))
@@ -46,10 +47,12 @@ SCRIPT = textwrap.dedent('''
     cases["4 128 gated add"] = counts(4, 128, gated=True, add=True)
     cases["4 128 normed"] = counts(4, 128, normed=True)
     cases["4 128 add"] = counts(4, 128, add=True)  # o_proj
+    cases["4 128 normed add"] = counts(4, 128, normed=True, add=True)  # gate_up_proj leaving 1 / rms to down_proj
+    cases["4 128 gated scaled add"] = counts(4, 128, gated=True, scaled=True, add=True)  # that down_proj
     print(json.dumps(cases))
 ''')
 CASES = ["2 128", "2 64", "1 128", "2 128 gated", "2 128 gated add", "2 128 normed", "4 128", "4 128 gated add",
-         "4 128 normed", "4 128 add"]
+         "4 128 normed", "4 128 add", "4 128 normed add", "4 128 gated scaled add"]
 SHARED_PER_SM = 228 * 1024  # an sm_90 SM's shared memory, 1 KB of it reserved per program
 
 
@@ -68,6 +71,8 @@ def test_copies_and_products(compiled, case):
     assert ops.get("UTMALDG") == 3 * tiles, ops
     if "gated" in case:  # silu(gate) * up as x is loaded: exp and reciprocal (MUFU) once per input, a few products more
         assert ops.get("MUFU", 0) >= 2 and 4 * packed_a_thread + 4 <= ops.get("HFMA2") <= 4 * packed_a_thread + 8, ops
+    elif "normed add" in case:  # no 1 / rms here: the reader applies it
+        assert "MUFU" not in ops and 4 * packed_a_thread + 4 <= ops.get("HFMA2") <= 4 * packed_a_thread + 8, ops
     elif "normed" in case:  # the norm's 1 / rms where y is written (a square root and reciprocals, in the one-split
         assert 1 <= ops.get("MUFU", 0) <= 6, ops  # path and in the fix-up), a few moves more
         assert 4 * packed_a_thread + 4 <= ops.get("HFMA2") <= 4 * packed_a_thread + 8, ops
@@ -77,8 +82,9 @@ def test_copies_and_products(compiled, case):
         assert "MUFU" not in ops, ops
     assert kernel["memory_opcodes"].get("LDS.64") == packed_a_thread // 2, kernel["memory_opcodes"]  # 2 columns a row
     groups = tiles * wh.TILE_ROWS * 8 // int(case.split()[1])
-    # A zero point a column and group, no weight (and the normed row's width for its mean square, in both paths).
-    assert ops.get("I2F", 0) + ops.get("I2FP", 0) <= 2 * groups + 2 * ("normed" in case), ops
+    # A zero point a column and group, no weight (and the normed row's width for its mean square, in both paths, or
+    # once where the reader applies its 1 / rms).
+    assert ops.get("I2F", 0) + ops.get("I2FP", 0) <= 2 * groups + 2 * ("normed" in case) + ("scaled" in case), ops
     assert not any(op.startswith(("LDL", "STL")) for op in kernel["memory_opcodes"]), kernel["memory_opcodes"]
     if "add" in case:  # y added to the stream where each program holds its part: reductions, no fix-up's atomic
         assert ops.get("REDG") == 2 and "ATOMG" not in ops, ops  # (a thread's two columns)

@@ -26,7 +26,8 @@ from torch import nn
 from minillm.model.config import ModelConfig
 from minillm.model import norm_folding
 from minillm.model.dense import Linear, gemv_choice, takes_gated
-from minillm.model.norm_folding import NormedRow, ResidualRow, folds_norms, residual_stream
+from minillm.model.norm_folding import (NormedRow, PendingNorm, PendingRows, PendingSlot, ResidualRow, folds_norms,
+                                        residual_stream)
 
 
 class AttentionContext(Protocol):
@@ -154,11 +155,14 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x, add_to: torch.Tensor | None = None):
-        """With ``add_to`` (the residual, norms folded: ``norm_folding.py``): down_proj's ``ResidualRow``."""
+    def forward(self, x, add_to: torch.Tensor | None = None, pending: PendingSlot | None = None):
+        """With ``add_to`` (the residual, norms folded: ``norm_folding.py``): down_proj's ``ResidualRow``. With
+        ``pending`` (x a ``NormedRow``): gate_up_proj may leave its norm's 1 / rms to down_proj, in that slot."""
         extra = {} if add_to is None else {"add_to": add_to}
         if self.fused_ops is not None:
-            gate_up = self.gate_up_proj(x)
+            gate_up = self.gate_up_proj(x) if pending is None else self.gate_up_proj(x, into=pending)
+            if isinstance(gate_up, PendingNorm):  # down_proj's GEMV scales it, then SiLU-and-multiply
+                return self.down_proj(gate_up, gated=True, **extra)
             if takes_gated(self.down_proj, gate_up):  # one row: down_proj's GEMV applies SiLU-and-multiply itself
                 return self.down_proj(gate_up, gated=True, **extra)
             return self.down_proj(self.fused_ops.silu_and_mul(gate_up), **extra)
@@ -168,8 +172,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     # Set by LlamaForCausalLM.fold_norms: o_proj adds the residual for the post-attention norm, which gate_up_proj
-    # applies (fold_attention_norm); down_proj adds it for the next layer's input norm (fold_mlp_norm).
+    # applies (fold_attention_norm), or leaves to down_proj in this slot (pending_slot); down_proj adds the residual
+    # for the next layer's input norm (fold_mlp_norm).
     fold_attention_norm = fold_mlp_norm = False
+    pending_slot: PendingSlot | None = None
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -196,12 +202,14 @@ class DecoderLayer(nn.Module):
         if self.fold_attention_norm and one_row:  # o_proj's GEMV adds the residual; gate_up_proj's normalises
             attn_out = self.self_attn(normed, cos, sin, attn, add_to=residual_stream(residual))
             normed, residual = self.post_attention_layernorm(attn_out)
+            mlp = {} if self.pending_slot is None else {"pending": self.pending_slot}  # 1 / rms left to down_proj
         else:
             attn_out = self.self_attn(normed, cos, sin, attn)
             normed, residual = self.post_attention_layernorm(attn_out, residual=residual)  # residual += attn_out
+            mlp = {}
         if self.fold_mlp_norm and one_row:  # down_proj's GEMV adds the residual; the next qkv_proj's normalises
-            return self.mlp(normed, add_to=residual_stream(residual)), None
-        return self.mlp(normed), residual
+            return self.mlp(normed, add_to=residual_stream(residual), **mlp), None
+        return self.mlp(normed, **mlp), residual
 
 
 class LlamaModel(nn.Module):
@@ -252,18 +260,35 @@ class LlamaForCausalLM(nn.Module):
                 module.gemv = gemv
         self.fold_norms(enabled and norm_folding.ENABLED)
 
+    pending_rows: PendingRows | None = None  # fold_norms's, where gate_up_proj leaves its 1 / rms to down_proj
+
     def fold_norms(self, enabled: bool = True) -> None:
         """At one row, fold each RMSNorm that sits between two projections that fold norms (INT4 on an H100/H200:
         ``norm_folding.py``) into their GEMVs: the post-attention norm between o_proj and gate_up_proj, and the input
         norm between a layer's down_proj and the next layer's qkv_proj (not the last layer's: the final norm and the
         LM head follow it). ``enable_fused_kernels`` calls this: without the fused kernels a fold would only fall
-        back to torch (``QuantLinear._folded``)."""
+        back to torch (``QuantLinear._folded``). Where down_proj folds norms too (and ``DEFER_MLP_NORM``),
+        gate_up_proj leaves the post-attention norm's 1 / rms to it, in a slot of ``pending_rows``."""
         layers = self.model.layers
+        deferring = []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             layer.fold_attention_norm = enabled and folds_norms(attn.o_proj) and folds_norms(mlp.gate_up_proj)
             layer.fold_mlp_norm = (enabled and i + 1 < len(layers) and folds_norms(mlp.down_proj)
                                    and folds_norms(layers[i + 1].self_attn.qkv_proj))
+            if layer.fold_attention_norm and norm_folding.DEFER_MLP_NORM and folds_norms(mlp.down_proj):
+                deferring.append(i)
+            layer.pending_slot = None
+        self.pending_rows = None
+        if deferring:
+            from minillm.kernels.w4_gemv_hopper import splits_needed  # (folds_norms said the kernels run here)
+
+            gate_up = layers[deferring[0]].mlp.gate_up_proj
+            # A slot for each split gate_up's GEMV can have: the most, at one tile a program.
+            self.pending_rows = PendingRows(len(layers), gate_up.out_features, splits_needed(gate_up.in_features, 1),
+                                            gate_up.qweight.device)
+            for i in deferring:
+                layers[i].pending_slot = self.pending_rows.slot(i)
 
     def checkpoint_tensor(self, name: str) -> torch.Tensor:
         """The tensor (a view) that holds Hugging Face checkpoint tensor ``name``:
@@ -297,6 +322,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [B, T] -> final hidden states [B, T, hidden]."""
+        if self.pending_rows is not None and positions.numel() == 1:
+            self.pending_rows.clear()  # every layer's slot zeroed for gate_up_proj's GEMV to add to (fold_norms)
         x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = self.rope(positions, x.dtype)  # once per step, shared by every layer
         for layer in self.model.layers:

@@ -12,9 +12,15 @@ the norms folded (``LlamaForCausalLM.fold_norms``), and the step one row, the re
   do the same. The last layer's down_proj does not: the final norm and the LM head follow it, and take the stream
   back in the model's dtype (``RMSNorm.forward`` rounds a residual of another dtype to x's).
 
+One step further, gate_up_proj leaves its norm's 1 / rms to down_proj (``DEFER_MLP_NORM``): its GEMV adds its
+unnormalised output to a zeroed fp32 row and stores its splits' sums of squares beside it (a ``PendingSlot`` of the
+model's ``PendingRows``, zeroed once a step), and down_proj, given the ``PendingNorm``, scales the row as it loads it.
+Then no GEMV of the MLP has a split-K fix-up.
+
 Nothing is lost where a kernel cannot run: a projection that cannot fold the add calls ``ResidualRow.add`` (the
 same add, in torch), and one that cannot take a ``NormedRow`` calls ``materialize`` (the norm's own forward on the
-row, what the unfolded layer computes). MINILLM_NORM_IN_GEMV=0 keeps the norm kernels (for A/B runs).
+row, what the unfolded layer computes; ``PendingNorm.materialize`` likewise). MINILLM_NORM_IN_GEMV=0 keeps the
+norm kernels, MINILLM_DEFER_MLP_NORM=0 gate_up_proj's own 1 / rms (for A/B runs).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from minillm.kernels.checks import switched_on
 
 # MINILLM_NORM_IN_GEMV=0: the norms between INT4 GEMVs stay kernels of their own.
 ENABLED = switched_on("MINILLM_NORM_IN_GEMV")
+# MINILLM_DEFER_MLP_NORM=0: with the norms folded, gate_up_proj's GEMV still applies its norm's 1 / rms itself.
+DEFER_MLP_NORM = switched_on("MINILLM_DEFER_MLP_NORM")
 
 
 def residual_stream(residual: torch.Tensor) -> torch.Tensor:
@@ -70,3 +78,49 @@ def folds_norms(layer: nn.Module) -> bool:
     says so itself (``QuantLinear.folds_norms``)."""
     own = getattr(layer, "folds_norms", None)
     return callable(own) and own()
+
+
+@dataclass(frozen=True)
+class PendingSlot:
+    """A layer's part of ``PendingRows``: ``total``, the zeroed fp32 row gate_up_proj's GEMV adds its output to, and
+    ``squares``, a slot for each of its splits' sums of squares."""
+    total: torch.Tensor
+    squares: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PendingNorm:
+    """gate_up_proj's output before its norm's 1 / rms: the slot's row and sums of squares, the ``norm`` (its eps),
+    its input's ``width`` and the output's ``shape`` (the slot's row, with the input's leading dimensions).
+    down_proj's GEMV applies 1 / rms as it reads the row; anything else calls ``materialize``."""
+    slot: PendingSlot
+    norm: nn.Module
+    width: int
+    shape: torch.Size
+
+    @property
+    def row(self) -> torch.Tensor:
+        """The slot's row in the output's shape."""
+        return self.slot.total.view(self.shape)
+
+    def materialize(self) -> torch.Tensor:
+        """The row times 1 / rms in the norm's dtype: what gate_up_proj's GEMV would have written itself."""
+        inv = 1.0 / torch.sqrt(self.slot.squares.sum() / self.width + self.norm.eps)
+        return (self.row * inv).to(self.norm.weight.dtype)
+
+
+class PendingRows:
+    """Every layer's ``PendingSlot`` in one fp32 buffer, so that one memset a step (``clear``, at the start of a
+    one-row forward) zeroes them all: rows of ``width`` (gate_up's outputs) and ``slots`` sums of squares, each layer's
+    padded to 4 floats (16-byte aligned rows, as the GEMV reads them)."""
+
+    def __init__(self, layers: int, width: int, slots: int, device: torch.device):
+        self.width, self.slots = width, slots
+        self.buffer = torch.zeros(layers, -(-(width + slots) // 4) * 4, dtype=torch.float32, device=device)
+
+    def slot(self, layer: int) -> PendingSlot:
+        row = self.buffer[layer]
+        return PendingSlot(row[:self.width], row[self.width:self.width + self.slots])
+
+    def clear(self) -> None:
+        self.buffer.zero_()

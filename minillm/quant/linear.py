@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from minillm.kernels.quant_pack import pack_codes, unpack_codes
-from minillm.model.norm_folding import NormedRow, ResidualRow
+from minillm.model.norm_folding import NormedRow, PendingNorm, PendingSlot, ResidualRow
 from minillm.quant.rtn import num_groups
 
 
@@ -124,35 +124,44 @@ class QuantLinear(nn.Module):
         original[:, self.perm] = w
         return original
 
-    def forward(self, x: torch.Tensor | NormedRow, gated: bool = False,
-                add_to: torch.Tensor | None = None) -> torch.Tensor | ResidualRow:
+    def forward(self, x: torch.Tensor | NormedRow | PendingNorm, gated: bool = False,
+                add_to: torch.Tensor | None = None,
+                into: PendingSlot | None = None) -> torch.Tensor | ResidualRow | PendingNorm:
         """``gated``: x is the MLP's gate_up row and the product's input is silu(gate) * up, applied by the kernel
         as it loads x (``gated_matmul``); only where ``takes_gated`` said so. With the norms folded
         (``model/norm_folding.py``): x may be a ``NormedRow``, and ``add_to`` the residual stream's fp32 row, to which
         the product is added in place, then returned as a ``ResidualRow``; the GEMV does both where it can, torch and
-        the norm's kernel elsewhere."""
-        if isinstance(x, NormedRow) or add_to is not None:
-            return self._folded(x, gated, add_to)
+        the norm's kernel elsewhere. ``into`` (gate_up_proj, x a ``NormedRow``): the GEMV leaves its norm's 1 / rms to
+        the next one, returning a ``PendingNorm`` in that slot, where it can (a plain y where not); a gated x may
+        be a ``PendingNorm``."""
+        if isinstance(x, (NormedRow, PendingNorm)) or add_to is not None:
+            return self._folded(x, gated, add_to, into)
         if gated:
             return self.gated_matmul(x)
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
-    def _folded(self, x: torch.Tensor | NormedRow, gated: bool,
-                add_to: torch.Tensor | None) -> torch.Tensor | ResidualRow:
-        """``forward`` with a NormedRow x or a residual to add: in the Gluon GEMV where it takes them, else as the
-        unfolded layer computes them (``NormedRow.materialize``, ``ResidualRow.add``)."""
-        normed = isinstance(x, NormedRow)
-        row = x.row.total if normed else x
-        if self._fused_refusal() is None and row.is_cuda:
+    def _folded(self, x: torch.Tensor | NormedRow | PendingNorm, gated: bool, add_to: torch.Tensor | None,
+                into: PendingSlot | None) -> torch.Tensor | ResidualRow | PendingNorm:
+        """``forward`` with a NormedRow or PendingNorm x or a residual to add: in the Gluon GEMV where it takes them,
+        else as the unfolded layer computes them (``materialize``, ``ResidualRow.add``)."""
+        normed, pending = isinstance(x, NormedRow), isinstance(x, PendingNorm)
+        defer = normed and into is not None and add_to is None
+        row = x.row.total if normed else x.row if pending else x
+        if self._fused_refusal() is None:  # (fused_unsupported says where the device is why not)
             from minillm.kernels.w4_gemv_fused import fused_gemv, fused_unsupported
-            from minillm.kernels.w4_gemv_norms import Norm
+            from minillm.kernels.w4_gemv_norms import Norm, Rms
 
-            fused = dict(gated=gated, residual=add_to, norm=Norm(x.norm.weight, x.norm.eps) if normed else None)
+            fused = dict(gated=gated, residual=into.total if defer else add_to,
+                         norm=Norm(x.norm.weight, x.norm.eps) if normed else None,
+                         squares=into.squares if defer else None,
+                         rms=Rms(x.slot.squares, x.width, x.norm.eps) if pending else None)
             if fused_unsupported(row, self.qweight, self.scales, self.zeros, self.group_size, **fused) is None:
                 out = fused_gemv(row, self.qweight, self.scales, self.zeros, self.group_size, **fused)
+                if defer:
+                    return PendingNorm(into, x.norm, self.in_features, torch.Size((*x.shape[:-1], self.out_features)))
                 return out if add_to is None else ResidualRow(out)
-        y = self.forward(x.materialize() if normed else x, gated)
+        y = self.forward(x.materialize() if normed or pending else x, gated)
         return y if add_to is None else ResidualRow.add(y, add_to)
 
     def folds_norms(self) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from minillm.kernels import split_k, w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
 from minillm.kernels.quant_pack import dequantize_int4
-from minillm.kernels.w4_gemv_norms import Norm
+from minillm.kernels.w4_gemv_norms import Norm, Rms
 
 from test_quant_matmul import counters_are_clean, int4_problem, poisoned
 from test_w4_gemv_hopper import needs_sm90
@@ -121,6 +121,66 @@ def test_folds_in_a_cuda_graph():
     assert counters_are_clean()
 
 
+def deferred_mlp(s, weight, gate_up, down, slot_total, slot_squares, stream):
+    """gate_up_proj leaving its norm's 1 / rms to down_proj (``fused_gemv(norm, residual, squares)``, then
+    ``fused_gemv(gated, rms, residual)``): the MLP of a layer with its norms folded, the slot zeroed first."""
+    slot_total.zero_()
+    slot_squares.zero_()
+    fused_forms.fused_gemv(s, *gate_up, norm=Norm(weight, EPS), residual=slot_total, squares=slot_squares)
+    return fused_forms.fused_gemv(slot_total, *down, gated=True, rms=Rms(slot_squares, s.shape[-1], EPS),
+                                  residual=stream)
+
+
+@needs_sm90
+@pytest.mark.parametrize("hidden,inner,group", [(4096, 11008, 128), (576, 1536, 64)])
+def test_gate_up_leaves_its_norm_to_down_proj(hidden, inner, group):
+    """Llama-2-7B's and SmolLM2's MLP: gate_up's splits add their unnormalised parts to the zeroed slot and store
+    their sums of squares (one a split, zeros after), and down_proj applies 1 / rms as it loads the slot: the stream
+    gains MLP(RMSNorm(s)) computed in fp64, and what the undeferred fold gives, to the HFMA2 body's error. Replayed in
+    a CUDA graph with new inputs, it gives what it gives eagerly each time (the slot is zeroed inside the graph)."""
+    gate_up = int4_problem(1, hidden, 2 * inner, group, torch.bfloat16, seed=hidden)[1:4] + (group,)
+    down = int4_problem(1, inner, hidden, group, torch.bfloat16, seed=inner)[1:4] + (group,)
+    w_gate_up, w_down = (dequantize_int4(*w, torch.float64) for w in (gate_up, down))
+    weight = random_row(hidden, seed=hidden + 1)[0] + 1
+    s = random_row(hidden, seed=hidden + 2, scale=3.0, dtype=torch.float32)
+    stream = random_row(hidden, seed=hidden + 3, scale=4.0, dtype=torch.float32)
+    slots = hopper.splits_needed(hidden, 1)
+    slot = poisoned((2 * inner + slots,), torch.float32)
+    slot_total, slot_squares = slot[:2 * inner], slot[2 * inner:]
+
+    def want(s, stream):
+        gate, up = (rms_normed_fp64(s, weight) @ w_gate_up).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ w_down
+        return stream.double() + y, y.abs().max().item()
+
+    before = stream.clone()
+    deferred_mlp(s, weight, gate_up, down, slot_total, slot_squares, stream)
+    reference, scale = want(s, before)
+    assert_close_to(stream, reference, scale)
+    used = hopper.splits_needed(hidden, hopper.choose_tiles(hidden, 2 * inner, hopper.num_sms(s.device)))
+    assert torch.allclose(slot_squares[:used].double().sum(), s.double().square().sum(), rtol=1e-5)
+    assert not slot_squares[used:].any()
+    undeferred = before.clone()  # gate_up normalising itself (its fix-up applies 1 / rms)
+    normed = fused_forms.fused_gemv(s, *gate_up, norm=Norm(weight, EPS))
+    fused_forms.fused_gemv(normed, *down, gated=True, residual=undeferred)
+    assert_close_to(stream, undeferred.double(), scale)
+    assert counters_are_clean()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        deferred_mlp(s, weight, gate_up, down, slot_total, slot_squares, stream)
+    for seed in (5, 6):
+        s.copy_(random_row(hidden, seed=seed, scale=2.0, dtype=torch.float32))
+        stream.copy_(before)
+        graph.replay()
+        replayed = stream.clone()
+        reference, scale = want(s, before)
+        assert_close_to(replayed, reference, scale)
+        stream.copy_(before)
+        deferred_mlp(s, weight, gate_up, down, slot_total, slot_squares, stream)
+        assert_close_to(replayed, stream.double(), 1e-3 * scale / TOLERANCE)  # (reductions in any order)
+
+
 def test_fold_refusals_name_the_reason():
     """On any machine: the inputs the folded forms cannot take, and why."""
     x, qweight, scales, zeros, _, _ = int4_problem(1, 256, 64, 128, torch.bfloat16, seed=1)
@@ -132,7 +192,15 @@ def test_fold_refusals_name_the_reason():
         "not torch.bfloat16 (1, 64)": dict(residual=stream.bfloat16()),
         "fp32 row, not a torch.bfloat16": dict(norm=norm),
         "weight as a contiguous": dict(x=x.float(), norm=norm._replace(weight=norm.weight[:128])),
-        "or adds to the residual stream, not both": dict(x=x.float(), norm=norm, residual=stream),
+        "adds to a row only with squares": dict(x=x.float(), norm=norm, residual=stream),
+        "it needs both norm and residual": dict(x=x.float(), norm=norm, squares=torch.zeros(2, device=x.device)),
+        "a slot for each of up to 2 splits": dict(x=x.float(), norm=norm, residual=stream,
+                                                  squares=torch.zeros(1, device=x.device)),
+        "it needs gated=True": dict(x=x.float(), rms=Rms(torch.zeros(2, device=x.device), 64, EPS)),
+        "rms.squares as a contiguous fp32": dict(x=torch.cat([x, x], 1).float(), gated=True,
+                                                 rms=Rms(torch.zeros(2, device=x.device).bfloat16(), 64, EPS)),
+        "an fp32 row to normalise, not torch.bfloat16": dict(x=torch.cat([x, x], 1), gated=True,
+                                                             rms=Rms(torch.zeros(2, device=x.device), 64, EPS)),
     }
     for reason, change in refusals.items():
         args = dict(x=x, residual=None, norm=None, gated=False) | change
@@ -144,8 +212,10 @@ def test_fold_refusals_name_the_reason():
               split_k.tile_counters(x.device), False)
     with pytest.raises(ValueError, match="fp32 row in out, not to torch.bfloat16"):
         hopper.w4_gemv(*launch, add=True)
-    with pytest.raises(ValueError, match="normalises its input or adds"):
+    with pytest.raises(ValueError, match="normalises its input and adds y to a row only if"):
         hopper.w4_gemv(*launch, add=True, norm=norm)
+    with pytest.raises(ValueError, match="needs gated=True"):
+        hopper.w4_gemv(*launch, rms=Rms(stream[0], 64, EPS))
 
 
 # The folded engine's logits against the norm kernels' while their contexts agree, relative to max |logit|: the fp32
