@@ -102,8 +102,12 @@ def rotated_halves(x_ptr, mask, cos, sin, HALF: tl.constexpr):
     """The rows at ``x_ptr`` (first halves; the second halves HALF further) rotated by RoPE in fp32 with the
     token's ``cos``/``sin`` [1, HALF] (fp32), each rounded once to x's dtype: (first halves, second halves).
     The one definition for this module's RoPE kernel and ``kv_store.rope_store_kv``: they agree bit for bit."""
-    x1 = tl.load(x_ptr, mask=mask, other=0.0)
-    x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0)
+    return rotated(tl.load(x_ptr, mask=mask, other=0.0), tl.load(x_ptr + HALF, mask=mask, other=0.0), cos, sin)
+
+
+@triton.jit
+def rotated(x1, x2, cos, sin):
+    """``rotated_halves``'s arithmetic on halves already loaded (``rope_in_decode.py`` scales some first)."""
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     return (f1 * cos - f2 * sin).to(x1.dtype), (f2 * cos + f1 * sin).to(x1.dtype)
 

@@ -46,15 +46,17 @@ NO_QUANT, PER_TOKEN, INT4_GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexp
 
 
 def kv_quant_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tl.constexpr:
-    """Check a cache's pools and scales against q ([..., head_dim]); return the kernels' KV_QUANT.
+                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                  q_dtype: torch.dtype | None = None) -> tl.constexpr:
+    """Check a cache's pools and scales against q ([..., head_dim]; ``q_dtype``: the dtype it stands for, where the
+    kernel rounds it on loading: by default its own); return the kernels' KV_QUANT.
 
     A float cache must match q's dtype and come without scales; a quantized one (int8, fp8, or
     uint8 = packed int4) needs both scale pools in ``kv_layout``'s shape, with equal strides."""
-    kind = format_of(k_cache.dtype)
+    kind, q_dtype = format_of(k_cache.dtype), q_dtype or q.dtype
     if kind == "auto":
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            check(cache.dtype == q.dtype, f"{name} has dtype {cache.dtype} but q has {q.dtype}; they must match "
+            check(cache.dtype == q_dtype, f"{name} has dtype {cache.dtype} but q has {q_dtype}; they must match "
                   "(or be a quantized cache: int8, float8_e4m3fn, uint8 = packed int4)")
         check(k_scale is None and v_scale is None, f"k_scale / v_scale dequantize a quantized KV cache, but the "
               f"cache holds {k_cache.dtype}; pass None")
@@ -63,7 +65,7 @@ def kv_quant_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     check(k_scale is not None and v_scale is not None,
           f"an {kind} KV cache ({k_cache.dtype}) needs its scales: pass k_scale and v_scale")
     head_dim = q.shape[-1]
-    layout = kv_layout(kind, head_dim, q.dtype)
+    layout = kv_layout(kind, head_dim, q_dtype)
     check(k_cache.shape[-1] == layout.width, f"an {kind} cache for head_dim {head_dim} has a last dim of "
           f"{layout.width}, got k_cache {tuple(k_cache.shape)}")
     want = (*k_cache.shape[:-1], *layout.scale_shape)

@@ -57,7 +57,7 @@ from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequan
 from minillm.kernels.int_float import int8_words_to_fp16
 from minillm.kernels.paged_attention_ref import split_partials_ref
 from minillm.kernels.paged_decode_hopper import int8_decode, use_hopper
-from minillm.kernels.rope_in_decode import check_new_kv, rope_and_store_new_kv
+from minillm.kernels.rope_in_decode import check_new_kv, check_pending_rms, rope_and_store_new_kv, stored_inv_rms
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE,
                                          PagedAttentionWorkspace, choose_num_splits, merge_by_kernel,
@@ -128,10 +128,12 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   KScale, VScale, stride_sb, stride_st, stride_sh,
                   Out, stride_outb, stride_outh, Counters,
                   NewK, NewV, Cos, Sin, Slots, stride_nk, stride_nv, stride_c,
+                  Squares, square_slots, norm_width, norm_eps,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
-                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1, NEW_KV: tl.constexpr = False):
+                  INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1, NEW_KV: tl.constexpr = False,
+                  PENDING: tl.constexpr = False, SQUARE_SLOTS: tl.constexpr = 1):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
     KV_QUANT: how K/V are stored (``kv_dequant.py``). INT8_WORDS: an int8 cache for a 16-bit q, read
     as int32 words of four codes, each word turned into four fp16s in the registers it was loaded into
@@ -146,7 +148,10 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     and this kernel does ``kv_store.rope_store_kv``'s work for its rows, with its arithmetic: each program rotates its
     query heads (``rotated_halves`` with the row's Cos/Sin), and the program whose split holds position ctx - 1
     rotates the new k of its KV head and stores it and v (NewK, NewV [B, Hkv, D]) at slot Slots[b] before it reads
-    its tiles."""
+    its tiles.
+    PENDING (with NEW_KV): q, k and v are qkv_proj's fp32 row whose norm's 1 / rms its GEMV left to this kernel
+    (``w4_gemv_norms.py``): each program forms it from the ``square_slots`` sums of squares at Squares (a row of
+    ``norm_width``, ``norm_eps``) and scales each value as it loads it (``rope_in_decode.py``)."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ContextLens + b)
     # Splits are whole tiles long (only a sequence's last tile is partial); from the length on the
@@ -160,9 +165,12 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     dims, dim_ok = tile_channels(BLOCK_D, HEAD_DIM, KV_QUANT)  # the head channel of each tile column
     row_dim_mask = (rows < GROUP)[:, None] & dim_ok[None, :]
     if NEW_KV:
+        inv = 1.0
+        if PENDING:
+            inv = stored_inv_rms(Squares, square_slots, SQUARE_SLOTS, norm_width, norm_eps)
         q = rope_and_store_new_kv(Q, b, kv_head, heads, rows < GROUP, ctx, start, end, stride_qb, stride_qh, K, V,
                                   stride_kb, stride_kt, stride_kh, NewK, NewV, Cos, Sin, Slots, stride_nk, stride_nv,
-                                  stride_c, BLOCK_SIZE, HEAD_DIM, GROUP_PAD)
+                                  stride_c, inv, BLOCK_SIZE, HEAD_DIM, GROUP_PAD, PENDING)
     else:
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_dim_mask, other=0.0)
     row_scale = qk_scale
@@ -255,8 +263,11 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
 # ----------------------------------------------------------------------------- wrapper
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale) -> tl.constexpr:
-    """Everything that can be checked without reading device memory; returns the cache's KV_QUANT."""
+def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale,
+                  q_dtype: torch.dtype | None = None) -> tl.constexpr:
+    """Everything that can be checked without reading device memory; returns the cache's KV_QUANT. ``q_dtype``: what
+    q stands for (``paged_decode_attention``'s ``rms``: fp32 values the kernel rounds to the cache's dtype)."""
+    q_dtype = q_dtype or q.dtype
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -264,7 +275,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale,
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q has dtype {q.dtype}; valid: float16, bfloat16, float32")
-    quant = kv_quant_mode(q, k_cache, v_cache, k_scale, v_scale)  # checks a quantized cache's width and scales
+    quant = kv_quant_mode(q, k_cache, v_cache, k_scale, v_scale, q_dtype)  # a quantized cache's width and scales
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     if heads % kv_heads:
@@ -284,8 +295,8 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale,
     if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (batch,) or context_lens.stride(0) != 1:
         raise ValueError(f"context_lens must be contiguous int32 [batch={batch}], "
                          f"got {context_lens.dtype} {tuple(context_lens.shape)} strides {context_lens.stride()}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
-        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with a contiguous last dim, "
+    if out is not None and (out.shape != q.shape or out.dtype != q_dtype or out.stride(2) != 1):
+        raise ValueError(f"out must be {q_dtype} {tuple(q.shape)} with a contiguous last dim, "
                          f"got {out.dtype} {tuple(out.shape)}")
     tensors = {"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "context_lens": context_lens}
     if out is not None:
@@ -304,7 +315,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            workspace: PagedAttentionWorkspace | None = None, merge: str | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, hopper: bool | None = None,
-                           new_kv: tuple | None = None) -> torch.Tensor:
+                           new_kv: tuple | None = None, rms=None) -> torch.Tensor:
     """softmax(q K^T * scale) V for one new token per sequence over the paged cache -> out [B, H, D].
 
     ``scale`` defaults to head_dim ** -0.5; ``num_splits`` to ``choose_num_splits`` on this GPU.
@@ -330,10 +341,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     unquantized cache: q and the new k arrive without RoPE, and the kernel applies it and stores k and v itself, as
     ``kv_store.rope_store_kv`` would have first (``rope_in_decode.py``). The pools get the same bits; on a GPU the
     output may differ in its last bit (seen on the H200 at 32 query heads; at the tests' shapes they are equal).
+
+    ``rms`` (with ``new_kv``; a ``w4_gemv_norms.Rms``: sums of squares, width, eps): q, k and v are fp32 views of
+    qkv_proj's output before its norm's 1 / rms, which the kernel forms from the sums and applies as it loads them,
+    rounding to the cache's dtype (``out``'s), as the GEMV would have (``rope_in_decode.py``).
     """
-    quant = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
+    if rms is not None:
+        check_pending_rms(q, k_cache, new_kv, rms)
+    q_dtype = k_cache.dtype if rms is not None else None
+    quant = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale, q_dtype)
     if new_kv is not None:
-        check_new_kv(q, k_cache, quant, new_kv)
+        check_new_kv(q, k_cache, quant, new_kv, pending=rms is not None)
     gluon = use_hopper(q, k_cache, v_cache, k_scale, hopper, block_n or num_warps or num_stages)
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -357,7 +375,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"merge='last_split' needs an arrival counter per (sequence, KV head): batch {batch} x "
                          f"{kv_heads} KV heads > {MAX_TILES} (split_k.MAX_TILES); use merge='kernel'")
     scale = dim ** -0.5 if scale is None else scale
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty_like(q, dtype=q_dtype) if out is None else out
 
     if num_splits == 1:
         # No partials to merge: stage 1 writes the output itself (split stride 0, no lse).
@@ -400,7 +418,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *partial_strides, *lse_strides, k_scales, v_scales, *scale_strides(k_scale),
         out, out.stride(0), out.stride(1), counters,
-        new_k, new_v, cos, sin, slots, new_k.stride(0), new_v.stride(0), cos.stride(0), NEW_KV=new_kv is not None,
+        new_k, new_v, cos, sin, slots, new_k.stride(0), new_v.stride(0), cos.stride(0),
+        *((rms.squares, rms.squares.numel(), rms.width, rms.eps) if rms is not None else (lse, 0, 0, 0.0)),
+        NEW_KV=new_kv is not None, PENDING=rms is not None,
+        SQUARE_SLOTS=triton.next_power_of_2(rms.squares.numel()) if rms is not None else 1,
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=reads_int8_words(q, k_cache, v_cache),

@@ -118,11 +118,12 @@ def emulated_fused_gemv(x, qweight, scales, zeros, group_size, gated=False, resi
     return (y * inv).to(dtype)
 
 
-def test_gate_up_leaves_its_norm_to_down_proj(monkeypatch):
+def test_gate_up_and_qkv_leave_their_norms_to_the_next_kernel(monkeypatch):
     """With every fused form emulated in torch (``emulated_fused_gemv``), so that the model's flow runs on any
-    machine: each decode step, every layer's gate_up_proj adds its unnormalised output to its slot of the model's
-    ``PendingRows`` (zeroed at the step's start) and down_proj applies the norm's 1 / rms; the tokens are those of the
-    unfolded engine and of the fold without the deferral."""
+    machine: each decode step, every layer's gate_up_proj and every folded qkv_proj add their unnormalised outputs
+    to their slots of the model's ``PendingRows`` (zeroed at the step's start), and down_proj and the decode attention
+    kernel (``paged_decode_attention(rms=...)``, here under the interpreter) apply the norm's 1 / rms; the tokens are
+    those of the unfolded engine and of the fold without the deferrals."""
     from minillm.kernels import w4_gemv_fused
 
     calls = []
@@ -133,31 +134,43 @@ def test_gate_up_leaves_its_norm_to_down_proj(monkeypatch):
 
     monkeypatch.setattr(w4_gemv_fused, "fused_unsupported", lambda *a, **kw: None)
     monkeypatch.setattr(w4_gemv_fused, "fused_gemv", emulated)
+    from minillm.kv import paged_triton
+
+    scaled, decode = [], paged_triton.paged_decode_attention
+    monkeypatch.setattr(paged_triton, "paged_decode_attention", lambda *a, **kw: scaled.append(
+        kw.get("rms") is not None) or decode(*a, **kw))
     monkeypatch.setattr(norm_folding, "DEFER_MLP_NORM", True)
+    monkeypatch.setattr(norm_folding, "DEFER_ATTENTION_NORM", True)
     deferred, _ = generate(monkeypatch, fold=True)
     layers, decode_steps = PRESETS["tiny"].num_layers, len(PROMPTS) * (MAX_TOKENS - 1)
     forms = {form: calls.count(form) for form in set(calls)}
-    assert forms == {("norm", "residual", "squares"): layers * decode_steps,  # gate_up_proj
+    assert forms == {("norm", "residual", "squares"): (2 * layers - 1) * decode_steps,  # gate_up, qkv (not layer 0's)
                      ("gated", "residual", "rms"): (layers - 1) * decode_steps,  # down_proj, adding the residual
                      ("gated", "rms"): decode_steps,  # the last layer's (the final norm follows it)
-                     ("residual",): layers * decode_steps,  # o_proj
-                     ("norm",): (layers - 1) * decode_steps}, forms  # qkv_proj, the first layer's aside
-    calls.clear()
+                     ("residual",): layers * decode_steps}, forms  # o_proj
+    assert scaled.count(True) == (layers - 1) * decode_steps
+    calls.clear(), scaled.clear()
     monkeypatch.setattr(norm_folding, "DEFER_MLP_NORM", False)
+    monkeypatch.setattr(norm_folding, "DEFER_ATTENTION_NORM", False)
     not_deferred, _ = generate(monkeypatch, fold=True)
-    assert ("gated", "rms") not in calls and ("norm",) in calls
+    assert ("gated", "rms") not in calls and ("norm",) in calls and scaled and not any(scaled)
     unfolded, _ = generate(monkeypatch, fold=False)
     assert deferred == not_deferred == unfolded
 
 
 def test_pending_rows_and_their_fallback():
-    """Each layer's slot is its own part of one buffer, its row 16-byte aligned; ``materialize`` is the norm's output
-    as the GEMV that deferred it would have written it: y / rms(s), rounded to the norm's dtype."""
+    """Each layer's slots are their own parts of one buffer, their rows 16-byte aligned; ``materialize`` is the norm's
+    output as the GEMV that deferred it would have written it: y / rms(s), rounded to the norm's dtype."""
     torch.manual_seed(0)
-    rows = norm_folding.PendingRows(3, width=10, slots=3, device=torch.device("cpu"))
-    slots = [rows.slot(i) for i in range(3)]
-    assert all(slot.total.data_ptr() % 16 == 0 for slot in slots)
+    rows = norm_folding.PendingRows(3, {"gate_up": (10, 3), "qkv": (6, 2)}, device=torch.device("cpu"))
+    slots = [rows.slot(i, "gate_up") for i in range(3)]
+    others = [rows.slot(i, "qkv") for i in range(3)]
+    assert all(slot.total.data_ptr() % 16 == 0 for slot in slots + others)
     assert [slot.total.numel() for slot in slots] == [10] * 3 and slots[1].squares.numel() == 3
+    assert [slot.total.numel() for slot in others] == [6] * 3 and others[1].squares.numel() == 2
+    views = [t for slot in slots + others for t in (slot.total, slot.squares)]
+    ranges = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in views)
+    assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:]))  # no two overlap
     for slot in slots:
         slot.total.copy_(torch.randn(10))
         slot.squares.copy_(torch.rand(3) * 50)

@@ -107,6 +107,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     fused_ops = None
+    # Set by LlamaForCausalLM.fold_norms where qkv_proj may leave its input norm's 1 / rms to the decode kernel.
+    pending_slot: PendingSlot | None = None
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -122,10 +124,20 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, attn: AttentionContext, add_to: torch.Tensor | None = None):
-        """With ``add_to`` (the residual, norms folded: ``norm_folding.py``): o_proj's ``ResidualRow``."""
+        """With ``add_to`` (the residual, norms folded: ``norm_folding.py``): o_proj's ``ResidualRow``. With x a
+        ``NormedRow``, a ``pending_slot`` and a context that ``takes_pending_norm``, qkv_proj may leave its norm's
+        1 / rms to the decode kernel (a ``PendingNorm``, whose fp32 row q, k and v are views of)."""
         B, T, _ = x.shape
         H, Hkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim)
+        pending = None
+        if (self.pending_slot is not None and isinstance(x, NormedRow) and self.fused_ops is not None
+                and getattr(attn, "takes_pending_norm", False)):
+            qkv = self.qkv_proj(x, into=self.pending_slot)
+            pending = qkv if isinstance(qkv, PendingNorm) else None
+            qkv = qkv.row if pending is not None else qkv
+        else:
+            qkv = self.qkv_proj(x)
+        qkv = qkv.view(B, T, H + 2 * Hkv, self.head_dim)
         if self.q_norm is not None:
             q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
@@ -142,7 +154,10 @@ class Attention(nn.Module):
         else:
             qk = apply_rope(qk, cos, sin)  # one pass over query and key heads
         q, k = qk.split([H, Hkv], dim=2)
-        out = attn(self.layer_idx, q, k, v) if rope is None else attn(self.layer_idx, q, k, v, rope=rope)
+        if pending is not None:  # (takes_pending_norm promised a context that takes rope)
+            out = attn(self.layer_idx, q, k, v, rope=rope, pending=pending)
+        else:
+            out = attn(self.layer_idx, q, k, v) if rope is None else attn(self.layer_idx, q, k, v, rope=rope)
         out = out.reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out) if add_to is None else self.o_proj(out, add_to=add_to)
 
@@ -172,10 +187,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     # Set by LlamaForCausalLM.fold_norms: o_proj adds the residual for the post-attention norm, which gate_up_proj
-    # applies (fold_attention_norm), or leaves to down_proj in this slot (pending_slot); down_proj adds the residual
+    # applies (fold_attention_norm), or leaves to down_proj in this slot (mlp_slot); down_proj adds the residual
     # for the next layer's input norm (fold_mlp_norm).
     fold_attention_norm = fold_mlp_norm = False
-    pending_slot: PendingSlot | None = None
+    mlp_slot: PendingSlot | None = None
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -202,7 +217,7 @@ class DecoderLayer(nn.Module):
         if self.fold_attention_norm and one_row:  # o_proj's GEMV adds the residual; gate_up_proj's normalises
             attn_out = self.self_attn(normed, cos, sin, attn, add_to=residual_stream(residual))
             normed, residual = self.post_attention_layernorm(attn_out)
-            mlp = {} if self.pending_slot is None else {"pending": self.pending_slot}  # 1 / rms left to down_proj
+            mlp = {} if self.mlp_slot is None else {"pending": self.mlp_slot}  # 1 / rms left to down_proj
         else:
             attn_out = self.self_attn(normed, cos, sin, attn)
             normed, residual = self.post_attention_layernorm(attn_out, residual=residual)  # residual += attn_out
@@ -268,27 +283,33 @@ class LlamaForCausalLM(nn.Module):
         norm between a layer's down_proj and the next layer's qkv_proj (not the last layer's: the final norm and the
         LM head follow it). ``enable_fused_kernels`` calls this: without the fused kernels a fold would only fall
         back to torch (``QuantLinear._folded``). Where down_proj folds norms too (and ``DEFER_MLP_NORM``),
-        gate_up_proj leaves the post-attention norm's 1 / rms to it, in a slot of ``pending_rows``."""
+        gate_up_proj leaves the post-attention norm's 1 / rms to it, in a slot of ``pending_rows``; and where the input
+        norm is folded (and ``DEFER_ATTENTION_NORM``), qkv_proj leaves its 1 / rms to the decode attention kernel."""
         layers = self.model.layers
-        deferring = []
+        mlp_deferred, attention_deferred = [], []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             layer.fold_attention_norm = enabled and folds_norms(attn.o_proj) and folds_norms(mlp.gate_up_proj)
             layer.fold_mlp_norm = (enabled and i + 1 < len(layers) and folds_norms(mlp.down_proj)
                                    and folds_norms(layers[i + 1].self_attn.qkv_proj))
             if layer.fold_attention_norm and norm_folding.DEFER_MLP_NORM and folds_norms(mlp.down_proj):
-                deferring.append(i)
-            layer.pending_slot = None
+                mlp_deferred.append(i)
+            if i and layers[i - 1].fold_mlp_norm and norm_folding.DEFER_ATTENTION_NORM and attn.q_norm is None:
+                attention_deferred.append(i)
+            layer.mlp_slot = attn.pending_slot = None
         self.pending_rows = None
-        if deferring:
+        if mlp_deferred or attention_deferred:
             from minillm.kernels.w4_gemv_hopper import splits_needed  # (folds_norms said the kernels run here)
 
-            gate_up = layers[deferring[0]].mlp.gate_up_proj
-            # A slot for each split gate_up's GEMV can have: the most, at one tile a program.
-            self.pending_rows = PendingRows(len(layers), gate_up.out_features, splits_needed(gate_up.in_features, 1),
-                                            gate_up.qweight.device)
-            for i in deferring:
-                layers[i].pending_slot = self.pending_rows.slot(i)
+            # A slot for each split a GEMV can have: the most, at one tile a program.
+            parts = {name: (proj.out_features, splits_needed(proj.in_features, 1)) for name, proj, deferred in
+                     (("gate_up", layers[0].mlp.gate_up_proj, mlp_deferred),
+                      ("qkv", layers[0].self_attn.qkv_proj, attention_deferred)) if deferred}
+            self.pending_rows = PendingRows(len(layers), parts, self.inv_freq.device)
+            for i in mlp_deferred:
+                layers[i].mlp_slot = self.pending_rows.slot(i, "gate_up")
+            for i in attention_deferred:
+                layers[i].self_attn.pending_slot = self.pending_rows.slot(i, "qkv")
 
     def checkpoint_tensor(self, name: str) -> torch.Tensor:
         """The tensor (a view) that holds Hugging Face checkpoint tensor ``name``:

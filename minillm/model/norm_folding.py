@@ -15,12 +15,15 @@ the norms folded (``LlamaForCausalLM.fold_norms``), and the step one row, the re
 One step further, gate_up_proj leaves its norm's 1 / rms to down_proj (``DEFER_MLP_NORM``): its GEMV adds its
 unnormalised output to a zeroed fp32 row and stores its splits' sums of squares beside it (a ``PendingSlot`` of the
 model's ``PendingRows``, zeroed once a step), and down_proj, given the ``PendingNorm``, scales the row as it loads it.
-Then no GEMV of the MLP has a split-K fix-up.
+Then no GEMV of the MLP has a split-K fix-up. qkv_proj does the same for the decode attention kernel, which scales
+q, k and v as it loads them for RoPE (``DEFER_ATTENTION_NORM``; ``kernels/rope_in_decode.py``), where the step's
+attention context can (``takes_pending_norm``: a decode-only step on the Triton backend, an unquantized cache).
 
 Nothing is lost where a kernel cannot run: a projection that cannot fold the add calls ``ResidualRow.add`` (the
 same add, in torch), and one that cannot take a ``NormedRow`` calls ``materialize`` (the norm's own forward on the
 row, what the unfolded layer computes; ``PendingNorm.materialize`` likewise). MINILLM_NORM_IN_GEMV=0 keeps the
-norm kernels, MINILLM_DEFER_MLP_NORM=0 gate_up_proj's own 1 / rms (for A/B runs).
+norm kernels, MINILLM_DEFER_MLP_NORM=0 gate_up_proj's own 1 / rms, MINILLM_DEFER_ATTENTION_NORM=0 qkv_proj's
+(for A/B runs).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from minillm.kernels.checks import switched_on
 ENABLED = switched_on("MINILLM_NORM_IN_GEMV")
 # MINILLM_DEFER_MLP_NORM=0: with the norms folded, gate_up_proj's GEMV still applies its norm's 1 / rms itself.
 DEFER_MLP_NORM = switched_on("MINILLM_DEFER_MLP_NORM")
+# MINILLM_DEFER_ATTENTION_NORM=0: qkv_proj's GEMV still applies its norm's 1 / rms itself.
+DEFER_ATTENTION_NORM = switched_on("MINILLM_DEFER_ATTENTION_NORM")
 
 
 def residual_stream(residual: torch.Tensor) -> torch.Tensor:
@@ -110,17 +115,21 @@ class PendingNorm:
 
 
 class PendingRows:
-    """Every layer's ``PendingSlot`` in one fp32 buffer, so that one memset a step (``clear``, at the start of a
-    one-row forward) zeroes them all: rows of ``width`` (gate_up's outputs) and ``slots`` sums of squares, each layer's
-    padded to 4 floats (16-byte aligned rows, as the GEMV reads them)."""
+    """Every layer's ``PendingSlot``s in one fp32 buffer, so that one memset a step (``clear``, at the start of a
+    one-row forward) zeroes them all. ``parts``: {name: (width, slots)}, a row of ``width`` (a projection's output) and
+    ``slots`` sums of squares each; every row starts 16 bytes aligned, as the kernels read them."""
 
-    def __init__(self, layers: int, width: int, slots: int, device: torch.device):
-        self.width, self.slots = width, slots
-        self.buffer = torch.zeros(layers, -(-(width + slots) // 4) * 4, dtype=torch.float32, device=device)
+    def __init__(self, layers: int, parts: dict[str, tuple[int, int]], device: torch.device):
+        self.parts, start = {}, 0
+        for name, (width, slots) in parts.items():
+            self.parts[name] = (start, width, slots)
+            start += -(-(width + slots) // 4) * 4
+        self.buffer = torch.zeros(layers, start, dtype=torch.float32, device=device)
 
-    def slot(self, layer: int) -> PendingSlot:
-        row = self.buffer[layer]
-        return PendingSlot(row[:self.width], row[self.width:self.width + self.slots])
+    def slot(self, layer: int, part: str) -> PendingSlot:
+        start, width, slots = self.parts[part]
+        row = self.buffer[layer, start:]
+        return PendingSlot(row[:width], row[width:width + slots])
 
     def clear(self) -> None:
         self.buffer.zero_()

@@ -316,6 +316,54 @@ def test_new_kv_is_rope_store_kv_then_the_kernel_bit_for_bit(lens, heads, kv_hea
     assert not torch.equal(pools[True][0], k_pool)  # the new k was stored
 
 
+@pytest.mark.parametrize("lens,heads,kv_heads,dim,splits", [([70], 2, 2, 16, 4), ([9], 4, 2, 32, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_pending_rms_scales_q_k_and_v_as_they_are_loaded(lens, heads, kv_heads, dim, splits, dtype):
+    """rms: q, k and v arrive as fp32 rows before their norm's 1 / rms (qkv_proj's GEMV left it to this kernel), and
+    the kernel forms 1 / rms from the sums of squares and scales each value as it loads it, rounding to the cache's
+    dtype: the output and pools of new_kv on the rows scaled and rounded first (to the last bit of 1 / rms, whose
+    sum runs in another order)."""
+    from minillm.kernels.w4_gemv_norms import Rms
+    q, k_pool, v_pool, tables, ctx = make_inputs(lens, heads, kv_heads, dim, 8, dtype, seed=dim + splits)
+    g = torch.Generator().manual_seed(dim)
+    raw_q = torch.randn(1, heads, dim, generator=g).to(DEVICE) * 40
+    raw_k, raw_v = (torch.randn(1, kv_heads, dim, generator=g).to(DEVICE) * 40 for _ in range(2))
+    squares = torch.zeros(8, device=DEVICE)
+    squares[:5] = torch.rand(5, generator=g).to(DEVICE) * 3e4  # (slots past the producer's splits stay zero)
+    rms = Rms(squares, 64, 1e-5)
+    inv = 1.0 / torch.sqrt(squares.sum() / rms.width + rms.eps)
+    angles = torch.randn(1, dim // 2, generator=g) * 3
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    last = ctx.long() - 1
+    slots = tables.long().gather(1, (last // 8)[:, None])[:, 0] * 8 + last % 8
+    pools = {}
+    for pending in (True, False):
+        kp, vp = k_pool.clone(), v_pool.clone()
+        out, ws = poisoned(q, (1, splits))
+        if pending:
+            got = paged_decode_attention(raw_q, kp, vp, tables, ctx, num_splits=splits, out=out, workspace=ws,
+                                         new_kv=(raw_k, raw_v, cos, sin, slots), rms=rms)
+        else:
+            scaled = [(t * inv).to(dtype) for t in (raw_q, raw_k, raw_v)]
+            want = paged_decode_attention(scaled[0], kp, vp, tables, ctx, num_splits=splits, out=out, workspace=ws,
+                                          new_kv=(*scaled[1:], cos, sin, slots))
+        pools[pending] = (kp, vp)
+    assert got.dtype == dtype
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tolerance)
+    for a, b in zip(pools[True], pools[False]):
+        torch.testing.assert_close(a, b, **tolerance)
+    assert not torch.equal(pools[True][0], k_pool)
+    with pytest.raises(ValueError, match="needs new_kv"):
+        paged_decode_attention(raw_q, k_pool, v_pool, tables, ctx, rms=rms)
+    with pytest.raises(ValueError, match="one fp32 row"):
+        paged_decode_attention(raw_q.to(dtype) if dtype != torch.float32 else raw_q.expand(2, -1, -1), k_pool,
+                               v_pool, tables, ctx, new_kv=(raw_k, raw_v, cos, sin, slots), rms=rms)
+    with pytest.raises(ValueError, match="sums of squares"):
+        paged_decode_attention(raw_q, k_pool, v_pool, tables, ctx, new_kv=(raw_k, raw_v, cos, sin, slots),
+                               rms=Rms(squares.double(), 64, 1e-5))
+
+
 def test_new_kv_refusals_name_the_reason():
     q, k_pool, v_pool, tables, ctx = make_inputs([9, 4], 4, 2, 16, 8)
     new_k = torch.randn(2, 2, 16, device=DEVICE)

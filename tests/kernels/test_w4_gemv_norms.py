@@ -30,6 +30,9 @@ CASES = [(4096, 4096, 128), (11008, 4096, 128), (128, 256, 128), (576, 576, 128)
 # The HFMA2 body's error relative to max |y| is ~6e-3 at most (w4_gemv_hopper.py); a folded form that dropped its
 # add, its norm or the norm's weight would be off by about max |y| or more.
 TOLERANCE = 1e-2
+# Two such GEMVs in a chain (gate_up_proj, then down_proj on silu(gate) * up rounded to bf16): each adds its error.
+# Measured on an H200 against fp64, SmolLM2's MLP: 1.03e-2 of max |y| (figures/h200/gpu_tests_session26.log).
+CHAIN_TOLERANCE = 2 * TOLERANCE
 
 
 def random_row(width: int, seed: int, scale: float = 1.0, dtype=torch.bfloat16) -> torch.Tensor:
@@ -37,10 +40,11 @@ def random_row(width: int, seed: int, scale: float = 1.0, dtype=torch.bfloat16) 
     return (torch.randn(1, width, generator=g) * scale).to(dtype).to("cuda")
 
 
-def assert_close_to(got: torch.Tensor, want: torch.Tensor, scale: float) -> None:
+def assert_close_to(got: torch.Tensor, want: torch.Tensor, scale: float, tolerance: float = TOLERANCE) -> None:
     assert torch.isfinite(got).all()
     error = (got.double() - want).abs().max().item()
-    assert error <= TOLERANCE * scale, (error, scale)
+    assert error <= tolerance * scale, (error, scale)
+    return error / scale
 
 
 @needs_sm90
@@ -136,8 +140,9 @@ def deferred_mlp(s, weight, gate_up, down, slot_total, slot_squares, stream):
 def test_gate_up_leaves_its_norm_to_down_proj(hidden, inner, group):
     """Llama-2-7B's and SmolLM2's MLP: gate_up's splits add their unnormalised parts to the zeroed slot and store
     their sums of squares (one a split, zeros after), and down_proj applies 1 / rms as it loads the slot: the stream
-    gains MLP(RMSNorm(s)) computed in fp64, and what the undeferred fold gives, to the HFMA2 body's error. Replayed in
-    a CUDA graph with new inputs, it gives what it gives eagerly each time (the slot is zeroed inside the graph)."""
+    gains MLP(RMSNorm(s)) computed in fp64 (to two chained GEMVs' error) and what the undeferred fold gives (the same
+    roundings, the sums in another order). Replayed in a CUDA graph with new inputs, it gives what it gives eagerly
+    each time (the slot is zeroed inside the graph)."""
     gate_up = int4_problem(1, hidden, 2 * inner, group, torch.bfloat16, seed=hidden)[1:4] + (group,)
     down = int4_problem(1, inner, hidden, group, torch.bfloat16, seed=inner)[1:4] + (group,)
     w_gate_up, w_down = (dequantize_int4(*w, torch.float64) for w in (gate_up, down))
@@ -156,7 +161,7 @@ def test_gate_up_leaves_its_norm_to_down_proj(hidden, inner, group):
     before = stream.clone()
     deferred_mlp(s, weight, gate_up, down, slot_total, slot_squares, stream)
     reference, scale = want(s, before)
-    assert_close_to(stream, reference, scale)
+    errors = [assert_close_to(stream, reference, scale, CHAIN_TOLERANCE)]
     used = hopper.splits_needed(hidden, hopper.choose_tiles(hidden, 2 * inner, hopper.num_sms(s.device)))
     assert torch.allclose(slot_squares[:used].double().sum(), s.double().square().sum(), rtol=1e-5)
     assert not slot_squares[used:].any()
@@ -175,10 +180,11 @@ def test_gate_up_leaves_its_norm_to_down_proj(hidden, inner, group):
         graph.replay()
         replayed = stream.clone()
         reference, scale = want(s, before)
-        assert_close_to(replayed, reference, scale)
+        errors.append(assert_close_to(replayed, reference, scale, CHAIN_TOLERANCE))
         stream.copy_(before)
         deferred_mlp(s, weight, gate_up, down, slot_total, slot_squares, stream)
-        assert_close_to(replayed, stream.double(), 1e-3 * scale / TOLERANCE)  # (reductions in any order)
+        assert_close_to(replayed, stream.double(), scale, 1e-3)  # (the same, reduced in another order)
+    print(f"largest error against fp64 over max |y|: {max(errors):.2e}")
 
 
 def test_fold_refusals_name_the_reason():
@@ -251,7 +257,8 @@ def test_int4_engine_with_the_norms_folded_decodes_as_with_the_norm_kernels(monk
         llm.close()
         logits[folded], seen[:] = list(seen), []
         if folded:
-            assert (True, False) in calls and (False, True) in calls, "batch-1 decode never folded a norm"
+            # (o_proj adding; gate_up_proj and qkv_proj leaving their norms' 1 / rms to the kernels behind them)
+            assert (True, False) in calls and (True, True) in calls, "batch-1 decode never folded a norm"
             calls.clear()
     assert not any(add or norm for add, norm in calls)
     assert len(logits[True]) == len(logits[False]) == len(prompts) * params.max_tokens  # one row a step, in order

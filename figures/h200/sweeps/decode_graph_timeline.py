@@ -2,8 +2,8 @@
 in one process, each after a 128-token prompt and 128 decoded tokens (the ``latency`` workload's mean context).
 Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms folded into the GEMVs,
 ``model/norm_folding.py``), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with gate_up_proj applying its norm's
-1 / rms itself (MINILLM_DEFER_MLP_NORM=0), with the decode attention's splits merged
-by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
+1 / rms itself (MINILLM_DEFER_MLP_NORM=0), qkv_proj (MINILLM_DEFER_ATTENTION_NORM=0) or neither, with the decode
+attention's splits merged by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
 GEMV program in every projection (2 won on cold standalone calls), or other counts for some of a layer's four
 projections (``choose_tiles`` gives o_proj 1 and the others 4; o_proj at 4 as before session 22, down_proj at 2 ...),
 with the attention's splits pinned to 1, 2 or 4 (9 by default at batch 1); bf16, bf16 at 1 split, and bf16 merged in
@@ -34,7 +34,7 @@ from minillm.model import norm_folding  # noqa: E402
 
 ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 # name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
-DEFAULTS = {norm_folding: {"ENABLED": True, "DEFER_MLP_NORM": True},
+DEFAULTS = {norm_folding: {"ENABLED": True, "DEFER_MLP_NORM": True, "DEFER_ATTENTION_NORM": True},
             paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits},
             w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
 
@@ -57,6 +57,8 @@ def splits(count):
 
 ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
        "int4_gate_up_norm": ("rtn-int4", {norm_folding: {"DEFER_MLP_NORM": False}}),
+       "int4_qkv_norm": ("rtn-int4", {norm_folding: {"DEFER_ATTENTION_NORM": False}}),
+       "int4_no_deferred_norm": ("rtn-int4", {norm_folding: {"DEFER_MLP_NORM": False, "DEFER_ATTENTION_NORM": False}}),
        "int4_last_split": ("rtn-int4", {paged_attention: {"DEFAULT_MERGE": "last_split"}}),
        **{f"int4_tiles{t}": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=t, o=t, gate_up=t, down=t)})
           for t in (1, 2, 4, 8)},  # (every projection at t tiles a program)
