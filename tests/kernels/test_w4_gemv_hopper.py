@@ -150,8 +150,9 @@ def test_int4_engine_decodes_the_same_tokens_with_the_gated_gemv(monkeypatch):
 
     calls, fused = [], fused_forms.fused_gemv
     monkeypatch.setattr(fused_forms, "fused_gemv", lambda *a, **kw: calls.append(kw.get("gated")) or fused(*a, **kw))
-    # (gate_up_proj leaving its 1 / rms to down_proj would take the gated GEMV in both engines: not here)
-    monkeypatch.setattr(norm_folding, "DEFER_MLP_NORM", False)
+    # Without the norms folded: their fp32 stream's reductions run in any order, so two engines' greedy tokens may
+    # part at a near tie (tests/kernels/test_w4_gemv_norms.py compares those engines by their logits).
+    monkeypatch.setattr(norm_folding, "ENABLED", False)
     prompts = [list(range(5, 40)), list(range(300, 317))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     tokens = {}
