@@ -68,6 +68,8 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_
        "int4_o_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2)}),
        "int4_qkv_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=2)}),
        "int4_o_2_gate_up_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=2, gate_up=2)}),
+       **{f"int4_{name}_{t}": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(**{name: t})})
+          for name in ("gate_up", "down") for t in (2, 8)},
        **{f"int4_splits{s}": ("rtn-int4", {paged_attention: splits(s)}) for s in (1, 2, 4)},
        "bf16": (None, {}), "bf16_splits1": (None, {paged_attention: splits(1)}),
        "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
