@@ -10,6 +10,10 @@ then synchronises its threads before it reads its tiles. No other program reads 
 waits. The pools get ``rope_store_kv``'s bits; the output can differ in its last bit on a GPU, where the rotated q
 reaches the dot from registers rather than from memory (``paged_decode_attention``'s docstring).
 
+With the norms folded into the INT4 GEMVs, q, k and v may arrive as qkv_proj's fp32 row before its norm's 1 / rms
+(PENDING; ``w4_gemv_norms.py``): each program forms 1 / rms from the sums of squares the GEMV stored and scales the
+values as it loads them, rounded to the cache's dtype as the GEMV would have written them.
+
 Measured on the H200 (figures/h200/sweeps/latency_rope_in_decode.json, engines ABBA ABBA): 1.029x the INT4 batch-1
 decode tok/s of llama2-7b, 1.010x bf16's.
 """

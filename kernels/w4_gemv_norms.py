@@ -22,10 +22,12 @@ both):
   against the norm kernel's 1.4, figures/h200/sweeps/normed_gemv.json; session 22's fold had the GEMV ahead store
   the sums of squares of each 256 columns beside s, which needed its fix-up.)
 
-gate_up_proj goes one step further (``fused_gemv(norm=..., residual=..., squares=...)``, ``norm_folding.PendingNorm``):
-its splits add their unnormalised parts of y to a zeroed fp32 row with reductions too, and store their sums of
-squares beside it; down_proj, which reads that row whole anyway, applies 1 / rms as it loads it (``Rms``,
-``scaled_bf16``), before SiLU-and-multiply. So the gate_up GEMV has no fix-up either.
+gate_up_proj and qkv_proj go one step further (``fused_gemv(norm=..., residual=..., squares=...)``,
+``norm_folding.PendingNorm``): their splits add their unnormalised parts of y to a zeroed fp32 row with reductions
+too, and store their sums of squares beside it; the kernel that reads that row whole anyway applies 1 / rms as it
+loads it: down_proj's GEMV before SiLU-and-multiply (``Rms``, ``scaled_bf16``), the decode attention kernel before
+RoPE (``rope_in_decode.py``). So no GEMV of the layer has a fix-up: 1.072x a token
+(figures/h200/sweeps/decode_graph_deferred_norms.json).
 
 Numerics: the stream holds s in fp32 where the unfolded layer (and transformers) round it to bf16 at every add;
 the input is s * weight rounded to bf16 once, where transformers rounds s / rms, then the product with the weight.
@@ -50,9 +52,9 @@ class Norm(NamedTuple):
 
 
 class Rms(NamedTuple):
-    """The 1 / rms of a norm whose GEMV left it to the next one (gate_up_proj's, left to down_proj: the module
-    docstring's last part): ``squares``, fp32, the sums of squares the producer's splits stored (zeros in the slots it
-    did not use), the norm's input ``width`` and ``eps``."""
+    """The 1 / rms of a norm whose GEMV left it to the kernel behind it (gate_up_proj's to down_proj, qkv_proj's to
+    the decode attention kernel: the module docstring's last part): ``squares``, fp32, the sums of squares the
+    producer's splits stored (zeros in the slots it did not use), the norm's input ``width`` and ``eps``."""
     squares: torch.Tensor
     width: int
     eps: float
