@@ -275,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
                 module.gemv = gemv
         self.fold_norms(enabled and norm_folding.ENABLED)
 
-    pending_rows: PendingRows | None = None  # fold_norms's, where gate_up_proj leaves its 1 / rms to down_proj
+    pending_rows: PendingRows | None = None  # fold_norms's, where gate_up_proj and qkv_proj leave their 1 / rms
 
     def fold_norms(self, enabled: bool = True) -> None:
         """At one row, fold each RMSNorm that sits between two projections that fold norms (INT4 on an H100/H200:
@@ -344,7 +344,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [B, T] -> final hidden states [B, T, hidden]."""
         if self.pending_rows is not None and positions.numel() == 1:
-            self.pending_rows.clear()  # every layer's slot zeroed for gate_up_proj's GEMV to add to (fold_norms)
+            self.pending_rows.clear()  # every slot zeroed for gate_up_proj's and qkv_proj's GEMVs to add to
         x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = self.rope(positions, x.dtype)  # once per step, shared by every layer
         for layer in self.model.layers:

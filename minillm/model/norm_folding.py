@@ -87,17 +87,18 @@ def folds_norms(layer: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class PendingSlot:
-    """A layer's part of ``PendingRows``: ``total``, the zeroed fp32 row gate_up_proj's GEMV adds its output to, and
-    ``squares``, a slot for each of its splits' sums of squares."""
+    """A layer's part of ``PendingRows``: ``total``, the zeroed fp32 row gate_up_proj's (or qkv_proj's) GEMV adds its
+    output to, and ``squares``, a slot for each of its splits' sums of squares."""
     total: torch.Tensor
     squares: torch.Tensor
 
 
 @dataclass(frozen=True)
 class PendingNorm:
-    """gate_up_proj's output before its norm's 1 / rms: the slot's row and sums of squares, the ``norm`` (its eps),
-    its input's ``width`` and the output's ``shape`` (the slot's row, with the input's leading dimensions).
-    down_proj's GEMV applies 1 / rms as it reads the row; anything else calls ``materialize``."""
+    """gate_up_proj's (or qkv_proj's) output before its norm's 1 / rms: the slot's row and sums of squares, the
+    ``norm`` (its eps), its input's ``width`` and the output's ``shape`` (the slot's row, with the input's leading
+    dimensions). down_proj's GEMV (the decode attention kernel) applies 1 / rms as it reads the row; anything else
+    calls ``materialize``."""
     slot: PendingSlot
     norm: nn.Module
     width: int
@@ -109,7 +110,7 @@ class PendingNorm:
         return self.slot.total.view(self.shape)
 
     def materialize(self) -> torch.Tensor:
-        """The row times 1 / rms in the norm's dtype: what gate_up_proj's GEMV would have written itself."""
+        """The row times 1 / rms in the norm's dtype: what the GEMV would have written itself."""
         inv = 1.0 / torch.sqrt(self.slot.squares.sum() / self.width + self.norm.eps)
         return (self.row * inv).to(self.norm.weight.dtype)
 
