@@ -150,11 +150,16 @@ class EngineConfig:
                                  f"holds with {parallel[0]} > 1: quantize in one process, save it with "
                                  f"minillm.quant.checkpoint.save_quantized(LLM(model, quantization="
                                  f"{self.quantization!r}), folder), then load LLM(folder, {parallel[0]}=...)")
-            if self.quantization == "fp8" and self.tensor_parallel_size > 1:
-                raise ValueError(f"quantization='fp8' with tensor_parallel_size={self.tensor_parallel_size}: "
-                                 f"fp8 scales each token's activations by their largest value over all input "
-                                 f"channels, which o_proj and down_proj split over ranks; use rtn-int8 or an INT4 "
-                                 f"method, or pipeline_parallel_size")
+            spec = QuantSpec.parse(self.quantization) if self.quantization is not None else None
+            if spec is not None and spec.method == "fp8" and self.tensor_parallel_size > 1:
+                raise ValueError(f"quantization={self.quantization!r} with tensor_parallel_size="
+                                 f"{self.tensor_parallel_size}: fp8 scales each token's activations by their largest "
+                                 f"value over all input channels, which o_proj and down_proj split over ranks; use "
+                                 f"rtn-int8 or an INT4 method, or pipeline_parallel_size")
+            if spec is not None and spec.lm_head and self.tensor_parallel_size > 1:
+                raise ValueError(f"quantization={self.quantization!r} with tensor_parallel_size="
+                                 f"{self.tensor_parallel_size}: -head quantizes the LM head, which tensor parallelism "
+                                 f"splits by vocabulary (a layer -head does not quantize); drop -head")
             if self.preemption_mode != "recompute":
                 raise ValueError(f"{parallel[0]} > 1 needs preemption_mode='recompute', "
                                  f"got {self.preemption_mode!r}")

@@ -124,6 +124,9 @@ def save_quantized(target, path: str | Path, tokenizer=None) -> Path:
     if spec is None or spec.method == "fp8":
         raise ValueError(f"save_quantized writes GPTQ-layout INT4 / INT8 models; this model is "
                          f"{'not quantized' if spec is None else 'fp8, which quantizes on load in a second'}")
+    if spec.lm_head:
+        raise ValueError(f"save_quantized does not write a quantized LM head ({spec.name}): quantize without -head "
+                         f"to save a checkpoint")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {name: model.checkpoint_tensor(name) for name in model.checkpoint_names()}

@@ -9,6 +9,7 @@ The model is changed in place; ``model.quant_spec`` records what was done (savin
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -102,5 +103,21 @@ def quantize_model(model: nn.Module, spec: QuantSpec | str, calibration: torch.T
         for layer in tqdm(model.model.layers, desc=spec.name, unit="layer", disable=not progress):
             for name in LINEARS:
                 layer.set_submodule(name, linear_quantizer(layer.get_submodule(name), spec))
+    if spec.lm_head:
+        quantize_head(model, spec)
     model.quant_spec = spec
     return spec
+
+
+def quantize_head(model: nn.Module, spec: QuantSpec) -> None:
+    """``-head``: the LM head by round-to-nearest on ``spec``'s grid (FP8: FP8), whatever the method, into a layer of
+    its own (a head tied to the embedding no longer is; the embedding stays dense). A pipeline stage without the
+    head has nothing to do; a vocabulary-parallel head (tensor parallelism) is refused."""
+    head = model.lm_head
+    if head is None:
+        return
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{spec.name} quantizes the LM head, but this model's head is a {type(head).__name__} "
+                         "(tensor parallelism splits it by vocabulary); drop -head")
+    method = spec if spec.method == "fp8" else replace(spec, method="rtn", act_order=False)
+    model.lm_head = quantize_linear(head, method)
