@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's GPU time goes, from its CUDA graph: llama2-7b (dummy weights), one engine per variant
 in one process, each after a 128-token prompt and 128 decoded tokens (the ``latency`` workload's mean context).
 Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms folded into the GEMVs,
-``model/norm_folding.py``), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with gate_up_proj applying its norm's
+``model/norm_folding.py``), with the LM head quantized too (rtn-int4-head), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with gate_up_proj applying its norm's
 1 / rms itself (MINILLM_DEFER_MLP_NORM=0), qkv_proj (MINILLM_DEFER_ATTENTION_NORM=0) or neither, with the decode
 attention's splits merged by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
 GEMV program in every projection (2 won on cold standalone calls), or other counts for some of a layer's four
@@ -55,7 +55,7 @@ def splits(count):
     return {"choose_num_splits": lambda *args, **kwargs: count}
 
 
-ALL = {"int4_folded": ("rtn-int4", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
+ALL = {"int4_folded": ("rtn-int4", {}), "int4_head": ("rtn-int4-head", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
        "int4_gate_up_norm": ("rtn-int4", {norm_folding: {"DEFER_MLP_NORM": False}}),
        "int4_qkv_norm": ("rtn-int4", {norm_folding: {"DEFER_ATTENTION_NORM": False}}),
        "int4_no_deferred_norm": ("rtn-int4", {norm_folding: {"DEFER_MLP_NORM": False, "DEFER_ATTENTION_NORM": False}}),
