@@ -25,7 +25,7 @@ class StaticRunner:
     def __init__(self, model: LlamaForCausalLM, max_batch: int, max_model_len: int, device: torch.device,
                  seed: int = 0):
         self.model, self.device = model, device
-        dtype = model.lm_head.weight.dtype
+        dtype = model.model.embed_tokens.weight.dtype  # (the LM head may be quantized: "-head")
         self.cache = ContiguousKVCache(model.config, max_batch, max_model_len, dtype, device)
         self.sampler = Sampler(device, seed)
         self.key_valid: torch.Tensor | None = None  # [B, max_model_len] for the batch in flight

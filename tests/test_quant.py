@@ -352,8 +352,8 @@ def test_engine_with_head_holds_fewer_weight_bytes():
     """LLM(quantization="...-head"): the engine decodes with the quantized head, whose bytes leave the weights."""
     from minillm import LLM, SamplingParams
     tokens, sizes = {}, {}
-    for method in ("rtn-int4", "rtn-int4-head"):
-        with LLM("tiny", load_format="dummy", quantization=method, batching="continuous") as llm:
+    for method, batching in (("rtn-int4", "continuous"), ("rtn-int4-head", "continuous"), ("rtn-int4-head", "static")):
+        with LLM("tiny", load_format="dummy", quantization=method, batching=batching) as llm:
             assert llm.engine.quantization == method
             assert (type(llm.engine.model.lm_head) is QuantLinear) == method.endswith("head")
             sizes[method] = llm.engine.weight_bytes
