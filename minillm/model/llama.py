@@ -252,7 +252,8 @@ class LlamaForCausalLM(nn.Module):
     def post_init(self) -> None:
         """Tie the embeddings and compute the RoPE frequencies (fp32). Called again after
         ``to_empty``, which allocates storage without data and unties shared parameters."""
-        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # (not a -head QuantLinear)
+        head_quantized = getattr(getattr(self, "quant_spec", None), "lm_head", False)  # ("-head": a layer of its own)
+        if self.config.tie_word_embeddings and not head_quantized:
             self.lm_head.weight = self.model.embed_tokens.weight
         # The buffer's device, not lm_head's: a pipeline stage before the last has no LM head.
         self.inv_freq = rope_inverse_frequencies(self.config).to(self.inv_freq.device)
