@@ -26,6 +26,7 @@ import triton.language as tl
 
 from minillm.kernels.fused_layer_ops import check_rope_inputs, rotated, rotated_halves
 from minillm.kernels.kv_dequant import NO_QUANT
+from minillm.kernels.w4_gemv_norms import holds_squares
 
 
 @triton.jit
@@ -120,8 +121,7 @@ def check_pending_rms(q, k_cache, new_kv, rms) -> None:
         raise ValueError(f"rms scales one fp32 row of q, k and v (a batch of 1, whose norm it is), rounding them to "
                          f"the cache's dtype; got q {q.dtype} {tuple(q.shape)}")
     squares = rms.squares
-    if squares.dtype != torch.float32 or squares.dim() != 1 or not squares.is_contiguous() \
-            or squares.device != q.device or squares.numel() == 0 or rms.width <= 0:
+    if not holds_squares(squares, q.device) or rms.width <= 0:
         raise ValueError(f"rms needs its sums of squares as a non-empty contiguous fp32 vector on {q.device} and a "
                          f"positive width; got {squares.dtype} {tuple(squares.shape)} on {squares.device}, width "
                          f"{rms.width}")

@@ -11,7 +11,7 @@ import torch
 
 from minillm.kernels.int4_dequantize import check_int4_layout
 from minillm.kernels.w4_gemv_hopper import gemv, splits_needed, unsupported
-from minillm.kernels.w4_gemv_norms import Norm, Rms
+from minillm.kernels.w4_gemv_norms import Norm, Rms, holds_squares
 
 
 def fused_unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -48,12 +48,10 @@ def _fused_check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if rms is not None and not gated:
         return "rms applies the 1 / rms a gate_up GEMV left to its row's reader: it needs gated=True", group
     most = splits_needed(k, 1)  # (at one tile a program)
-    if squares is not None and (squares.dtype != torch.float32 or squares.device != x.device or squares.dim() != 1
-                                or not squares.is_contiguous() or squares.numel() < most):
+    if squares is not None and not holds_squares(squares, x.device, most):
         return f"it takes squares as a contiguous fp32 vector on {x.device} with a slot for each of up to {most} " \
                f"splits, not {squares.dtype} {tuple(squares.shape)} on {squares.device}", group
-    if rms is not None and (rms.squares.dtype != torch.float32 or rms.squares.device != x.device
-                            or rms.squares.dim() != 1 or not rms.squares.is_contiguous()):
+    if rms is not None and not holds_squares(rms.squares, x.device):
         return f"it takes rms.squares as a contiguous fp32 vector on {x.device}, not {rms.squares.dtype} " \
                f"{tuple(rms.squares.shape)} on {rms.squares.device}", group
     if residual is not None and (residual.shape[-1] != n or residual.numel() != n or residual.dtype != torch.float32

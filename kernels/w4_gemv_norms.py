@@ -60,6 +60,13 @@ class Rms(NamedTuple):
     eps: float
 
 
+def holds_squares(slots: torch.Tensor, device: torch.device, at_least: int = 1) -> bool:
+    """Whether ``slots`` can hold (or give) a GEMV's sums of squares: a contiguous fp32 vector on ``device`` of at
+    least ``at_least`` slots (the checks of ``w4_gemv_fused`` and ``rope_in_decode``)."""
+    return (slots.dtype == torch.float32 and slots.device == device and slots.dim() == 1 and slots.is_contiguous()
+            and slots.numel() >= at_least)
+
+
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
 

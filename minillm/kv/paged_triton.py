@@ -17,6 +17,7 @@ from minillm.kernels.checks import switched_on
 from minillm.kernels.flash_attention import paged_prefill_attention
 from minillm.kernels.kv_store import QUANTIZED_POOLS, rope_store_kv, store_kv
 from minillm.kernels.paged_attention import paged_decode_attention
+from minillm.kernels.w4_gemv_norms import Rms
 from minillm.kv.paged import PagedKVCache, PagedStep, write_kv
 
 
@@ -49,8 +50,6 @@ class TritonPagedBatch:
         if rope is not None and self.rope_in_decode:
             new_kv = (k[0], v[0], *rope, step.slot_mapping)
             if pending is not None:
-                from minillm.kernels.w4_gemv_norms import Rms
-
                 rms = Rms(pending.slot.squares, pending.width, pending.norm.eps)
         elif rope is not None:  # (only when takes_rope): rotate q and k in place, store the rotated k and v
             rope_store_kv(q[0], k[0], v[0], *rope, pools.k, pools.v, self.step.slot_mapping)
