@@ -58,6 +58,9 @@ class DecodeGraphs:
         self.slot_mapping = self._dev_long[2]
         self.context_lens = self._dev_int[:largest]
         self.block_tables = self._dev_int[largest:].view(largest, width)
+        # A decode step has no prefill rows: their prefix sums are one zero, made here rather than by a fill kernel
+        # in every graph.
+        self.cu_prefill_lens = torch.zeros(1, dtype=torch.int32, device=device)
         self._copied = torch.cuda.Event()  # the last step's copies have read the host buffers
         self.num_replays = 0  # decode steps served from a graph (the benchmarks report it)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -84,7 +87,7 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         step = PagedStep(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size],
-                         torch.zeros(1, dtype=torch.int32, device=self.device), [1] * size,
+                         self.cu_prefill_lens, [1] * size,
                          [self.max_model_len] * size, num_decode=size)  # host lengths: the longest possible
         attn = self.make_attention(self.cache, step)
         hidden = self.model(self.input_ids[:, :size], self.positions[:, :size], attn)

@@ -49,16 +49,22 @@ def generate(monkeypatch, fold: bool) -> tuple[list[list[int]], dict[str, int]]:
 
 
 def test_folded_decode_gives_the_unfolded_tokens(monkeypatch):
-    """Each decode step (one row) folds 2L - 1 norms: every layer's post-attention norm, and every input norm but
-    the first layer's; prefills (many rows) fold none. The tokens are the unfolded engine's."""
+    """Each decode step (one row) folds 2L norms: every layer's post-attention and input norm (the first layer's
+    on the embedding); the GEMVs add the residual 2L - 1 times (not the last down_proj: the final norm follows it);
+    prefills (many rows) fold none. The tokens are the unfolded engine's."""
     # On a GPU the Gluon GEMV would fold for real (tests/kernels/test_w4_gemv_norms.py): here every fold falls back.
     monkeypatch.setattr(QuantLinear, "_fused_refusal", lambda self: "falls back (a test)")
+    from minillm.kernels import step_start
+
+    starts, start = [], step_start.step_start
+    monkeypatch.setattr(step_start, "step_start", lambda *args: starts.append(args) or start(*args))
     folded, calls = generate(monkeypatch, fold=True)
+    decode_steps = len(PROMPTS) * (MAX_TOKENS - 1)
+    assert len(starts) == decode_steps  # each step's embedding row came from the step's first kernel
     unfolded, none = generate(monkeypatch, fold=False)
     layers = PRESETS["tiny"].num_layers
-    decode_steps = len(PROMPTS) * (MAX_TOKENS - 1)
-    assert calls == {"add": (2 * layers - 1) * decode_steps, "materialize": (2 * layers - 1) * decode_steps}
-    assert none == {"add": 0, "materialize": 0}
+    assert calls == {"add": (2 * layers - 1) * decode_steps, "materialize": 2 * layers * decode_steps}
+    assert none == {"add": 0, "materialize": 0} and len(starts) == decode_steps
     assert folded == unfolded
 
 
@@ -68,10 +74,11 @@ def folds(model: LlamaForCausalLM) -> list[tuple[bool, bool]]:
 
 def test_which_norms_fold():
     """Between two projections that fold norms only, and never after the last layer (the final norm and the LM head
-    follow it); a row-parallel layer (tensor parallelism) never folds: its residual comes after the all-reduce."""
+    follow it); a row-parallel layer (tensor parallelism) never folds: its residual comes after the all-reduce. The
+    first layer's input norm folds where its qkv_proj does."""
     model = LlamaForCausalLM(PRESETS["tiny"])
     model.fold_norms()
-    assert folds(model) == [(False, False), (False, False)]  # dense
+    assert folds(model) == [(False, False), (False, False)] and not model.fold_input_norm  # dense
 
     class Folding(QuantLinear):
         def folds_norms(self) -> bool:
@@ -82,14 +89,18 @@ def test_which_norms_fold():
             for name, linear in list(module.named_children()):
                 module.set_submodule(name, Folding(linear.in_features, linear.out_features, 4, 64, bias=False))
     model.fold_norms()
-    assert folds(model) == [(True, True), (True, False)]
+    assert folds(model) == [(True, True), (True, False)] and model.fold_input_norm
     model.fold_norms(False)
-    assert folds(model) == [(False, False), (False, False)]
+    assert folds(model) == [(False, False), (False, False)] and not model.fold_input_norm
     first = model.model.layers[0]
     first.self_attn.o_proj = RowParallelQuantLinear(first.self_attn.o_proj.in_features,
                                                     first.self_attn.o_proj.out_features, 4, 64, bias=False)
     model.fold_norms()
-    assert folds(model) == [(False, True), (True, False)]
+    assert folds(model) == [(False, True), (True, False)] and model.fold_input_norm
+    first.self_attn.qkv_proj = RowParallelQuantLinear(first.self_attn.qkv_proj.in_features,
+                                                      first.self_attn.qkv_proj.out_features, 4, 64, bias=False)
+    model.fold_norms()
+    assert not model.fold_input_norm
 
 
 def emulated_fused_gemv(x, qweight, scales, zeros, group_size, gated=False, residual=None, norm=None, squares=None,
@@ -146,11 +157,11 @@ def test_gate_up_and_qkv_leave_their_norms_to_the_next_kernel(monkeypatch):
     deferred, _ = generate(monkeypatch, fold=True)
     layers, decode_steps = PRESETS["tiny"].num_layers, len(PROMPTS) * (MAX_TOKENS - 1)
     forms = {form: calls.count(form) for form in set(calls)}
-    assert forms == {("norm", "residual", "squares"): (2 * layers - 1) * decode_steps,  # gate_up, qkv (not layer 0's)
+    assert forms == {("norm", "residual", "squares"): 2 * layers * decode_steps,  # gate_up, qkv (layer 0's too)
                      ("gated", "residual", "rms"): (layers - 1) * decode_steps,  # down_proj, adding the residual
                      ("gated", "rms"): decode_steps,  # the last layer's (the final norm follows it)
                      ("residual",): layers * decode_steps}, forms  # o_proj
-    assert scaled.count(True) == (layers - 1) * decode_steps
+    assert scaled.count(True) == layers * decode_steps
     calls.clear(), scaled.clear()
     monkeypatch.setattr(norm_folding, "DEFER_MLP_NORM", False)
     monkeypatch.setattr(norm_folding, "DEFER_ATTENTION_NORM", False)

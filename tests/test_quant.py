@@ -301,10 +301,12 @@ def test_quantization_names_parse_and_errors_list_the_valid_ones():
     assert QuantSpec.parse("awq-int4-channel-sym") == QuantSpec("awq", 4, -1, sym=True)
     assert QuantSpec.parse("rtn-int8") == QuantSpec("rtn", 8, -1, sym=True)
     for name in ("rtn-int4-g64", "gptq-int4-g32-sym-noact", "fp8", "awq-int4", "rtn-int4-head", "fp8-head",
-                 "gptq-int4-g64-head"):
+                 "gptq-int4-g64-head", "awq-int4-head8"):
         assert QuantSpec.parse(name).name == name
     assert QuantSpec.parse("rtn-int4-head") == QuantSpec("rtn", 4, 128, sym=False, lm_head=True)
-    for bad in ("gptq", "int4", "rtn-int8-g64", "gptq-int4-g12", "awq-int4-noact"):
+    assert QuantSpec.parse("rtn-int4-head8") == QuantSpec("rtn", 4, 128, sym=False, lm_head=True, head_int8=True)
+    for bad in ("gptq", "int4", "rtn-int8-g64", "gptq-int4-g12", "awq-int4-noact", "rtn-int8-head8", "fp8-head8",
+                "rtn-int4-head-head8"):
         with pytest.raises(ValueError, match="gptq-int4, awq-int4, fp8"):
             QuantSpec.parse(bad)
     with pytest.raises(ValueError, match="'gptq-int3'"):
@@ -312,17 +314,17 @@ def test_quantization_names_parse_and_errors_list_the_valid_ones():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(quantization="fp8", tensor_parallel_size=2, batching="continuous")
     assert EngineConfig(quantization="gptq-int4-g128").quantization == "gptq-int4"
-    for tp_refused in ("rtn-int4-head", "fp8-head"):
+    for tp_refused in ("rtn-int4-head", "fp8-head", "rtn-int4-head8"):
         with pytest.raises(ValueError, match="tensor_parallel_size=2"):
             EngineConfig(quantization=tp_refused, tensor_parallel_size=2, batching="continuous")
 
 
 @pytest.mark.parametrize("method,tied", [("rtn-int4-head", True), ("gptq-int4-g32-head", False),
-                                         ("rtn-int8-head", False), ("fp8-head", True)])
+                                         ("rtn-int8-head", False), ("fp8-head", True), ("awq-int4-head8", True)])
 def test_head_quantizes_the_lm_head_by_rtn_and_leaves_the_embedding(method, tied):
-    """-head: the LM head too, by round-to-nearest on the method's grid whatever the method (FP8: FP8), into a layer
-    of its own: a tied head no longer shares the embedding, which stays as it was. The logits move by what the head's
-    rounding costs, beyond the layers'."""
+    """-head: the LM head too, by round-to-nearest on the method's grid whatever the method (FP8: FP8; -head8: INT8
+    per channel), into a layer of its own: a tied head no longer shares the embedding, which stays as it was. The
+    logits move by what the head's rounding costs, beyond the layers'."""
     model = small_model(31, tie_word_embeddings=tied)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     head, embedding = model.lm_head.weight.clone(), model.model.embed_tokens.weight.clone()
@@ -339,12 +341,13 @@ def test_head_quantizes_the_lm_head_by_rtn_and_leaves_the_embedding(method, tied
     if method.startswith("fp8"):
         assert type(model.lm_head) is fp8.FP8Linear
     else:
-        want = rtn_linear(head, None, replace(spec, method="rtn", act_order=False)).dequantized_weight()
+        grid = QuantSpec("rtn", 8) if spec.head_int8 else replace(spec, method="rtn", act_order=False)
+        want = rtn_linear(head, None, grid).dequantized_weight()
         assert type(model.lm_head) is QuantLinear and torch.equal(model.lm_head.dequantized_weight(), want)
     hidden = torch.randn(3, model.config.hidden_size, generator=gen(34))
     head_error = (model.compute_logits(hidden) - hidden @ head.t()).abs().mean() / (hidden @ head.t()).abs().mean()
     # Measured on this random model, mean |error| over mean |logit|: INT4 0.08-0.09, INT8 0.006, FP8 0.037.
-    assert 0 < head_error < {"rtn-int8-head": 0.02, "fp8-head": 0.08}.get(method, 0.2)
+    assert 0 < head_error < {"rtn-int8-head": 0.02, "awq-int4-head8": 0.02, "fp8-head": 0.08}.get(method, 0.2)
     # The layers are quantized alike (GPTQ's calibration sees the same layers): only the head differs.
     assert not torch.equal(logits(model, ids), logits(without, ids))
 

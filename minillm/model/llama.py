@@ -23,11 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minillm.kernels.checks import switched_on
 from minillm.model.config import ModelConfig
 from minillm.model import norm_folding
 from minillm.model.dense import Linear, gemv_choice, takes_gated
 from minillm.model.norm_folding import (NormedRow, PendingNorm, PendingRows, PendingSlot, ResidualRow, folds_norms,
                                         residual_stream)
+
+
+# MINILLM_ROPE_TABLE=0: a GPU computes RoPE's cos and sin from the positions every step (``rope``), as a CPU does.
+ROPE_TABLE = switched_on("MINILLM_ROPE_TABLE")
 
 
 class AttentionContext(Protocol):
@@ -257,6 +262,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # The buffer's device, not lm_head's: a pipeline stage before the last has no LM head.
         self.inv_freq = rope_inverse_frequencies(self.config).to(self.inv_freq.device)
+        self._rope_tables = None  # (rope_table builds them again from these frequencies)
 
     def enable_fused_kernels(self, enabled: bool = True) -> None:
         """Run RMSNorm (+ residual add), RoPE and SiLU-and-multiply as Triton kernels
@@ -277,16 +283,22 @@ class LlamaForCausalLM(nn.Module):
         self.fold_norms(enabled and norm_folding.ENABLED)
 
     pending_rows: PendingRows | None = None  # fold_norms's, where gate_up_proj and qkv_proj leave their 1 / rms
+    fold_input_norm = False  # fold_norms's: layer 0's qkv_proj normalises the embedding itself
 
     def fold_norms(self, enabled: bool = True) -> None:
         """At one row, fold each RMSNorm that sits between two projections that fold norms (INT4 on an H100/H200:
-        ``norm_folding.py``) into their GEMVs: the post-attention norm between o_proj and gate_up_proj, and the input
+        ``norm_folding.py``) into their GEMVs: the post-attention norm between o_proj and gate_up_proj, the input
         norm between a layer's down_proj and the next layer's qkv_proj (not the last layer's: the final norm and the
-        LM head follow it). ``enable_fused_kernels`` calls this: without the fused kernels a fold would only fall
-        back to torch (``QuantLinear._folded``). Where down_proj folds norms too (and ``DEFER_MLP_NORM``),
-        gate_up_proj leaves the post-attention norm's 1 / rms to it, in a slot of ``pending_rows``; and where the input
-        norm is folded (and ``DEFER_ATTENTION_NORM``), qkv_proj leaves its 1 / rms to the decode attention kernel."""
+        LM head follow it), and the first layer's input norm, whose row is the embedding (``FOLD_FIRST_NORM``).
+        ``enable_fused_kernels`` calls this: without the fused kernels a fold would only fall back to torch
+        (``QuantLinear._folded``). Where down_proj folds norms too (and ``DEFER_MLP_NORM``), gate_up_proj leaves the
+        post-attention norm's 1 / rms to it, in a slot of ``pending_rows``; and where the input norm is folded (and
+        ``DEFER_ATTENTION_NORM``), qkv_proj leaves its 1 / rms to the decode attention kernel."""
         layers = self.model.layers
+        # Layer 0's input norm as well: the embedding is then the fp32 stream's first row (forward), which qkv_proj
+        # normalises as it reads it, as every later layer's does.
+        self.fold_input_norm = (enabled and norm_folding.FOLD_FIRST_NORM and len(layers) > 0
+                                and folds_norms(layers[0].self_attn.qkv_proj))
         mlp_deferred, attention_deferred = [], []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -295,7 +307,8 @@ class LlamaForCausalLM(nn.Module):
                                    and folds_norms(layers[i + 1].self_attn.qkv_proj))
             if layer.fold_attention_norm and norm_folding.DEFER_MLP_NORM and folds_norms(mlp.down_proj):
                 mlp_deferred.append(i)
-            if i and layers[i - 1].fold_mlp_norm and norm_folding.DEFER_ATTENTION_NORM and attn.q_norm is None:
+            input_folded = layers[i - 1].fold_mlp_norm if i else self.fold_input_norm
+            if input_folded and norm_folding.DEFER_ATTENTION_NORM and attn.q_norm is None:
                 attention_deferred.append(i)
             layer.mlp_slot = attn.pending_slot = None
         self.pending_rows = None
@@ -344,19 +357,56 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [B, T] -> final hidden states [B, T, hidden]."""
-        if self.pending_rows is not None and positions.numel() == 1:
-            self.pending_rows.clear()  # every slot zeroed for gate_up_proj's and qkv_proj's GEMVs to add to
-        x, residual = self.model.embed_tokens(input_ids), None
-        cos, sin = self.rope(positions, x.dtype)  # once per step, shared by every layer
+        one_row, embed, residual = positions.numel() == 1, self.model.embed_tokens, None
+        if one_row and self.fold_input_norm and type(embed) is nn.Embedding:
+            from minillm.kernels.step_start import step_start  # (fold_input_norm: the fused kernels are on)
+
+            cos, sin = self.rope(positions, embed.weight.dtype)  # first: the GEMV behind step_start may start early
+            zero = None if self.pending_rows is None else self.pending_rows.buffer
+            x = ResidualRow(step_start(input_ids, embed.weight, zero))  # the fp32 stream's row; slots zeroed
+        else:
+            if self.pending_rows is not None and one_row:
+                self.pending_rows.clear()  # every slot zeroed for gate_up_proj's and qkv_proj's GEMVs to add to
+            x = embed(input_ids)
+            cos, sin = self.rope(positions, x.dtype)  # once per step, shared by every layer
+            if self.fold_input_norm and one_row:  # (a pipeline stage after the first: x is the stream)
+                x = ResidualRow(x.float())  # the stream's first row; layer 0's input norm runs in its qkv_proj's GEMV
         for layer in self.model.layers:
             x, residual = layer(x, cos, sin, attn, residual)
         return self.model.norm(x, residual=residual)[0]  # the last layer's add, fused into the final norm
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, 1, head_dim] for positions [B, T]: computed in fp32, then rounded like HF."""
+        """cos, sin [B, T, 1, head_dim] for positions [B, T]: computed in fp32, then rounded like HF. On a GPU, rows
+        of a table computed once (``rope_table``): one gather a step instead of seven small kernels."""
+        if positions.is_cuda and ROPE_TABLE:
+            table = self.rope_table(dtype)
+            rows = table.index_select(0, positions.reshape(-1)).view(*positions.shape, 2, -1)
+            return rows[:, :, 0:1], rows[:, :, 1:2]  # views: equal strides, contiguous along head_dim
+        return self.rope_values(positions, dtype)
+
+    def rope_values(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope``'s cos and sin computed from the positions."""
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]  # broadcast over heads
+
+    _rope_tables: dict | None = None
+
+    def rope_table(self, dtype: torch.dtype) -> torch.Tensor:
+        """[max_position_embeddings, 2, head_dim]: every position's cos and sin (``rope_values``), built on first use
+        (a step before any CUDA graph capture: the graphs' warm-up runs eager). The same elementwise kernels on the
+        same device compute each entry as they would a step's, so a gathered row is bit for bit the computed one
+        (tests/test_rope_table.py checks every position). Not on the CPU, whose vectorised cos may round a lane
+        differently from its scalar tail."""
+        key = (dtype, self.inv_freq.device)
+        if self._rope_tables is None:
+            self._rope_tables = {}
+        if key not in self._rope_tables:
+            limit = self.config.max_position_embeddings  # (the engine refuses longer max_model_len)
+            positions = torch.arange(limit, device=self.inv_freq.device)[None]
+            cos, sin = self.rope_values(positions, dtype)
+            self._rope_tables[key] = torch.stack((cos[0, :, 0], sin[0, :, 0]), dim=1)
+        return self._rope_tables[key]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 (sampling and comparisons want full precision)."""

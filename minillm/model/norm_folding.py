@@ -11,6 +11,9 @@ the norms folded (``LlamaForCausalLM.fold_norms``), and the step one row, the re
 - gate_up_proj's GEMV normalises the row as it reads it. down_proj, the next layer's input norm and its qkv_proj
   do the same. The last layer's down_proj does not: the final norm and the LM head follow it, and take the stream
   back in the model's dtype (``RMSNorm.forward`` rounds a residual of another dtype to x's).
+- The first layer's input norm folds too (``FOLD_FIRST_NORM``): the step's first kernel (``kernels/step_start.py``)
+  writes the token's embedding as the stream's fp32 row and zeroes the pending rows below, and layer 0's qkv_proj
+  normalises that row as every later one does.
 
 One step further, gate_up_proj leaves its norm's 1 / rms to down_proj (``DEFER_MLP_NORM``): its GEMV adds its
 unnormalised output to a zeroed fp32 row and stores its splits' sums of squares beside it (a ``PendingSlot`` of the
@@ -41,6 +44,8 @@ ENABLED = switched_on("MINILLM_NORM_IN_GEMV")
 DEFER_MLP_NORM = switched_on("MINILLM_DEFER_MLP_NORM")
 # MINILLM_DEFER_ATTENTION_NORM=0: qkv_proj's GEMV still applies its norm's 1 / rms itself.
 DEFER_ATTENTION_NORM = switched_on("MINILLM_DEFER_ATTENTION_NORM")
+# MINILLM_FOLD_FIRST_NORM=0: the first layer's input norm stays a kernel (and the step's first kernels stay three).
+FOLD_FIRST_NORM = switched_on("MINILLM_FOLD_FIRST_NORM")
 
 
 def residual_stream(residual: torch.Tensor) -> torch.Tensor:

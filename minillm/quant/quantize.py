@@ -110,14 +110,15 @@ def quantize_model(model: nn.Module, spec: QuantSpec | str, calibration: torch.T
 
 
 def quantize_head(model: nn.Module, spec: QuantSpec) -> None:
-    """``-head``: the LM head by round-to-nearest on ``spec``'s grid (FP8: FP8), whatever the method, into a layer of
-    its own (a head tied to the embedding no longer is; the embedding stays dense). A pipeline stage without the
-    head has nothing to do; a vocabulary-parallel head (tensor parallelism) is refused."""
+    """``-head``: the LM head by round-to-nearest on ``spec``'s grid (FP8: FP8; ``-head8``: INT8), whatever the
+    method, into a layer of its own (a head tied to the embedding no longer is; the embedding stays dense). A
+    pipeline stage without the head has nothing to do; a vocabulary-parallel head (tensor parallelism) is refused."""
     head = model.lm_head
     if head is None:
         return
     if not isinstance(head, nn.Linear):
         raise ValueError(f"{spec.name} quantizes the LM head, but this model's head is a {type(head).__name__} "
                          "(tensor parallelism splits it by vocabulary); drop -head")
-    method = spec if spec.method == "fp8" else replace(spec, method="rtn", act_order=False)
+    method = spec if spec.method == "fp8" else QuantSpec("rtn", 8) if spec.head_int8 else \
+        replace(spec, method="rtn", act_order=False)
     model.lm_head = quantize_linear(head, method)

@@ -1,6 +1,6 @@
 """What a ``quantization=`` name means: one small frozen dataclass, parsed from the name.
 
-A name is ``<method>-<format>[-g<group size>|-channel][-sym][-noact][-head]``:
+A name is ``<method>-<format>[-g<group size>|-channel][-sym][-noact][-head|-head8]``:
 
 - ``rtn-int4``, ``rtn-int8``: round-to-nearest, no calibration;
 - ``gptq-int4``: GPTQ (Frantar et al. 2022) with act-order, from calibration activations;
@@ -17,7 +17,9 @@ GPTQ's act-order off. INT8 is symmetric per output channel only: the layout the 
 do): by round-to-nearest on the method's grid (FP8: FP8), since calibrating it would need the final norm's
 activations. At batch 1 the head is a large share of what a token reads: Llama-2-7B's, in bf16, is 262 MB of an
 INT4 model's ~3.9 GB, 60 us of its 1.57 ms a token on an H200. What it costs in perplexity is measured
-(``figures/cpu/perplexity_head.json``); a tensor-parallel engine (vocabulary-parallel head) refuses it.
+(``figures/cpu/perplexity_head.json``); a tensor-parallel engine (vocabulary-parallel head) refuses it. ``-head8``
+(INT4 methods) quantizes the head to INT8 instead (RTN, per output channel), as llama.cpp's Q4_K_M keeps its
+output matrix at 6 bits: half the head's bytes for a fraction of INT4's perplexity cost.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from dataclasses import dataclass, replace
 
 METHODS = ("rtn-int4", "rtn-int8", "gptq-int4", "awq-int4", "fp8")
 VALID = ("rtn-int4, rtn-int8, gptq-int4, awq-int4, fp8; INT4 ones may add -g<N> (N a multiple of 8) or "
-         "-channel, and -sym; gptq-int4 may add -noact; any may add -head (e.g. gptq-int4-g64, awq-int4-channel-sym, "
-         "rtn-int4-head)")
+         "-channel, and -sym; gptq-int4 may add -noact; any may add -head, INT4 ones -head8 instead (e.g. "
+         "gptq-int4-g64, awq-int4-channel-sym, rtn-int4-head, rtn-int4-head8)")
 DEFAULT_GROUP_SIZE = 128
 
 
@@ -39,6 +41,7 @@ class QuantSpec:
     sym: bool = True  # symmetric grid (zero point in the middle) or asymmetric (min/max, zero point per group)
     act_order: bool = False  # GPTQ: quantize input channels in order of decreasing Hessian diagonal
     lm_head: bool = False  # the LM head too (by round-to-nearest, or FP8), not only the decoder layers' linears
+    head_int8: bool = False  # (with lm_head, INT4 methods) the head in INT8 rather than on the layers' grid
 
     @property
     def name(self) -> str:
@@ -51,7 +54,7 @@ class QuantSpec:
                 self.group_size != DEFAULT_GROUP_SIZE else ""
             name += "-sym" if self.sym else ""
             name += "-noact" if self.method == "gptq" and not self.act_order else ""
-        return name + ("-head" if self.lm_head else "")
+        return name + ("-head8" if self.head_int8 else "-head" if self.lm_head else "")
 
     @classmethod
     def parse(cls, name: "str | QuantSpec") -> "QuantSpec":
@@ -83,6 +86,8 @@ def _split(name: str) -> list[str]:
 def _apply(spec: QuantSpec, option: str, name: str) -> QuantSpec:
     if option == "head" and not spec.lm_head:
         return replace(spec, lm_head=True)
+    if option == "head8" and spec.bits == 4 and not spec.lm_head:
+        return replace(spec, lm_head=True, head_int8=True)
     if spec.bits == 4 and option == "channel":
         return replace(spec, group_size=-1)
     if spec.bits == 4 and option.startswith("g") and option[1:].isdigit() and int(option[1:]) % 8 == 0 \

@@ -6,8 +6,9 @@ Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms fo
 attention's splits merged by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
 GEMV program in every projection (2 won on cold standalone calls), or other counts for some of a layer's four
 projections (``choose_tiles`` gives o_proj 1 and the others 4; o_proj at 4 as before session 22, down_proj at 2 ...),
-with the attention's splits pinned to 1, 2 or 4 (9 by default at batch 1); bf16, bf16 at 1 split, and bf16 merged in
-the last split.
+with the attention's splits pinned to 1, 2 or 4 (9 by default at batch 1); with the head in INT8 (rtn-int4-head8);
+without the RoPE table (MINILLM_ROPE_TABLE=0), the first layer's input norm folded (MINILLM_FOLD_FIRST_NORM=0) or
+either (int4_session26); bf16, bf16 at 1 split, bf16 merged in the last split, and bf16 without the RoPE table.
 
 - **GPU time a token:** the engines' batch-1 decode graphs replayed back to back (no host work between replays:
   what the GPU alone takes a token), in interleaved rounds ABC CBA ..., so that a drift weighs on all alike.
@@ -30,11 +31,13 @@ from launch_sweep import save_result  # noqa: E402
 
 from minillm import LLM, SamplingParams  # noqa: E402
 from minillm.kernels import paged_attention, w4_gemv_hopper  # noqa: E402
-from minillm.model import norm_folding  # noqa: E402
+from minillm.model import llama, norm_folding  # noqa: E402
 
 ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 # name: (quantization, {module: {setting: value while the engine is built and its graphs captured}})
-DEFAULTS = {norm_folding: {"ENABLED": True, "DEFER_MLP_NORM": True, "DEFER_ATTENTION_NORM": True},
+DEFAULTS = {norm_folding: {"ENABLED": True, "DEFER_MLP_NORM": True, "DEFER_ATTENTION_NORM": True,
+                           "FOLD_FIRST_NORM": True},
+            llama: {"ROPE_TABLE": True},
             paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits},
             w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
 
@@ -71,7 +74,12 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_head": ("rtn-int4-head", {}), "int
        **{f"int4_{name}_{t}": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(**{name: t})})
           for name in ("gate_up", "down") for t in (2, 8)},
        **{f"int4_splits{s}": ("rtn-int4", {paged_attention: splits(s)}) for s in (1, 2, 4)},
+       "int4_head8": ("rtn-int4-head8", {}),
+       "int4_no_rope_table": ("rtn-int4", {llama: {"ROPE_TABLE": False}}),
+       "int4_first_norm_kernel": ("rtn-int4", {norm_folding: {"FOLD_FIRST_NORM": False}}),
+       "int4_session26": ("rtn-int4", {llama: {"ROPE_TABLE": False}, norm_folding: {"FOLD_FIRST_NORM": False}}),
        "bf16": (None, {}), "bf16_splits1": (None, {paged_attention: splits(1)}),
+       "bf16_no_rope_table": (None, {llama: {"ROPE_TABLE": False}}),
        "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
 ENGINES = {name: ALL[name] for name in os.environ.get("VARIANTS", ",".join(ALL)).split(",")}
 
