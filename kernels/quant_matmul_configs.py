@@ -41,7 +41,12 @@ _W4_GEMV = _configs([(64, 16, 1, 4, 3), (128, 16, 1, 4, 3), (64, 16, 2, 4, 3), (
     triton.Config(dict(BLOCK_N=128, BLOCK_KP=16, SPLIT_K=32, HFMA2=True, RUN=1, TILES=True), num_warps=1, num_stages=1),
 ]
 _W8_GEMV = _configs([(128, 32, 1, 4, 3), (256, 16, 1, 4, 3), (128, 32, 4, 4, 3), (256, 32, 2, 8, 3),
-                     (256, 16, 4, 4, 3), (128, 32, 8, 4, 3), (256, 64, 4, 8, 3)], ("BLOCK_N", "BLOCK_K", "SPLIT_K"))
+                     (256, 16, 4, 4, 3), (128, 32, 8, 4, 3), (256, 64, 4, 8, 3),
+                     # Narrow tiles, long along K: the H200 sweep's winners at M = 1 (figures/h200/sweeps/
+                     # w8_gemv_configs.json), 1.1-1.25x the rows above on Llama-2-7B's head (42.7 against 48.0 us,
+                     # what -head8 reads) and its four projections.
+                     (64, 128, 1, 4, 3), (32, 256, 1, 4, 3), (32, 128, 1, 4, 3), (64, 128, 2, 4, 3)],
+                    ("BLOCK_N", "BLOCK_K", "SPLIT_K"))
 # The dot's rows come from an H200 sweep of 54 configs over Llama-2-7B's four projections (M = 2 .. 128).
 _W4_DOT = _configs([(16, 64, 128, 2, 4, 3), (16, 64, 128, 4, 4, 3), (16, 64, 128, 8, 4, 3), (16, 128, 128, 8, 4, 3),
                     (32, 64, 128, 4, 4, 3), (32, 128, 64, 2, 4, 3), (32, 128, 64, 4, 4, 3),

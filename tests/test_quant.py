@@ -357,7 +357,8 @@ def test_engine_with_head_holds_fewer_weight_bytes():
     from minillm import LLM, SamplingParams
     tokens, sizes = {}, {}
     for method, batching in (("rtn-int4", "continuous"), ("rtn-int4-head", "continuous"), ("rtn-int4-head", "static")):
-        with LLM("tiny", load_format="dummy", quantization=method, batching=batching) as llm:
+        budget = {"memory_budget": "2GB"} if torch.cuda.is_available() else {}  # (engines one after another)
+        with LLM("tiny", load_format="dummy", quantization=method, batching=batching, **budget) as llm:
             assert llm.engine.quantization == method
             assert (type(llm.engine.model.lm_head) is QuantLinear) == method.endswith("head")
             sizes[method] = llm.engine.weight_bytes

@@ -423,6 +423,16 @@ def test_w8a16_pinned_configs(path, config):
     assert_matches(y, w8a16_matmul_ref(x, q, scales), torch.float32)
 
 
+@pytest.mark.parametrize("config", quant_matmul_configs._W8_GEMV, ids=str)
+def test_every_autotuned_w8a16_gemv_config_matches_reference(config):
+    """Each row of the autotuner's W8A16 GEMV list, pinned, on a ragged shape (K and N not multiples of its tiles)."""
+    x, q, scales = int8_problem(1, 300, 72, torch.float16 if DEVICE == "cuda" else torch.float32, seed=4)
+    pinned = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    y = w8a16_matmul(x, q, scales, path="gemv", config=pinned, out=poisoned((1, 72), x.dtype))
+    assert_matches(y, w8a16_matmul_ref(x, q, scales), x.dtype)
+    assert counters_are_clean()
+
+
 def test_leading_dims_and_strided_rows():
     """x [..., K] keeps its leading dims; rows may be strided (a slice of a wider tensor)."""
     x, qweight, scales, zeros, _, _ = int4_problem(6, 64, 16, 32, torch.float32, seed=5)
