@@ -135,43 +135,48 @@ def timeline(graph):
     return rows, [[name, round(dur, 2), round(inc, 2)] for (_, name), (dur, inc) in sorted(per_position.items())]
 
 
-engines = {name: build(*args) for name, args in ENGINES.items()}
-for module, defaults in DEFAULTS.items():
-    for key, value in defaults.items():
-        setattr(module, key, value)
-times = {name: [] for name in engines}
-for r in range(ROUNDS):
-    for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
-        times[name].append(replay_ms(engines[name][1], REPLAYS))
-mean = {name: sum(t) / len(t) for name, t in times.items()}
-for name in engines:
-    print(f"{name}: {mean[name]:.4f} ms a token ({min(times[name]):.4f}-{max(times[name]):.4f})", flush=True)
-runs = {name: {"ms_per_token_rounds": times[name], "ms_per_token": mean[name]} for name in engines}
-for name, (_, _, tokens) in engines.items():  # the first engine's greedy tokens? (expected where only the launch
-    # order changes; another split-K or split order rounds differently and may change them on dummy weights)
-    same_quant = next(other for other in engines if ENGINES[other][0] == ENGINES[name][0])
-    runs[name]["tokens_as_" + same_quant] = tokens == engines[same_quant][2]
-for name in engines:  # speed-ups: ms a token of the bf16 engine (or the shipped INT4 one) over this one's
-    if name.startswith("int4") and "bf16" in mean:
-        runs[f"{name}_over_bf16"] = mean["bf16"] / mean[name]
-    if name.startswith("int4_") and name != "int4_folded" and "int4_folded" in mean:
-        runs[f"{name}_over_int4_folded"] = mean["int4_folded"] / mean[name]
-if "bf16_last_split" in mean and "bf16" in mean:
-    runs["bf16_last_split_over_bf16"] = mean["bf16"] / mean["bf16_last_split"]
-print({k: round(v, 4) for k, v in runs.items() if k.count("_over_")}, flush=True)
-for name in engines:
-    try:
-        runs[name]["timeline"], runs[name]["step_in_order"] = timeline(engines[name][1])
-        for kernel, row in list(runs[name]["timeline"].items())[:6]:
-            print(name, f"{row['increment_us_per_step']:8.1f} us/step {row['per_step']:5.0f}x {row['mean_us']:6.2f} us",
-                  kernel, flush=True)
-    except Exception as error:  # the replay times stand without it
-        runs[name]["timeline_error"] = repr(error)[:300]
-        print(name, "timeline failed:", repr(error)[:300], flush=True)
-for llm, _, _ in engines.values():
-    llm.close()
-gc.collect()
-save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "decode_graph_timeline"),
-            "latency, llama2-7b, batch 1",
-            f"GPU ms a token: the batch-1 decode graph replayed {REPLAYS} times back to back, {ROUNDS} interleaved "
-            f"rounds (ABC CBA ...); timeline from {PROFILED} profiled replays", runs)
+def main():
+    engines = {name: build(*args) for name, args in ENGINES.items()}
+    for module, defaults in DEFAULTS.items():
+        for key, value in defaults.items():
+            setattr(module, key, value)
+    times = {name: [] for name in engines}
+    for r in range(ROUNDS):
+        for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+            times[name].append(replay_ms(engines[name][1], REPLAYS))
+    mean = {name: sum(t) / len(t) for name, t in times.items()}
+    for name in engines:
+        print(f"{name}: {mean[name]:.4f} ms a token ({min(times[name]):.4f}-{max(times[name]):.4f})", flush=True)
+    runs = {name: {"ms_per_token_rounds": times[name], "ms_per_token": mean[name]} for name in engines}
+    for name, (_, _, tokens) in engines.items():  # the first engine's greedy tokens? (expected where only the launch
+        # order changes; another split-K or split order rounds differently and may change them on dummy weights)
+        same_quant = next(other for other in engines if ENGINES[other][0] == ENGINES[name][0])
+        runs[name]["tokens_as_" + same_quant] = tokens == engines[same_quant][2]
+    for name in engines:  # speed-ups: ms a token of the bf16 engine (or the shipped INT4 one) over this one's
+        if name.startswith("int4") and "bf16" in mean:
+            runs[f"{name}_over_bf16"] = mean["bf16"] / mean[name]
+        if name.startswith("int4_") and name != "int4_folded" and "int4_folded" in mean:
+            runs[f"{name}_over_int4_folded"] = mean["int4_folded"] / mean[name]
+    if "bf16_last_split" in mean and "bf16" in mean:
+        runs["bf16_last_split_over_bf16"] = mean["bf16"] / mean["bf16_last_split"]
+    print({k: round(v, 4) for k, v in runs.items() if k.count("_over_")}, flush=True)
+    for name in engines:
+        try:
+            runs[name]["timeline"], runs[name]["step_in_order"] = timeline(engines[name][1])
+            for kernel, row in list(runs[name]["timeline"].items())[:6]:
+                print(name, f"{row['increment_us_per_step']:8.1f} us/step {row['per_step']:5.0f}x "
+                      f"{row['mean_us']:6.2f} us", kernel, flush=True)
+        except Exception as error:  # the replay times stand without it
+            runs[name]["timeline_error"] = repr(error)[:300]
+            print(name, "timeline failed:", repr(error)[:300], flush=True)
+    for llm, _, _ in engines.values():
+        llm.close()
+    gc.collect()
+    save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "decode_graph_timeline"),
+                "latency, llama2-7b, batch 1",
+                f"GPU ms a token: the batch-1 decode graph replayed {REPLAYS} times back to back, {ROUNDS} interleaved "
+                f"rounds (ABC CBA ...); timeline from {PROFILED} profiled replays", runs)
+
+
+if __name__ == "__main__":  # (head8_engines.py imports build and replay_ms)
+    main()
