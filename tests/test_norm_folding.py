@@ -75,10 +75,10 @@ def folds(model: LlamaForCausalLM) -> list[tuple[bool, bool]]:
 def test_which_norms_fold():
     """Between two projections that fold norms only, and never after the last layer (the final norm and the LM head
     follow it); a row-parallel layer (tensor parallelism) never folds: its residual comes after the all-reduce. The
-    first layer's input norm folds where its qkv_proj does."""
+    first layer's input norm folds where its qkv_proj and o_proj do."""
     model = LlamaForCausalLM(PRESETS["tiny"])
     model.fold_norms()
-    assert folds(model) == [(False, False), (False, False)] and not model.fold_input_norm  # dense
+    assert folds(model) == [(False, False), (False, False)] and not model.fold_first_norm  # dense
 
     class Folding(QuantLinear):
         def folds_norms(self) -> bool:
@@ -89,18 +89,14 @@ def test_which_norms_fold():
             for name, linear in list(module.named_children()):
                 module.set_submodule(name, Folding(linear.in_features, linear.out_features, 4, 64, bias=False))
     model.fold_norms()
-    assert folds(model) == [(True, True), (True, False)] and model.fold_input_norm
+    assert folds(model) == [(True, True), (True, False)] and model.fold_first_norm
     model.fold_norms(False)
-    assert folds(model) == [(False, False), (False, False)] and not model.fold_input_norm
+    assert folds(model) == [(False, False), (False, False)] and not model.fold_first_norm
     first = model.model.layers[0]
     first.self_attn.o_proj = RowParallelQuantLinear(first.self_attn.o_proj.in_features,
                                                     first.self_attn.o_proj.out_features, 4, 64, bias=False)
     model.fold_norms()
-    assert folds(model) == [(False, True), (True, False)] and model.fold_input_norm
-    first.self_attn.qkv_proj = RowParallelQuantLinear(first.self_attn.qkv_proj.in_features,
-                                                      first.self_attn.qkv_proj.out_features, 4, 64, bias=False)
-    model.fold_norms()
-    assert not model.fold_input_norm
+    assert folds(model) == [(False, True), (True, False)] and not model.fold_first_norm
 
 
 def emulated_fused_gemv(x, qweight, scales, zeros, group_size, gated=False, residual=None, norm=None, squares=None,

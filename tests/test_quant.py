@@ -305,6 +305,9 @@ def test_quantization_names_parse_and_errors_list_the_valid_ones():
         assert QuantSpec.parse(name).name == name
     assert QuantSpec.parse("rtn-int4-head") == QuantSpec("rtn", 4, 128, sym=False, lm_head=True)
     assert QuantSpec.parse("rtn-int4-head8") == QuantSpec("rtn", 4, 128, sym=False, lm_head=True, head_int8=True)
+    for wrong in (dict(method="rtn", bits=4, head_int8=True), dict(method="rtn", bits=8, lm_head=True, head_int8=True)):
+        with pytest.raises(ValueError, match="head_int8"):
+            QuantSpec(**wrong)
     for bad in ("gptq", "int4", "rtn-int8-g64", "gptq-int4-g12", "awq-int4-noact", "rtn-int8-head8", "fp8-head8",
                 "rtn-int4-head-head8"):
         with pytest.raises(ValueError, match="gptq-int4, awq-int4, fp8"):
@@ -333,7 +336,7 @@ def test_head_quantizes_the_lm_head_by_rtn_and_leaves_the_embedding(method, tied
     calibration = torch.randint(2, 512, (4, 64), generator=gen(33))
     spec = QuantSpec.parse(method)
     quantize_model(model, spec, calibration, progress=False)
-    quantize_model(without, replace(spec, lm_head=False), calibration, progress=False)
+    quantize_model(without, replace(spec, lm_head=False, head_int8=False), calibration, progress=False)
     assert model.quant_spec.name == method
     assert torch.equal(model.model.embed_tokens.weight, embedding)
     model.post_init()  # (called again after to_empty: it must not tie the quantized head back)
@@ -341,7 +344,7 @@ def test_head_quantizes_the_lm_head_by_rtn_and_leaves_the_embedding(method, tied
     if method.startswith("fp8"):
         assert type(model.lm_head) is fp8.FP8Linear
     else:
-        grid = QuantSpec("rtn", 8) if spec.head_int8 else replace(spec, method="rtn", act_order=False)
+        grid = QuantSpec("rtn", 8) if spec.head_int8 else QuantSpec("rtn", spec.bits, spec.group_size, spec.sym)
         want = rtn_linear(head, None, grid).dequantized_weight()
         assert type(model.lm_head) is QuantLinear and torch.equal(model.lm_head.dequantized_weight(), want)
     hidden = torch.randn(3, model.config.hidden_size, generator=gen(34))

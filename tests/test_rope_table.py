@@ -10,6 +10,7 @@ import torch
 
 from minillm.kernels.fused_layer_ops import check_rope_inputs
 from minillm.model.config import PRESETS
+from minillm.model import llama
 from minillm.model.llama import LlamaForCausalLM
 
 # Llama 3.1's frequency scaling (its config.json's rope_scaling).
@@ -43,16 +44,35 @@ def test_post_init_rebuilds_the_table():
     """``post_init`` (after ``to_empty``) recomputes the frequencies; the tables built from the old ones go."""
     model = small_model(False, "cpu")
     first = model.rope_table(torch.float32)
+    model.config = dataclasses.replace(model.config, rope_theta=10000.0)  # (500000 before)
     model.post_init()
-    assert model.rope_table(torch.float32) is not first
+    again = model.rope_table(torch.float32)
+    cos, sin = model.rope_values(torch.tensor([[700]]), torch.float32)
+    torch.testing.assert_close(again[700], torch.stack((cos[0, 0, 0], sin[0, 0, 0])))
+    assert not torch.allclose(again[700], first[700])
+
+
+def test_rows_gathered_where_they_fit():
+    """``rope_rows`` gathers a row of positions (the CPU's gather, to a rounding of the computed values), and gives
+    None for a row of more positions than the table holds (a perplexity window past max_position_embeddings), which
+    ``rope`` then computes rather than reading past the table."""
+    model = small_model(True, "cpu")
+    positions = torch.tensor([[5, 2047, 0], [9, 1000, 3]])
+    cos, sin = model.rope_rows(positions, torch.float32)
+    want_cos, want_sin = model.rope_values(positions, torch.float32)
+    assert cos.shape == want_cos.shape == (2, 3, 1, model.config.head_dim)
+    torch.testing.assert_close(cos, want_cos)
+    torch.testing.assert_close(sin, want_sin)
+    assert model.rope_rows(torch.arange(2049)[None], torch.float32) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the table is used on a GPU only")
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gathered_rows_equal_computed_ones(scaled, dtype):
+def test_gathered_rows_equal_computed_ones(scaled, dtype, monkeypatch):
     """Every position's gathered cos and sin equal the computed ones bit for bit, in batches of several shapes, and
     their [tokens, head_dim] views pass the fused kernels' check (equal strides, contiguous along head_dim)."""
+    monkeypatch.setattr(llama, "ROPE_TABLE", True)  # (whatever MINILLM_ROPE_TABLE says)
     model = small_model(scaled, "cuda")
     every = torch.arange(2048, device="cuda")
     for positions in (every[None], every.view(16, 128), every[1000:1001][None],

@@ -283,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
         self.fold_norms(enabled and norm_folding.ENABLED)
 
     pending_rows: PendingRows | None = None  # fold_norms's, where gate_up_proj and qkv_proj leave their 1 / rms
-    fold_input_norm = False  # fold_norms's: layer 0's qkv_proj normalises the embedding itself
+    fold_first_norm = False  # fold_norms's: layer 0's qkv_proj normalises the embedding itself (FOLD_FIRST_NORM)
 
     def fold_norms(self, enabled: bool = True) -> None:
         """At one row, fold each RMSNorm that sits between two projections that fold norms (INT4 on an H100/H200:
@@ -296,9 +296,11 @@ class LlamaForCausalLM(nn.Module):
         ``DEFER_ATTENTION_NORM``), qkv_proj leaves its 1 / rms to the decode attention kernel."""
         layers = self.model.layers
         # Layer 0's input norm as well: the embedding is then the fp32 stream's first row (forward), which qkv_proj
-        # normalises as it reads it, as every later layer's does.
-        self.fold_input_norm = (enabled and norm_folding.FOLD_FIRST_NORM and len(layers) > 0
-                                and folds_norms(layers[0].self_attn.qkv_proj))
+        # normalises as it reads it, as every later layer's does; only where the layer folds its next norm too (not
+        # with a row-parallel o_proj: tensor parallelism folds nothing).
+        first = layers[0].self_attn if len(layers) else None
+        self.fold_first_norm = (enabled and norm_folding.FOLD_FIRST_NORM and first is not None
+                                and folds_norms(first.qkv_proj) and folds_norms(first.o_proj))
         mlp_deferred, attention_deferred = [], []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -307,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
                                    and folds_norms(layers[i + 1].self_attn.qkv_proj))
             if layer.fold_attention_norm and norm_folding.DEFER_MLP_NORM and folds_norms(mlp.down_proj):
                 mlp_deferred.append(i)
-            input_folded = layers[i - 1].fold_mlp_norm if i else self.fold_input_norm
+            input_folded = layers[i - 1].fold_mlp_norm if i else self.fold_first_norm
             if input_folded and norm_folding.DEFER_ATTENTION_NORM and attn.q_norm is None:
                 attention_deferred.append(i)
             layer.mlp_slot = attn.pending_slot = None
@@ -358,18 +360,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [B, T] -> final hidden states [B, T, hidden]."""
         one_row, embed, residual = positions.numel() == 1, self.model.embed_tokens, None
-        if one_row and self.fold_input_norm and type(embed) is nn.Embedding:
-            from minillm.kernels.step_start import step_start  # (fold_input_norm: the fused kernels are on)
+        if one_row and self.fold_first_norm and type(embed) is nn.Embedding:
+            from minillm.kernels.step_start import step_start  # (fold_first_norm: the fused kernels are on)
 
             cos, sin = self.rope(positions, embed.weight.dtype)  # first: the GEMV behind step_start may start early
-            zero = None if self.pending_rows is None else self.pending_rows.buffer
-            x = ResidualRow(step_start(input_ids, embed.weight, zero))  # the fp32 stream's row; slots zeroed
+            to_zero = None if self.pending_rows is None else self.pending_rows.buffer
+            x = ResidualRow(step_start(input_ids, embed.weight, to_zero))  # the fp32 stream's row; slots zeroed
         else:
             if self.pending_rows is not None and one_row:
                 self.pending_rows.clear()  # every slot zeroed for gate_up_proj's and qkv_proj's GEMVs to add to
             x = embed(input_ids)
             cos, sin = self.rope(positions, x.dtype)  # once per step, shared by every layer
-            if self.fold_input_norm and one_row:  # (a pipeline stage after the first: x is the stream)
+            if self.fold_first_norm and one_row:  # (no embedding: a pipeline stage after the first, x the stream)
                 x = ResidualRow(x.float())  # the stream's first row; layer 0's input norm runs in its qkv_proj's GEMV
         for layer in self.model.layers:
             x, residual = layer(x, cos, sin, attn, residual)
@@ -378,11 +380,19 @@ class LlamaForCausalLM(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, 1, head_dim] for positions [B, T]: computed in fp32, then rounded like HF. On a GPU, rows
         of a table computed once (``rope_table``): one gather a step instead of seven small kernels."""
-        if positions.is_cuda and ROPE_TABLE:
-            table = self.rope_table(dtype)
-            rows = table.index_select(0, positions.reshape(-1)).view(*positions.shape, 2, -1)
-            return rows[:, :, 0:1], rows[:, :, 1:2]  # views: equal strides, contiguous along head_dim
-        return self.rope_values(positions, dtype)
+        gathered = self.rope_rows(positions, dtype) if positions.is_cuda and ROPE_TABLE else None
+        return gathered if gathered is not None else self.rope_values(positions, dtype)
+
+    def rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``rope``'s cos and sin gathered from ``rope_table``, as views (equal strides, contiguous along head_dim);
+        None for a row of more positions than the table holds (a perplexity or calibration window past
+        max_position_embeddings, which no engine limit bounds), which ``rope`` then computes. An engine's steps stay
+        below max_position_embeddings."""
+        table = self.rope_table(dtype)
+        if positions.shape[-1] > table.shape[0]:
+            return None
+        rows = table.index_select(0, positions.reshape(-1)).view(*positions.shape, 2, -1)
+        return rows[:, :, 0:1], rows[:, :, 1:2]
 
     def rope_values(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``rope``'s cos and sin computed from the positions."""
@@ -402,7 +412,7 @@ class LlamaForCausalLM(nn.Module):
         if self._rope_tables is None:
             self._rope_tables = {}
         if key not in self._rope_tables:
-            limit = self.config.max_position_embeddings  # (the engine refuses longer max_model_len)
+            limit = self.config.max_position_embeddings  # (the engine refuses a longer max_model_len)
             positions = torch.arange(limit, device=self.inv_freq.device)[None]
             cos, sin = self.rope_values(positions, dtype)
             self._rope_tables[key] = torch.stack((cos[0, :, 0], sin[0, :, 0]), dim=1)

@@ -44,7 +44,7 @@ ENABLED = switched_on("MINILLM_NORM_IN_GEMV")
 DEFER_MLP_NORM = switched_on("MINILLM_DEFER_MLP_NORM")
 # MINILLM_DEFER_ATTENTION_NORM=0: qkv_proj's GEMV still applies its norm's 1 / rms itself.
 DEFER_ATTENTION_NORM = switched_on("MINILLM_DEFER_ATTENTION_NORM")
-# MINILLM_FOLD_FIRST_NORM=0: the first layer's input norm stays a kernel (and the step's first kernels stay three).
+# MINILLM_FOLD_FIRST_NORM=0: the first layer's input norm stays a kernel, behind the memset and the embedding's gather.
 FOLD_FIRST_NORM = switched_on("MINILLM_FOLD_FIRST_NORM")
 
 

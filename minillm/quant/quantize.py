@@ -9,7 +9,6 @@ The model is changed in place; ``model.quant_spec`` records what was done (savin
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -119,6 +118,4 @@ def quantize_head(model: nn.Module, spec: QuantSpec) -> None:
     if not isinstance(head, nn.Linear):
         raise ValueError(f"{spec.name} quantizes the LM head, but this model's head is a {type(head).__name__} "
                          "(tensor parallelism splits it by vocabulary); drop -head")
-    method = spec if spec.method == "fp8" else QuantSpec("rtn", 8) if spec.head_int8 else \
-        replace(spec, method="rtn", act_order=False)
-    model.lm_head = quantize_linear(head, method)
+    model.lm_head = quantize_linear(head, spec.head_spec())

@@ -43,6 +43,18 @@ class QuantSpec:
     lm_head: bool = False  # the LM head too (by round-to-nearest, or FP8), not only the decoder layers' linears
     head_int8: bool = False  # (with lm_head, INT4 methods) the head in INT8 rather than on the layers' grid
 
+    def __post_init__(self):
+        if self.head_int8 and not (self.lm_head and self.bits == 4 and self.method != "fp8"):
+            raise ValueError(f"head_int8 (-head8) puts the LM head of an INT4 method in INT8: it needs lm_head=True "
+                             f"and an INT4 method, not {self.method} at {self.bits} bits with lm_head={self.lm_head}")
+
+    def head_spec(self) -> "QuantSpec":
+        """What ``-head`` / ``-head8`` quantize the LM head with: round-to-nearest on this spec's grid (FP8: FP8),
+        since calibrating the head would need the final norm's activations; ``-head8``: RTN INT8 per channel."""
+        if self.method == "fp8":
+            return self
+        return QuantSpec("rtn", 8) if self.head_int8 else replace(self, method="rtn", act_order=False)
+
     @property
     def name(self) -> str:
         """The canonical name; ``QuantSpec.parse(spec.name) == spec``."""

@@ -24,13 +24,16 @@ def test_row_and_zeros_match_the_torch_ops(dtype, hidden, zeros):
     longer than the row (more programs zero than gather), shorter, empty or absent."""
     table = random(50, hidden, dtype=dtype)
     token = torch.tensor([[37]], device=DEVICE)
-    zero = None if zeros is None else random(zeros, seed=1)  # poisoned: random, never zeros
-    row = step_start(token, table, zero)
+    buffer = random((zeros or 0) + 100, seed=1)  # poisoned: random, never zeros
+    beyond = buffer[zeros or 0:].clone()
+    to_zero = None if zeros is None else buffer[:zeros]
+    row = step_start(token, table, to_zero)
     want = step_start_ref(token, table, torch.empty(0, device=DEVICE))
     assert row.shape == want.shape == (1, 1, hidden) and row.dtype == torch.float32
     assert torch.equal(row, want) and torch.equal(row[0, 0], table[37].float())
-    if zero is not None:
-        assert not zero.any()
+    if to_zero is not None:
+        assert not to_zero.any()
+    assert torch.equal(buffer[zeros or 0:], beyond)  # nothing past the buffer it was given
 
 
 def test_rows_of_a_strided_table_and_the_last_id():
@@ -49,5 +52,5 @@ def test_bad_inputs_say_what_is_wrong():
         step_start(torch.tensor([1.0], device=DEVICE), table, None)
     with pytest.raises(ValueError, match="contiguous rows"):
         step_start(torch.tensor([1], device=DEVICE), table.t(), None)
-    with pytest.raises(ValueError, match="contiguous fp32 buffer"):
+    with pytest.raises(ValueError, match="to_zero must be a contiguous fp32 buffer"):
         step_start(torch.tensor([1], device=DEVICE), table, torch.ones(8, dtype=torch.float16, device=DEVICE))

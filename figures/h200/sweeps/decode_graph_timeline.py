@@ -7,8 +7,9 @@ attention's splits merged by their last program instead of a merge kernel (``pag
 GEMV program in every projection (2 won on cold standalone calls), or other counts for some of a layer's four
 projections (``choose_tiles`` gives o_proj 1 and the others 4; o_proj at 4 as before session 22, down_proj at 2 ...),
 with the attention's splits pinned to 1, 2 or 4 (9 by default at batch 1); with the head in INT8 (rtn-int4-head8);
-without the RoPE table (MINILLM_ROPE_TABLE=0), the first layer's input norm folded (MINILLM_FOLD_FIRST_NORM=0) or
-either (int4_session26); bf16, bf16 at 1 split, bf16 merged in the last split, and bf16 without the RoPE table.
+without the RoPE table (MINILLM_ROPE_TABLE=0), with the first layer's input norm a kernel (MINILLM_FOLD_FIRST_NORM=0),
+or with neither of these two (int4_session26: as session 26 shipped); bf16, bf16 at 1 split, bf16 merged in the last
+split, and bf16 without the RoPE table.
 
 - **GPU time a token:** the engines' batch-1 decode graphs replayed back to back (no host work between replays:
   what the GPU alone takes a token), in interleaved rounds ABC CBA ..., so that a drift weighs on all alike.

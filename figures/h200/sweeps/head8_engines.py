@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch_sweep import save_result  # noqa: E402
-from decode_graph_timeline import build, replay_ms  # noqa: E402  (its import runs no engine: VARIANTS below)
+from decode_graph_timeline import build, replay_ms  # noqa: E402  (its own run is under __main__)
 
 from minillm.kernels import quant_matmul  # noqa: E402
 

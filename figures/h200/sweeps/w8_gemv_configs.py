@@ -1,6 +1,6 @@
 """The W8A16 GEMV (``quant_matmul._w8_gemv_kernel``) at M = 1, config by config, on Llama-2-7B's LM head (K = 4096,
 N = 32000: what ``-head8`` reads a token) and its four projections, beside bf16 ``torch.matmul`` and minillm's bf16
-GEMV on the same shapes: which tiles the autotuner's list (``quant_matmul_configs._W8_GEMV``) lacks.
+GEMV on the same shapes: which tiles the autotuner's list (``quant_matmul_configs._W8_GEMV``, SHIPPED as it was) lacked.
 
 Each timing is the median of ``triton.testing.do_bench_cudagraph`` (the launches in a CUDA graph, as in a decode
 step); each config's output is checked against the reference first. Run from the repository root on an H200:
@@ -14,13 +14,16 @@ import triton
 sys.path.insert(0, os.path.dirname(__file__))
 from launch_sweep import save_result  # noqa: E402
 
-from minillm.kernels import quant_matmul_configs  # noqa: E402
 from minillm.kernels.gemv import gemv  # noqa: E402
 from minillm.kernels.quant_matmul import w8a16_matmul, w8a16_matmul_ref  # noqa: E402
 
 SHAPES = {"head": (4096, 32000), "qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016),
           "down": (11008, 4096)}
-SHIPPED = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in quant_matmul_configs._W8_GEMV]
+# The autotuner's list when this sweep was first run (26ccc35): what "shipped" means in its JSON. Four of the
+# candidates below joined it after (a38cb8e).
+SHIPPED = [dict(BLOCK_N=n, BLOCK_K=k, SPLIT_K=s, num_warps=w, num_stages=st)
+           for n, k, s, w, st in [(128, 32, 1, 4, 3), (256, 16, 1, 4, 3), (128, 32, 4, 4, 3), (256, 32, 2, 8, 3),
+                                  (256, 16, 4, 4, 3), (128, 32, 8, 4, 3), (256, 64, 4, 8, 3)]]
 CANDIDATES = [dict(BLOCK_N=n, BLOCK_K=k, SPLIT_K=s, num_warps=w, num_stages=st)
               for n, k, s, w, st in [(64, 64, 1, 4, 3), (64, 128, 1, 4, 3), (128, 64, 1, 4, 3), (128, 64, 2, 4, 3),
                                      (128, 128, 1, 8, 3), (128, 128, 2, 8, 3), (256, 64, 1, 8, 3), (256, 64, 2, 8, 4),
