@@ -262,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # The buffer's device, not lm_head's: a pipeline stage before the last has no LM head.
         self.inv_freq = rope_inverse_frequencies(self.config).to(self.inv_freq.device)
-        self._rope_tables = None  # (rope_table builds them again from these frequencies)
+        self._rope_tables = {}  # (dtype, device) -> rope_table's table, built again from these frequencies
 
     def enable_fused_kernels(self, enabled: bool = True) -> None:
         """Run RMSNorm (+ residual add), RoPE and SiLU-and-multiply as Triton kernels
@@ -400,8 +400,6 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]  # broadcast over heads
 
-    _rope_tables: dict | None = None
-
     def rope_table(self, dtype: torch.dtype) -> torch.Tensor:
         """[max_position_embeddings, 2, head_dim]: every position's cos and sin (``rope_values``), built on first use
         (a step before any CUDA graph capture: the graphs' warm-up runs eager). The same elementwise kernels on the
@@ -409,8 +407,6 @@ class LlamaForCausalLM(nn.Module):
         (tests/test_rope_table.py checks every position). Not on the CPU, whose vectorised cos may round a lane
         differently from its scalar tail."""
         key = (dtype, self.inv_freq.device)
-        if self._rope_tables is None:
-            self._rope_tables = {}
         if key not in self._rope_tables:
             limit = self.config.max_position_embeddings  # (the engine refuses a longer max_model_len)
             positions = torch.arange(limit, device=self.inv_freq.device)[None]
