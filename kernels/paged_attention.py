@@ -57,7 +57,6 @@ from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequan
 from minillm.kernels.int_float import int8_words_to_fp16
 from minillm.kernels.paged_attention_ref import split_partials_ref
 from minillm.kernels.paged_decode_hopper import int8_decode, use_hopper
-from minillm.kernels.pdl import let_next_start, supported as pdl_supported
 from minillm.kernels.rope_in_decode import check_new_kv, check_pending_rms, rope_and_store_new_kv, stored_inv_rms
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE,
@@ -116,10 +115,6 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # The wrapper's default merge. "kernel" until an H200 sweep (figures/h200/sweeps/decode_merge.py) shows the
 # in-kernel merge is never slower; the lead flips it from that JSON.
 DEFAULT_MERGE = "kernel"
-# Whether stage 1 lets the kernel behind it start early (programmatic dependent launch, ``pdl.py``): with the merge
-# done by the last split (or one split), that kernel is o_proj's GEMV, which then issues its weight copies while the
-# attention runs instead of after it, as it does behind the merge kernel (which lets it start first thing).
-SPLIT_LETS_NEXT = True
 
 
 # Arguments that change with the batch (table width, split count, workspace strides) are not
@@ -138,7 +133,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   MERGE: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
                   INT8_WORDS: tl.constexpr = False, SCALE_HEADS: tl.constexpr = 1, NEW_KV: tl.constexpr = False,
-                  PENDING: tl.constexpr = False, SQUARE_SLOTS: tl.constexpr = 1, LET_NEXT: tl.constexpr = False):
+                  PENDING: tl.constexpr = False, SQUARE_SLOTS: tl.constexpr = 1):
     """Stage 1: program (b, kv_head, split) attends the GROUP query heads of kv_head over its split.
     KV_QUANT: how K/V are stored (``kv_dequant.py``). INT8_WORDS: an int8 cache for a 16-bit q, read
     as int32 words of four codes, each word turned into four fp16s in the registers it was loaded into
@@ -156,9 +151,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     its tiles.
     PENDING (with NEW_KV): q, k and v are qkv_proj's fp32 row whose norm's 1 / rms its GEMV left to this kernel
     (``w4_gemv_norms.py``): each program forms it from the ``square_slots`` sums of squares at Squares (a row of
-    ``norm_width``, ``norm_eps``) and scales each value as it loads it (``rope_in_decode.py``).
-    LET_NEXT: a kernel launched early behind this one (PDL) may start now (``SPLIT_LETS_NEXT``)."""
-    let_next_start(LET_NEXT)
+    ``norm_width``, ``norm_eps``) and scales each value as it loads it (``rope_in_decode.py``)."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ContextLens + b)
     # Splits are whole tiles long (only a sequence's last tile is partial); from the length on the
@@ -432,7 +425,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=block_d, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MERGE=mode,
         KV_QUANT=quant, QUANT_GROUP=INT4_GROUP_SIZE, INT8_WORDS=reads_int8_words(q, k_cache, v_cache),
-        SCALE_HEADS=scale_heads(kv_heads, k_scale), LET_NEXT=SPLIT_LETS_NEXT and pdl_supported(q.device), **launch)
+        SCALE_HEADS=scale_heads(kv_heads, k_scale), **launch)
     if mode == MERGE_KERNEL:
         merge_by_kernel(partial, lse, out, num_splits, partial_strides, lse_strides, dim, block_d)
     return out

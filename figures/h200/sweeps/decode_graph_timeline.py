@@ -39,8 +39,7 @@ ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 DEFAULTS = {norm_folding: {"ENABLED": True, "DEFER_MLP_NORM": True, "DEFER_ATTENTION_NORM": True,
                            "FOLD_FIRST_NORM": True},
             llama: {"ROPE_TABLE": True},
-            paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits,
-                              "SPLIT_LETS_NEXT": True},
+            paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits},
             w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
 
 
@@ -65,8 +64,6 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_head": ("rtn-int4-head", {}), "int
        "int4_qkv_norm": ("rtn-int4", {norm_folding: {"DEFER_ATTENTION_NORM": False}}),
        "int4_no_deferred_norm": ("rtn-int4", {norm_folding: {"DEFER_MLP_NORM": False, "DEFER_ATTENTION_NORM": False}}),
        "int4_last_split": ("rtn-int4", {paged_attention: {"DEFAULT_MERGE": "last_split"}}),
-       "int4_last_split_late_o": ("rtn-int4", {paged_attention: {"DEFAULT_MERGE": "last_split",
-                                                                 "SPLIT_LETS_NEXT": False}}),
        **{f"int4_tiles{t}": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(qkv=t, o=t, gate_up=t, down=t)})
           for t in (1, 2, 4, 8)},  # (every projection at t tiles a program)
        "int4_tiles_4_down_2": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(o=4, down=2)}),
@@ -84,8 +81,7 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_head": ("rtn-int4-head", {}), "int
        "int4_session26": ("rtn-int4", {llama: {"ROPE_TABLE": False}, norm_folding: {"FOLD_FIRST_NORM": False}}),
        "bf16": (None, {}), "bf16_splits1": (None, {paged_attention: splits(1)}),
        "bf16_no_rope_table": (None, {llama: {"ROPE_TABLE": False}}),
-       "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}}),
-       "bf16_last_split_late_o": (None, {paged_attention: {"DEFAULT_MERGE": "last_split", "SPLIT_LETS_NEXT": False}})}
+       "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
 ENGINES = {name: ALL[name] for name in os.environ.get("VARIANTS", ",".join(ALL)).split(",")}
 
 
