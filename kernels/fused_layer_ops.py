@@ -58,7 +58,9 @@ def _rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_co
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)  # rounded to the dtype, as in torch
+        # An fp32 residual (the folded norms' stream) is rounded to x's dtype first, as residual.to(x.dtype) would be;
+        # the sum is rounded to the dtype, as in torch.
+        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(X.dtype.element_ty)
         tl.store(S + row * stride_s + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
@@ -68,7 +70,9 @@ def _rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_co
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """Fused ``rms_norm_ref``: x (and residual) [..., hidden]; one kernel, one read of each input."""
+    """Fused ``rms_norm_ref``: x (and residual) [..., hidden]; one kernel, one read of each input. The residual may be
+    fp32 where x is 16-bit (the folded norms' residual stream, ``model/norm_folding.py``): it is rounded to x's dtype
+    as it is loaded, the result ``rms_norm_ref(x, weight, eps, residual.to(x.dtype))``'s bit for bit."""
     _check_tensor("x", x)
     _check(weight.shape == (x.shape[-1],), f"weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},)")
     _check(weight.dtype == x.dtype, f"weight.dtype is {weight.dtype} but x.dtype is {x.dtype}; they must match")
@@ -76,8 +80,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     y = torch.empty_like(rows)
     s = r = rows
     if residual is not None:
-        _check(residual.shape == x.shape and residual.dtype == x.dtype,
-               f"residual is {residual.dtype} {tuple(residual.shape)}; expected {x.dtype} {tuple(x.shape)}")
+        _check(residual.shape == x.shape and residual.dtype in (x.dtype, torch.float32),
+               f"residual is {residual.dtype} {tuple(residual.shape)}; expected {x.dtype} (or float32) "
+               f"{tuple(x.shape)}")
         r = residual.reshape(-1, x.shape[-1])
         s = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, r, weight, y, s, rows.stride(0), r.stride(0), y.stride(0), s.stride(0),

@@ -115,6 +115,9 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # The wrapper's default merge. "kernel" until an H200 sweep (figures/h200/sweeps/decode_merge.py) shows the
 # in-kernel merge is never slower; the lead flips it from that JSON.
 DEFAULT_MERGE = "kernel"
+# The Triton kernel's launch on a GPU where the call names none of block_n, num_warps, num_stages: the defaults below
+# unless set here (a sweep's variants do: figures/h200/sweeps/decode_graph_timeline.py).
+GPU_LAUNCH: dict = {}
 
 
 # Arguments that change with the batch (table width, split count, workspace strides) are not
@@ -358,7 +361,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = heads // kv_heads
     on_gpu = q.device.type == "cuda"
     # Under the interpreter every tile costs Python time: small tiles keep the tests fast.
-    block_n = block_n or (64 if on_gpu else 16)
+    block_n = block_n or (GPU_LAUNCH.get("block_n", 64) if on_gpu else 16)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's minimum), got {block_n}")
     if num_splits is None:
@@ -398,7 +401,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # cache's tiles are converted in registers before the dot, and 2 warps with a 4-deep pipeline
     # read it at 50 % of copy bandwidth where the 4 warps / 3 stages kept for bf16 got 31 %.
     warps, stages = (2, 4) if quant == PER_TOKEN else (4, 3)
-    launch = dict(num_warps=num_warps or warps, num_stages=num_stages or stages) if on_gpu else {}
+    launch = dict(num_warps=num_warps or GPU_LAUNCH.get("num_warps", warps),
+                  num_stages=num_stages or GPU_LAUNCH.get("num_stages", stages)) if on_gpu else {}
     # Without scales the cache stands in for them: never read (KV_QUANT=NO_QUANT compiles no load).
     k_scales, v_scales = (k_cache, v_cache) if k_scale is None else (k_scale, v_scale)
     mode = NO_MERGE if num_splits == 1 else MERGES[merge]

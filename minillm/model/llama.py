@@ -64,6 +64,8 @@ class RMSNorm(nn.Module):
             assert residual is None, "a ResidualRow already holds the residual"
             return NormedRow(x, self), x.total
         if residual is not None and residual.dtype != x.dtype:  # the fp32 stream of folded norms (norm_folding.py)
+            if self.fused_ops is not None and self.reduce_input is None:
+                return self.fused_ops.rms_norm(x, self.weight, self.eps, residual)  # rounds it as it loads it
             residual = residual.to(x.dtype)
         if residual is not None and self.reduce_input is not None and self.reduce_input.fits(x):
             return self.reduce_input(x, self.weight, self.eps, residual)

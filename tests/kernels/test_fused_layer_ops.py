@@ -36,6 +36,20 @@ def test_rms_norm_with_residual_returns_norm_and_sum(dtype):
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+def test_rms_norm_rounds_an_fp32_residual_as_it_loads_it(dtype):
+    """The folded norms' fp32 stream as the residual: the same bits as with the residual rounded to x's dtype first."""
+    x, w = randn(1, 3, 96, dtype=dtype), randn(96, dtype=dtype, seed=1)
+    r = randn(1, 3, 96, seed=2) / 3  # fp32 values that rounding to x's dtype changes
+    assert not torch.equal(r, r.to(dtype).float())
+    y, s = rms_norm(x, w, 1e-6, residual=r)
+    y_rounded, s_rounded = rms_norm(x, w, 1e-6, residual=r.to(dtype))
+    assert s.dtype == dtype and torch.equal(s, s_rounded) and torch.equal(y, y_rounded)
+    y_ref, s_ref = rms_norm_ref(x, w, 1e-6, residual=r.to(dtype))
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+
+
 def test_rms_norm_reference_is_rms_norm():
     x, w = randn(3, 16), randn(16, seed=1)
     expected = w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5)
@@ -85,5 +99,7 @@ def test_bad_inputs_are_refused_with_the_bad_value():
         silu_and_mul(randn(2, 7))
     with pytest.raises(ValueError, match=r"expected \(3, 16\)"):
         rope(randn(3, 2, 16), randn(3, 8), randn(3, 8))
+    with pytest.raises(ValueError, match=r"residual is torch.float64"):
+        rms_norm(x.half(), randn(8).half(), 1e-5, residual=x.double())
     with pytest.raises(ValueError, match="int64"):
         rms_norm(torch.ones(2, 8, dtype=torch.int64, device=DEVICE), randn(8), 1e-5)

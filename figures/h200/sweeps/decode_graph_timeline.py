@@ -6,7 +6,8 @@ Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms fo
 attention's splits merged by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
 GEMV program in every projection (2 won on cold standalone calls), or other counts for some of a layer's four
 projections (``choose_tiles`` gives o_proj 1 and the others 4; o_proj at 4 as before session 22, down_proj at 2 ...),
-with the attention's splits pinned to 1, 2 or 4 (9 by default at batch 1); with the head in INT8 (rtn-int4-head8);
+with the attention's splits pinned to 1, 2 or 4 (9 by default at batch 1), or in other tiles (``ATTENTION_SHAPES``, bf16
+too); with the head in INT8 (rtn-int4-head8);
 without the RoPE table (MINILLM_ROPE_TABLE=0), with the first layer's input norm a kernel (MINILLM_FOLD_FIRST_NORM=0),
 or with neither of these two (int4_session26: as session 26 shipped); bf16, bf16 at 1 split, bf16 merged in the last
 split, and bf16 without the RoPE table.
@@ -39,7 +40,8 @@ ROUNDS, REPLAYS, PROFILED = 6, 100, 5
 DEFAULTS = {norm_folding: {"ENABLED": True, "DEFER_MLP_NORM": True, "DEFER_ATTENTION_NORM": True,
                            "FOLD_FIRST_NORM": True},
             llama: {"ROPE_TABLE": True},
-            paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits},
+            paged_attention: {"DEFAULT_MERGE": "kernel", "choose_num_splits": paged_attention.choose_num_splits,
+                              "GPU_LAUNCH": {}},
             w4_gemv_hopper: {"TILES": w4_gemv_hopper.TILES, "choose_tiles": w4_gemv_hopper.choose_tiles}}
 
 
@@ -53,10 +55,19 @@ def tiles_by_projection(**tiles):
     return {"choose_tiles": lambda k, n, sms: tiles.get(LLAMA2_7B_PROJECTIONS.get((k, n)), shipped(k, n, sms))}
 
 
-def splits(count):
+def splits(count, block_n=None, warps=None, stages=None):
     """The decode attention's splits a sequence pinned to ``count`` (``choose_num_splits`` gives 9 at batch 1: two
-    waves of its 32 KV heads' programs, for the graph's 4096-token table)."""
-    return {"choose_num_splits": lambda *args, **kwargs: count}
+    waves of its 32 KV heads' programs, for the graph's 4096-token table), and its kernel's tiles of ``block_n``
+    tokens, warps and stages where given (64, 4, 3 by default)."""
+    launch = {key: value for key, value in (("block_n", block_n), ("num_warps", warps), ("num_stages", stages))
+              if value is not None}
+    return {"choose_num_splits": lambda *args, **kwargs: count, "GPU_LAUNCH": launch}
+
+
+# The decode attention at the latency workload's context (255 tokens in the graph): one program a KV head with its
+# whole context in one or two tiles (no merge), two programs of a 128-token tile, or 9 splits of 32-token tiles.
+ATTENTION_SHAPES = {"one_split_256": (1, 256, 8, 1), "one_split_128": (1, 128, 8, 2), "two_splits_128": (2, 128, 4, 1),
+                    "splits9_32": (9, 32, 4, 1)}
 
 
 ALL = {"int4_folded": ("rtn-int4", {}), "int4_head": ("rtn-int4-head", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
@@ -75,13 +86,15 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_head": ("rtn-int4-head", {}), "int
        **{f"int4_{name}_{t}": ("rtn-int4", {w4_gemv_hopper: tiles_by_projection(**{name: t})})
           for name in ("gate_up", "down") for t in (2, 8)},
        **{f"int4_splits{s}": ("rtn-int4", {paged_attention: splits(s)}) for s in (1, 2, 4)},
+       **{f"int4_{name}": ("rtn-int4", {paged_attention: splits(*shape)}) for name, shape in ATTENTION_SHAPES.items()},
        "int4_head8": ("rtn-int4-head8", {}),
        "int4_no_rope_table": ("rtn-int4", {llama: {"ROPE_TABLE": False}}),
        "int4_first_norm_kernel": ("rtn-int4", {norm_folding: {"FOLD_FIRST_NORM": False}}),
        "int4_session26": ("rtn-int4", {llama: {"ROPE_TABLE": False}, norm_folding: {"FOLD_FIRST_NORM": False}}),
        "bf16": (None, {}), "bf16_splits1": (None, {paged_attention: splits(1)}),
        "bf16_no_rope_table": (None, {llama: {"ROPE_TABLE": False}}),
-       "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}})}
+       "bf16_last_split": (None, {paged_attention: {"DEFAULT_MERGE": "last_split"}}),
+       **{f"bf16_{name}": (None, {paged_attention: splits(*shape)}) for name, shape in ATTENTION_SHAPES.items()}}
 ENGINES = {name: ALL[name] for name in os.environ.get("VARIANTS", ",".join(ALL)).split(",")}
 
 
