@@ -67,7 +67,8 @@ def splits(count, block_n=None, warps=None, stages=None):
 # The decode attention at the latency workload's context (255 tokens in the graph): one program a KV head with its
 # whole context in one or two tiles (no merge), two programs of a 128-token tile, or 9 splits of 32-token tiles.
 ATTENTION_SHAPES = {"one_split_256": (1, 256, 8, 1), "one_split_128": (1, 128, 8, 2), "two_splits_128": (2, 128, 4, 1),
-                    "splits9_32": (9, 32, 4, 1)}
+                    "splits9_32": (9, 32, 4, 1), "splits9_32_s3": (9, 32, 4, 3), "splits9_32_w2": (9, 32, 2, 1),
+                    "splits9_16": (9, 16, 4, 1), "splits16_16": (16, 16, 2, 1), "splits9_64_s1": (9, 64, 4, 1)}
 
 
 ALL = {"int4_folded": ("rtn-int4", {}), "int4_head": ("rtn-int4-head", {}), "int4_norm_kernels": ("rtn-int4", {norm_folding: {"ENABLED": False}}),
