@@ -29,8 +29,9 @@ for context in CONTEXTS:
     want = paged_decode_attention(q, k_pool, v_pool, table, lens, num_splits=SPLITS).float()
     row = {}
     for block_n, warps, stages in LAUNCHES:
-        call = lambda: paged_decode_attention(q, k_pool, v_pool, table, lens, num_splits=SPLITS, out=out,  # noqa
-                                              block_n=block_n, num_warps=warps, num_stages=stages)
+        def call():
+            paged_decode_attention(q, k_pool, v_pool, table, lens, num_splits=SPLITS, out=out, block_n=block_n,
+                                   num_warps=warps, num_stages=stages)
         us = 1e3 * time_ms(call, q.device)
         out.fill_(float("nan"))
         call()
