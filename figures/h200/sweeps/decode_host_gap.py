@@ -6,6 +6,10 @@ time inside graph replays (kernels whose correlation id is a ``cudaGraphLaunch``
 The profiler's own work inflates the host's share: a one-pass INT4 token took 2.59 ms here, 1.92 ms unprofiled
 (latency_o_proj_one_tile.json); the GPU's ops and their names are what this is for.
 
+CUDA_ONLY=1 traces the GPU alone (no CPU ops: less of the profiler's own host work), QUANTS (e.g. rtn-int4,bf16)
+and PASSES (e.g. 1,8) pick the engines, NAME names the JSON. The engines schedule asynchronously where they would by
+default.
+
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/decode_host_gap.py``."""
 import collections
 import gc
@@ -69,24 +73,34 @@ def analyse(trace: dict) -> dict:
             "cpu_ops_per_token (inclusive)": by_name((e for e in window if e.get("cat") == "cpu_op"), most=15)}
 
 
+CUDA_ONLY = os.environ.get("CUDA_ONLY") == "1"
+ACTIVITIES = [ProfilerActivity.CUDA] if CUDA_ONLY else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+QUANTS = [None if q == "bf16" else q for q in os.environ.get("QUANTS", "rtn-int4,bf16").split(",")]
+PASSES = [int(p) for p in os.environ.get("PASSES", "1,8").split(",")]
 runs = {}
-for quant in ("rtn-int4", None):
-    for steps in (1, 8):
+for quant in QUANTS:
+    for steps in PASSES:
         name = f"{quant or 'bf16'}_{steps}_pass{'es' if steps > 1 else ''}"
         llm = LLM("llama2-7b", load_format="dummy", quantization=quant, batching="continuous", max_num_seqs=1,
                   num_kv_blocks=300, seed=0, num_scheduler_steps=steps)
         params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
         llm.generate([list(range(100, 228))], params, use_tqdm=False)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=ACTIVITIES) as prof:
             llm.generate([list(range(300, 428))], params, use_tqdm=False)
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             prof.export_chrome_trace(f.name)
-            runs[name] = analyse(json.load(open(f.name)))
+            try:
+                runs[name] = analyse(json.load(open(f.name)))
+            except (IndexError, ValueError) as e:  # e.g. a trace without the graph launches' correlation ids
+                runs[name] = {"error": repr(e)}
+                print(name, "not analysed:", repr(e), flush=True)
+                continue
         print(name, {k: v for k, v in runs[name].items() if "per_token" in k and not isinstance(v, dict)}, flush=True)
         print("  outside:", list(runs[name]["outside_graph_per_token"].items())[:6], flush=True)
         print("  runtime:", list(runs[name]["runtime_calls_per_token"].items())[:6], flush=True)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-save_result(os.environ.get("OUT", "/tmp/out"), "decode_host_gap", "latency, llama2-7b, batch 1",
-            "per decoded token (after the first 16) of one 128 + 96 request under torch.profiler", runs)
+save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "decode_host_gap"), "latency, llama2-7b, batch 1",
+            "per decoded token (after the first 16) of one 128 + 96 request under torch.profiler"
+            + (" (CUDA activity only)" if CUDA_ONLY else ""), runs)
