@@ -93,12 +93,14 @@ for quant in QUANTS:
                 runs[name] = analyse(json.load(open(f.name)))
             except (IndexError, ValueError) as e:  # e.g. a trace without the graph launches' correlation ids
                 runs[name] = {"error": repr(e)}
-                print(name, "not analysed:", repr(e), flush=True)
-                continue
-        print(name, {k: v for k, v in runs[name].items() if "per_token" in k and not isinstance(v, dict)}, flush=True)
-        print("  outside:", list(runs[name]["outside_graph_per_token"].items())[:6], flush=True)
-        print("  runtime:", list(runs[name]["runtime_calls_per_token"].items())[:6], flush=True)
-        del llm
+        if "error" in runs[name]:
+            print(name, "not analysed:", runs[name]["error"], flush=True)
+        else:
+            print(name, {k: v for k, v in runs[name].items() if "per_token" in k and not isinstance(v, dict)},
+                  flush=True)
+            print("  outside:", list(runs[name]["outside_graph_per_token"].items())[:6], flush=True)
+            print("  runtime:", list(runs[name]["runtime_calls_per_token"].items())[:6], flush=True)
+        del llm  # (an engine not analysed is freed too, before the next is built)
         gc.collect()
         torch.cuda.empty_cache()
 save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "decode_host_gap"), "latency, llama2-7b, batch 1",

@@ -1,6 +1,7 @@
 """Whether the batch-1 decode graph runs slower when replayed for as long as ``bench_latency`` decodes: the RTN INT4
 llama2-7b graph (decode_graph_timeline.py's engine) replayed 100 times, then 1000 back to back (1.5 s, about a
-latency run's five requests), then 100 again, with the SM clock nvidia-smi reports around each; the same for bf16.
+latency run's five requests), then 100 again, with the SM clock, power and temperature nvidia-smi
+reports around each; the same for bf16.
 
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/decode_sustained.py``."""
 import gc
@@ -15,7 +16,8 @@ from launch_sweep import save_result  # noqa: E402
 from decode_graph_timeline import build, replay_ms  # noqa: E402
 
 
-def sm_clock():
+def gpu_state():
+    """The SM clock, power draw and temperature nvidia-smi reports now."""
     query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader"]
     return subprocess.run(query, capture_output=True, text=True).stdout.strip()
 
@@ -23,10 +25,10 @@ def sm_clock():
 runs = {}
 for name, quant in (("rtn-int4", "rtn-int4"), ("bf16", None)):
     llm, graph, _ = build(quant, {})
-    row = {"clock_before": sm_clock()}
+    row = {"state_before": gpu_state()}
     for label, replays in (("first_100", 100), ("sustained_1000", 1000), ("last_100", 100)):
         row[f"{label}_ms"] = replay_ms(graph, replays)
-        row[f"clock_after_{label}"] = sm_clock()
+        row[f"state_after_{label}"] = gpu_state()
     runs[name] = row
     print(name, row, flush=True)
     del llm, graph
