@@ -63,16 +63,14 @@ class RMSNorm(nn.Module):
         if isinstance(x, ResidualRow):
             assert residual is None, "a ResidualRow already holds the residual"
             return NormedRow(x, self), x.total
-        if residual is not None and residual.dtype != x.dtype:  # the fp32 stream of folded norms (norm_folding.py)
-            if self.fused_ops is not None and self.reduce_input is None:
-                return self.fused_ops.rms_norm(x, self.weight, self.eps, residual)  # rounds it as it loads it
-            residual = residual.to(x.dtype)
+        # The residual may be the fp32 stream of folded norms (norm_folding.py): the fused kernel rounds it to x's
+        # dtype as it loads it; the other paths round it first (a no-op when the dtypes already agree).
         if residual is not None and self.reduce_input is not None and self.reduce_input.fits(x):
-            return self.reduce_input(x, self.weight, self.eps, residual)
+            return self.reduce_input(x, self.weight, self.eps, residual.to(x.dtype))
         if self.fused_ops is not None:
             return self.fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
-            x = x + residual
+            x = x + residual.to(x.dtype)
             return self.forward(x), x
         # Normalise in fp32, multiply the weight in the input dtype: the exact order transformers
         # uses, so bf16 results match the oracle bit for bit where possible.
