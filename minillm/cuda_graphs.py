@@ -43,17 +43,20 @@ class DecodeGraphs:
         self.scratch_slot = cache.scratch_block * cache.block_size
         width = -(-max_model_len // cache.block_size)
         largest = self.sizes[-1]
-        # The static inputs live in two device buffers, each with a pinned host twin that a step
-        # fills in place (through numpy views: no tensor built per step) and copies over without
-        # blocking: int64 rows [token ids, positions, slots] and int32 [context lengths, block table].
-        # They start out holding padding values (see the module docstring).
-        self._host_long = torch.zeros(3, largest, dtype=torch.long).pin_memory()
-        self._host_int = torch.zeros(largest * (1 + width), dtype=torch.int32).pin_memory()
+        # The static inputs live in one device buffer with a pinned host twin that a step fills in place
+        # (through numpy views: no tensor built per step) and copies over without blocking, in one copy: int64
+        # rows [token ids, positions, slots], then int32 context lengths and the block table, whose first
+        # ``size`` rows end the bytes a step of that size copies. They start out holding padding values (see
+        # the module docstring).
+        self._long_bytes = 3 * largest * 8
+        host = torch.zeros(self._long_bytes + largest * (1 + width) * 4, dtype=torch.uint8).pin_memory()
+        self._host_long, self._host_int = self._split(host, largest)
         self._long, self._int = self._host_long.numpy(), self._host_int.numpy()
         self._long[2] = self.scratch_slot
         self._int[:largest] = 1
         self._int[largest:] = cache.scratch_block
-        self._dev_long, self._dev_int = self._host_long.to(device), self._host_int.to(device)
+        self._host, self._dev = host, host.to(device)
+        self._dev_long, self._dev_int = self._split(self._dev, largest)
         self.input_ids, self.positions = self._dev_long[0:1], self._dev_long[1:2]  # [1, largest]
         self.slot_mapping = self._dev_long[2]
         self.context_lens = self._dev_int[:largest]
@@ -70,6 +73,10 @@ class DecodeGraphs:
         except BaseException:
             self.release()  # graphs captured before the failure would otherwise outlive it (see release)
             raise
+
+    def _split(self, buffer: torch.Tensor, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The byte buffer's two views: int64 [3, largest] and int32 [largest * (1 + table width)]."""
+        return buffer[:self._long_bytes].view(torch.int64).view(3, largest), buffer[self._long_bytes:].view(torch.int32)
 
     def fits(self, batch: int) -> bool:
         return bool(self.graphs) and batch <= self.sizes[-1]
@@ -131,13 +138,11 @@ class DecodeGraphs:
         # Padding rows: token 0 at position 0, one token of context in the scratch block.
         longs[:2, batch:size], longs[2, batch:size], lens[batch:size] = 0, self.scratch_slot, 1
         table[batch:size, 0] = self.cache.scratch_block
-        self._dev_long.copy_(self._host_long, non_blocking=True)  # whole rows: one dense copy of a few KB
+        end = self._long_bytes + (largest + size * width) * 4  # through the table's first `size` rows
+        self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        self._copied.record()
         if on_device:
             self.input_ids[0, :batch].copy_(ids)  # after the host rows' copy, in stream order
-        self.context_lens[:size].copy_(self._host_int[:size], non_blocking=True)
-        self._dev_int[largest:largest + size * width].copy_(self._host_int[largest:largest + size * width],
-                                                            non_blocking=True)
-        self._copied.record()
         self.graphs[size].replay()
         self.num_replays += 1
         return self.logits[size][:batch]

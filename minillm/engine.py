@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from minillm.config import EngineConfig
-from minillm.kernels.checks import interpreter_on
+from minillm.kernels.checks import interpreter_on, switched_on
 from minillm.kv.budget import units_that_fit
 from minillm.cuda_graphs import DecodeGraphs
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache
@@ -199,6 +199,9 @@ class Engine:
                                          self.workers, c.pipeline_micro_batches)
         else:
             self.runner = PagedRunner(self.model, cache, self.block_tables, self.device, c.seed, make_attention, graphs)
+        if self.attention_backend == "triton" and self.device.type == "cuda" and switched_on("MINILLM_GREEDY_KERNEL"):
+            from minillm.kernels.greedy import greedy_argmax  # (MINILLM_GREEDY_KERNEL=0: torch's argmax, to compare)
+            self.runner.sampler.argmax = greedy_argmax
         self.kv_cache_bytes = cache.nbytes
 
     def _memory_budget(self) -> int | None:

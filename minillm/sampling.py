@@ -47,6 +47,9 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # [B, V] -> [B] int64, torch's argmax's answer: the engine puts minillm's kernel (kernels/greedy.py) here
+        # on a GPU, where torch's generic reduction is slow for one row.
+        self.argmax = lambda logits: logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [B, V] fp32, one row per request -> one token id per request."""
@@ -55,7 +58,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """As ``__call__``, but the [B] int64 tokens stay on the device: no host sync (multi-step
         decoding feeds them to the next forward pass)."""
-        tokens = logits.argmax(dim=-1)
+        tokens = self.argmax(logits)
         # Finished rows of a static batch take the argmax: drawing for them would advance the
         # shared generator and make unseeded requests depend on when their batch mates finished.
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy and not r.finished]

@@ -48,3 +48,20 @@ def test_graph_replay_gives_the_eager_tokens(kv_cache_dtype):
         assert (engine.runner.graphs is None) == eager
     assert engine.runner.graphs.num_replays > 10
     assert results[False] == results[True]
+
+
+@needs_cuda
+def test_greedy_rows_take_minillm_argmax_with_torch_tokens(monkeypatch):
+    """On a GPU the sampler's argmax is kernels/greedy.py's (MINILLM_GREEDY_KERNEL=0: torch's); the tokens agree."""
+    from minillm.kernels.greedy import greedy_argmax
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 300, (int(n),), generator=generator).tolist()
+               for n in torch.randint(1, 40, (6,), generator=generator)]
+    max_tokens = torch.randint(1, 30, (6,), generator=generator).tolist()
+    results = {}
+    for kernel in ("1", "0"):
+        monkeypatch.setenv("MINILLM_GREEDY_KERNEL", kernel)
+        engine = tiny_engine(batching="continuous", device="cuda", max_num_seqs=4)
+        assert (engine.runner.sampler.argmax is greedy_argmax) == (kernel == "1")
+        results[kernel] = run_staggered(engine, prompts, max_tokens)
+    assert results["1"] == results["0"] and len(results["1"]) == len(prompts)
