@@ -176,7 +176,7 @@ def _resolve_source(model: str | None, load_format: str) -> tuple[str, str | Pat
         return "gguf", path
     if path.is_dir():
         return "hf", path
-    hint = f" (a preset: add load_format='dummy')" if model in PRESETS else ""
+    hint = " (a preset: add load_format='dummy')" if model in PRESETS else ""
     raise ValueError(
         f"unknown model {model!r}{hint}; give a Hugging Face directory (config.json + *.safetensors), "
         f"a .gguf file, None for the embedded SmolLM2-135M-Instruct, or one of the presets "

@@ -1,7 +1,8 @@
 """Whether the batch-1 decode graph runs slower when replayed for as long as ``bench_latency`` decodes: the RTN INT4
 llama2-7b graph (decode_graph_timeline.py's engine) replayed 100 times, then 1000 back to back (1.5 s, about a
 latency run's five requests), then 100 again, with the SM clock, power and temperature nvidia-smi
-reports around each; the same for bf16.
+reports around each; the same for bf16; then both again with bench_latency's KV cache (most of the GPU's memory)
+where the others hold 300 blocks (does a large pool, its blocks far apart, slow the graph?).
 
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/decode_sustained.py``."""
 import gc
@@ -23,8 +24,9 @@ def gpu_state():
 
 
 runs = {}
-for name, quant in (("rtn-int4", "rtn-int4"), ("bf16", None)):
-    llm, graph, _ = build(quant, {})
+for name, quant, pool in (("rtn-int4", "rtn-int4", dict(num_kv_blocks=300)), ("bf16", None, dict(num_kv_blocks=300)),
+                          ("rtn-int4_large_pool", "rtn-int4", {}), ("bf16_large_pool", None, {})):
+    llm, graph, _ = build(quant, {}, pool)
     row = {"state_before": gpu_state()}
     for label, replays in (("first_100", 100), ("sustained_1000", 1000), ("last_100", 100)):
         row[f"{label}_ms"] = replay_ms(graph, replays)
