@@ -373,16 +373,17 @@ def test_engine_with_head_holds_fewer_weight_bytes():
     assert len(tokens["rtn-int4-head"]) == 4
 
 
-def test_head_is_refused_where_it_cannot_go(tmp_path):
-    from minillm.quant.checkpoint import save_quantized
-    model = small_model(35)
-    quantize_model(model, "rtn-int4-head", progress=False)
-    with pytest.raises(ValueError, match="does not write a quantized LM head"):
-        save_quantized(model, tmp_path)
+def test_head_is_refused_where_it_cannot_go():
+    """A vocabulary-parallel head (tensor parallelism) is refused, on quantizing and in the layout check that
+    ranks loading a -head checkpoint run."""
+    from minillm.parallel.tp import check_layout
 
     class VocabularySplit(torch.nn.Module):  # what a tensor-parallel rank holds
         pass
 
+    with pytest.raises(ValueError, match=r"LM head is quantized.*valid sizes for it: \[1\]"):
+        check_layout(PRESETS["tiny"], 2, QuantSpec.parse("rtn-int8-head"))
+    check_layout(PRESETS["tiny"], 2, QuantSpec.parse("rtn-int8"))  # (the same without -head splits)
     model = small_model(36)
     model.lm_head = VocabularySplit()
     with pytest.raises(ValueError, match="VocabularySplit"):

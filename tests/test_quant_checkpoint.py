@@ -40,9 +40,25 @@ def test_saved_config_reads_back_as_the_same_model_config(config):
     assert ModelConfig.from_hf(json.loads(json.dumps(hf_config(config)))) == config
 
 
-@pytest.mark.parametrize("method", ["gptq-int4-g32", "awq-int4-g32", "rtn-int4-channel", "rtn-int8"])
-def test_saved_checkpoint_reloads_to_identical_weights_and_tokens(method, qwen2_dir, tmp_path):
-    llm = LLM(str(qwen2_dir), dtype="float32", device="cpu", quantization=method, calibration_samples=2)
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory, make_tiny_hf):
+    """A tiny Llama whose LM head is its embedding (a vocabulary INT4 can pack), saved by transformers."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("llama_tied")
+    make_tiny_hf(LlamaConfig, seed=4, tie_word_embeddings=True, vocab_size=512).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("method, source", [("gptq-int4-g32", "qwen2"), ("awq-int4-g32", "qwen2"),
+                                            ("rtn-int4-channel", "qwen2"), ("rtn-int8", "qwen2"),
+                                            ("awq-int4-g32-head8", "qwen2"), ("rtn-int4-g32-head", "tied_llama"),
+                                            ("rtn-int8-head", "tied_llama")])
+def test_saved_checkpoint_reloads_to_identical_weights_and_tokens(method, source, request, tmp_path):
+    """Every layer's buffers, every parameter and the greedy tokens; a quantized head (-head, -head8) too, from an
+    untied head and from one tied to the embedding (which stays dense, and untied, in the file)."""
+    llm = LLM(str(request.getfixturevalue(f"{source}_dir")), dtype="float32", device="cpu", quantization=method,
+              calibration_samples=2)
     assert llm.engine.quantization == method
     save_quantized(llm, tmp_path)
     reloaded = LLM(str(tmp_path), dtype="float32", device="cpu")
@@ -54,6 +70,14 @@ def test_saved_checkpoint_reloads_to_identical_weights_and_tokens(method, qwen2_
     for name, param in llm.engine.model.named_parameters():
         assert torch.equal(param, reloaded.engine.model.get_parameter(name)), name
     assert greedy(reloaded) == greedy(llm)
+    head = method.endswith(("head", "head8"))
+    assert (type(reloaded.engine.model.lm_head).__name__ == "QuantLinear") == head
+    assert ("lm_head.qweight" in original) == head
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["quantization_config"]["lm_head"] == head
+    if head:
+        assert saved["tie_word_embeddings"] is False
+        assert reloaded.engine.model.lm_head.bits == (8 if method.endswith(("head8", "int8-head")) else 4)
 
 
 def test_the_files_follow_the_gptq_v1_layout(qwen2_dir, tmp_path):
@@ -61,7 +85,7 @@ def test_the_files_follow_the_gptq_v1_layout(qwen2_dir, tmp_path):
     save_quantized(llm, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "gptq", "checkpoint_format": "gptq", "bits": 4,
-                                             "group_size": 32, "desc_act": True, "sym": False,
+                                             "group_size": 32, "desc_act": True, "sym": False, "lm_head": False,
                                              "minillm_method": "gptq-int4-g32", "damp_percent": 0.1}
     qkv = llm.engine.model.model.layers[1].self_attn.qkv_proj
     codes, zeros = qkv.unpacked()  # runtime: rows in act-order, true zero points

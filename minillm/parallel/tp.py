@@ -119,6 +119,8 @@ def layout_problem(config: ModelConfig, size: int) -> str | None:
 def quantized_layout_problem(config: ModelConfig, size: int, spec: QuantSpec) -> str | None:
     """Why ``size`` ranks cannot split this model's ``spec``-quantized linears, or None if they can
     (for a size whose dense layout fits: ``layout_problem``)."""
+    if spec.lm_head:
+        return "its LM head is quantized (-head), and tensor parallelism splits the head by vocabulary"
     if spec.act_order and spec.group_size != -1:
         return ("its act-order (desc_act) groups scatter over the input channels, which o_proj and down_proj "
                 "split over ranks (quantize without act-order: gptq-int4-noact)")

@@ -19,8 +19,14 @@ checkpoint looks familiar to the ecosystem. Fused projections are split back int
 The weight is ``w[k, n] = (q[k, n] - (qzeros[g_idx[k], n] + 1)) * scales[g_idx[k], n]``. Everything
 else (embeddings, norms, an untied LM head) is stored as in an ordinary checkpoint, and
 ``config.json`` gains ``quantization_config = {"quant_method": "gptq", "checkpoint_format": "gptq",
-"bits", "group_size", "desc_act", "sym", "minillm_method"}`` (the last names how it was made; GPTQ
-ones add ``damp_percent``).
+"bits", "group_size", "desc_act", "sym", "lm_head", "minillm_method"}`` (the last names how it was made;
+GPTQ ones add ``damp_percent``).
+
+A quantized LM head (``-head``, ``-head8``: ``spec.py``) is stored the same way as ``lm_head.qweight`` and
+the rest, with ``"lm_head": true`` (the key AutoGPTQ and GPTQModel write for it) and
+``tie_word_embeddings: false``: the file's head is a layer of its own, whatever the embedding it came
+from. ``-head8``'s head is 8-bit per output channel where the layers are 4-bit; ``bits`` speaks for the
+layers, ``minillm_method`` for both.
 
 Loading undoes the offset, sorts input channels by ``g_idx`` (so each group is contiguous again:
 the runtime ``perm`` of ``linear.py``) and fuses the projections; a tensor- or pipeline-parallel
@@ -58,7 +64,8 @@ def hf_config(config: ModelConfig) -> dict:
 
 def quantization_config(spec: QuantSpec) -> dict:
     config = {"quant_method": "gptq", "checkpoint_format": "gptq", "bits": spec.bits, "group_size": spec.group_size,
-              "desc_act": spec.act_order and spec.group_size != -1, "sym": spec.sym, "minillm_method": spec.name}
+              "desc_act": spec.act_order and spec.group_size != -1, "sym": spec.sym, "lm_head": spec.lm_head,
+              "minillm_method": spec.name}
     return config | ({"damp_percent": DAMP} if spec.method == "gptq" else {})
 
 
@@ -72,13 +79,14 @@ def spec_from_config(config: dict) -> QuantSpec:
     if bits not in (4, 8) or (bits == 8 and (group_size != -1 or not sym)):
         raise ValueError(f"minillm runs 4-bit GPTQ checkpoints and 8-bit symmetric per-channel ones, "
                          f"not bits={bits}, group_size={group_size}, sym={sym}")
-    spec = QuantSpec("gptq", bits, group_size, sym, bool(config.get("desc_act")))
+    lm_head = bool(config.get("lm_head", False))
+    spec = QuantSpec("gptq", bits, group_size, sym, bool(config.get("desc_act")), lm_head)
     named = config.get("minillm_method")
     if named is not None:
         made = QuantSpec.parse(named)
-        if (made.bits, made.group_size, made.sym) != (bits, group_size, sym):
+        if (made.bits, made.group_size, made.sym, made.lm_head) != (bits, group_size, sym, lm_head):
             raise ValueError(f"quantization_config says minillm_method={named!r} but bits={bits}, "
-                             f"group_size={group_size}, sym={sym}")
+                             f"group_size={group_size}, sym={sym}, lm_head={lm_head}")
         return made
     return spec
 
@@ -124,9 +132,6 @@ def save_quantized(target, path: str | Path, tokenizer=None) -> Path:
     if spec is None or spec.method == "fp8":
         raise ValueError(f"save_quantized writes GPTQ-layout INT4 / INT8 models; this model is "
                          f"{'not quantized' if spec is None else 'fp8, which quantizes on load in a second'}")
-    if spec.lm_head:
-        raise ValueError(f"save_quantized does not write a quantized LM head ({spec.name}): quantize without -head "
-                         f"to save a checkpoint")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {name: model.checkpoint_tensor(name) for name in model.checkpoint_names()}
@@ -144,9 +149,13 @@ def save_quantized(target, path: str | Path, tokenizer=None) -> Path:
                         part = tensor[:, start:start + rows]
                     state[f"model.layers.{i}.{name}.{kind}"] = part
                 start += rows
+    if spec.lm_head:
+        state |= {f"lm_head.{kind}": tensor for kind, tensor in gptq_tensors(model.lm_head).items()}
     save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
     config = hf_config(model.config) | {"quantization_config": quantization_config(spec)}
+    if spec.lm_head:
+        config["tie_word_embeddings"] = False  # the head is stored as a layer of its own
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
@@ -154,13 +163,17 @@ def save_quantized(target, path: str | Path, tokenizer=None) -> Path:
 
 
 def install_quant_linears(model: nn.Module, spec: QuantSpec) -> None:
-    """Swap empty QuantLinear shells for the dense linears (before the weights are read)."""
+    """Swap empty QuantLinear shells for the dense linears (before the weights are read): the layers', and the
+    LM head's with ``-head`` (a pipeline stage without the head has none to swap)."""
+    def shell(dense: nn.Linear, spec: QuantSpec) -> QuantLinear:
+        return QuantLinear(dense.in_features, dense.out_features, spec.bits, spec.group_size, dense.bias is not None,
+                           act_order=spec.act_order and spec.group_size != -1)
+
     for layer in model.model.layers:
         for linear_path in LINEARS:
-            dense = layer.get_submodule(linear_path)
-            layer.set_submodule(linear_path, QuantLinear(
-                dense.in_features, dense.out_features, spec.bits, spec.group_size, dense.bias is not None,
-                act_order=spec.act_order and spec.group_size != -1))
+            layer.set_submodule(linear_path, shell(layer.get_submodule(linear_path), spec))
+    if spec.lm_head and model.lm_head is not None:
+        model.lm_head = shell(model.lm_head, spec.head_spec())
     model.quant_spec = spec
 
 
@@ -226,25 +239,29 @@ def load_quantized_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -
     for i, layer in enumerate(model.model.layers):
         for linear_path in LINEARS:
             module = layer.get_submodule(linear_path)
-            codes, zeros, scales, g_idx = [], [], [], []
-            for name, _ in projections(model, linear_path):
-                found = [tensors.pop(f"model.layers.{i}.{name}.{kind}", None) for kind in QUANTIZED_TENSORS]
-                if any(t is None for t in found):
-                    missing = [kind for kind, t in zip(QUANTIZED_TENSORS, found) if t is None]
-                    raise ValueError(f"the checkpoint lacks model.layers.{i}.{name}.{missing[0]} "
-                                     f"({len(missing)} of its quantized tensors missing)")
-                qweight, qzeros, part_scales, part_g_idx = found
-                codes.append(unpack(qweight, module.bits))
-                zeros.append((unpack(qzeros.t(), module.bits).t() + 1) & (2 ** module.bits - 1))
-                scales.append(part_scales)
-                g_idx.append(part_g_idx.long())
+            codes, zeros, scales, g_idx = zip(*(_read_v1(tensors, f"model.layers.{i}.{name}", module.bits)
+                                                for name, _ in projections(model, linear_path)))
             if any(not torch.equal(g, g_idx[0]) for g in g_idx):
                 raise ValueError(f"model.layers.{i}: the projections minillm fuses into {linear_path} have "
                                  f"different g_idx; they must share one (they read the same input)")
             _fill(module, torch.cat(codes, dim=1), torch.cat(zeros, dim=1), torch.cat(scales, dim=1), g_idx[0],
                   f"model.layers.{i}.{linear_path}")
+    if isinstance(model.lm_head, QuantLinear):
+        _fill(model.lm_head, *_read_v1(tensors, "lm_head", model.lm_head.bits), "lm_head")
     if tensors:
         raise ValueError(f"the checkpoint holds quantized tensors minillm has no place for: {sorted(tensors)[:3]}")
+
+
+def _read_v1(tensors: dict[str, torch.Tensor], linear: str, bits: int):
+    """Linear ``linear``'s v1 tensors, taken out of ``tensors`` and unpacked: codes [K, N], zero points [groups, N]
+    (v1's offset undone), scales, g_idx."""
+    found = [tensors.pop(f"{linear}.{kind}", None) for kind in QUANTIZED_TENSORS]
+    if any(t is None for t in found):
+        missing = [kind for kind, t in zip(QUANTIZED_TENSORS, found) if t is None]
+        raise ValueError(f"the checkpoint lacks {linear}.{missing[0]} ({len(missing)} of its quantized tensors "
+                         f"missing)")
+    qweight, qzeros, scales, g_idx = found
+    return unpack(qweight, bits), (unpack(qzeros.t(), bits).t() + 1) & (2 ** bits - 1), scales, g_idx.long()
 
 
 def _fill(module: QuantLinear, codes, zeros, scales, g_idx, where: str) -> None:
