@@ -7,7 +7,8 @@ attention's splits merged by their last program instead of a merge kernel (``pag
 GEMV program in every projection (2 won on cold standalone calls), or other counts for some of a layer's four
 projections (``choose_tiles`` gives o_proj 1 and the others 4; o_proj at 4 as before session 22, down_proj at 2 ...),
 with the attention's splits pinned to 1, 2 or 4 (9 by default at batch 1), or in other tiles (``ATTENTION_SHAPES``, bf16
-too); with the head in INT8 (rtn-int4-head8);
+too); with the head in INT8 (rtn-int4-head8); with a KV cache of 3000 or 10000 blocks (24 or 80 GB) where the
+others hold 300;
 without the RoPE table (MINILLM_ROPE_TABLE=0), with the first layer's input norm a kernel (MINILLM_FOLD_FIRST_NORM=0),
 or with neither of these two (int4_session26: as session 26 shipped); bf16, bf16 at 1 split, bf16 merged in the last
 split, and bf16 without the RoPE table.
@@ -89,6 +90,7 @@ ALL = {"int4_folded": ("rtn-int4", {}), "int4_head": ("rtn-int4-head", {}), "int
        **{f"int4_splits{s}": ("rtn-int4", {paged_attention: splits(s)}) for s in (1, 2, 4)},
        **{f"int4_{name}": ("rtn-int4", {paged_attention: splits(*shape)}) for name, shape in ATTENTION_SHAPES.items()},
        "int4_head8": ("rtn-int4-head8", {}),
+       **{f"int4_pool{blocks}": ("rtn-int4", {}, {"num_kv_blocks": blocks}) for blocks in (3000, 10000)},
        "int4_no_rope_table": ("rtn-int4", {llama: {"ROPE_TABLE": False}}),
        "int4_first_norm_kernel": ("rtn-int4", {norm_folding: {"FOLD_FIRST_NORM": False}}),
        "int4_session26": ("rtn-int4", {llama: {"ROPE_TABLE": False}, norm_folding: {"FOLD_FIRST_NORM": False}}),

@@ -2,7 +2,8 @@
 (``MINILLM_GREEDY_KERNEL=0``, ``"torch"``): first each alone on one row of llama2-7b's 32000 fp32 logits (time_ms:
 20 calls in a CUDA graph, best of 5, the two interleaved three times), then the ``latency`` workload on llama2-7b
 (dummy weights) per quantization (QUANTS, bf16 last), engines built in the order torch, kernel, kernel, torch in one
-process after an uncounted first engine, async scheduling, one pass a step. NAME names the JSON.
+process after an uncounted first engine, async scheduling, one pass a step (BENCH=0: the kernels alone). NAME names
+the JSON.
 
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/latency_greedy.py``."""
 import os
@@ -34,15 +35,17 @@ for _ in range(3):
     alone["kernel"].append(1000 * time_ms(lambda: greedy_argmax(logits), device))
 runs, mean = {"alone_us": alone}, {}
 print("alone, us:", alone, flush=True)
-latency_engines(["kernel"], argmax_by, QUANTS[0], lambda name: ENGINE)  # the uncounted first engine
-for quant in QUANTS:
+BENCH = os.environ.get("BENCH", "1") != "0"
+if BENCH:
+    latency_engines(["kernel"], argmax_by, QUANTS[0], lambda name: ENGINE)  # the uncounted first engine
+for quant in QUANTS if BENCH else ():
     tok_s = latency_engines(ORDER, argmax_by, quant, lambda name: ENGINE)
     runs[quant] = {"order": ORDER, **tok_s}
     for name in ("torch", "kernel"):
         mean[quant, name] = sum(tok_s[name]) / len(tok_s[name])
     runs[f"{quant}_kernel_over_torch"] = mean[quant, "kernel"] / mean[quant, "torch"]
     print(quant, {name: round(mean[quant, name], 1) for name in ("torch", "kernel")}, flush=True)
-for quant in QUANTS[:-1]:
+for quant in QUANTS[:-1] if BENCH else ():
     for name in ("torch", "kernel"):
         runs[f"{quant}_over_bf16_{name}"] = mean[quant, name] / mean["bf16", name]
         print(name, f"{quant} / bf16:", round(runs[f"{quant}_over_bf16_{name}"], 4), flush=True)
