@@ -5,7 +5,8 @@ Why it exists: at batch 1 a decode token's argmax over llama2-7b's 32000 fp32 lo
 the whole row is 128 KB still in L2 from the LM head. One program holding the row took as long (10.6 us,
 decode_host_gap_cuda.json): one SM's loads and a 32768-wide reduction. Here each program takes CHUNK logits of a
 row, writes its best (value, column), and the row's last program to arrive (``split_k.last_arrival``, the split-K
-fix-up's counters) reduces those few partials and writes the token.
+fix-up's counters) reduces those few partials and writes the token: 2.7-2.9 us a call on one row of 32000, torch's
+argmax 8.7-8.9 in the same run (figures/h200/sweeps/latency_greedy.json, 20 calls in a CUDA graph, best of 5).
 
 The answer is ``torch.argmax``'s, index for index: the first of equal maxima, and where a row holds NaN the first
 NaN (torch orders NaN above every number). A chunk's best is the smallest column among its best value's lanes (its
