@@ -8,7 +8,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch_sweep import latency_engines, save_result  # noqa: E402
+from launch_sweep import compare_latency, save_result  # noqa: E402
 
 from minillm.kernels import paged_attention  # noqa: E402
 
@@ -23,18 +23,6 @@ def tiles(name):
     paged_attention.GPU_LAUNCH = LAUNCHES[name]
 
 
-runs, mean = {"launches": LAUNCHES}, {}
-latency_engines(["64"], tiles, QUANTS[0], lambda name: ENGINE)  # the uncounted first engine
-for quant in QUANTS:
-    tok_s = latency_engines(ORDER, tiles, quant, lambda name: ENGINE)
-    runs[quant] = {"order": ORDER, **tok_s}
-    for name in LAUNCHES:
-        mean[quant, name] = sum(tok_s[name]) / len(tok_s[name])
-    runs[f"{quant}_32_over_64"] = mean[quant, "32"] / mean[quant, "64"]
-    print(quant, {name: round(mean[quant, name], 1) for name in LAUNCHES}, flush=True)
-for quant in QUANTS[:-1]:
-    for name in LAUNCHES:
-        runs[f"{quant}_over_bf16_{name}"] = mean[quant, name] / mean["bf16", name]
-        print(name, f"{quant} / bf16:", round(runs[f"{quant}_over_bf16_{name}"], 4), flush=True)
+runs = {"launches": LAUNCHES, **compare_latency(QUANTS, ORDER, tiles, lambda name: ENGINE)}
 save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "latency_attention_tiles"),
             "latency, llama2-7b, batch 1", "mean decode tok/s of bench_latency per engine, in the order given", runs)

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch_sweep import latency_engines, save_result  # noqa: E402
+from launch_sweep import compare_latency, save_result  # noqa: E402
 
 from minillm.bench.kernels import time_ms  # noqa: E402
 from minillm.kernels.greedy import greedy_argmax  # noqa: E402
@@ -33,21 +33,9 @@ alone = {"torch": [], "kernel": []}
 for _ in range(3):
     alone["torch"].append(1000 * time_ms(lambda: logits.argmax(dim=-1), device))
     alone["kernel"].append(1000 * time_ms(lambda: greedy_argmax(logits), device))
-runs, mean = {"alone_us": alone}, {}
 print("alone, us:", alone, flush=True)
-BENCH = os.environ.get("BENCH", "1") != "0"
-if BENCH:
-    latency_engines(["kernel"], argmax_by, QUANTS[0], lambda name: ENGINE)  # the uncounted first engine
-for quant in QUANTS if BENCH else ():
-    tok_s = latency_engines(ORDER, argmax_by, quant, lambda name: ENGINE)
-    runs[quant] = {"order": ORDER, **tok_s}
-    for name in ("torch", "kernel"):
-        mean[quant, name] = sum(tok_s[name]) / len(tok_s[name])
-    runs[f"{quant}_kernel_over_torch"] = mean[quant, "kernel"] / mean[quant, "torch"]
-    print(quant, {name: round(mean[quant, name], 1) for name in ("torch", "kernel")}, flush=True)
-for quant in QUANTS[:-1] if BENCH else ():
-    for name in ("torch", "kernel"):
-        runs[f"{quant}_over_bf16_{name}"] = mean[quant, name] / mean["bf16", name]
-        print(name, f"{quant} / bf16:", round(runs[f"{quant}_over_bf16_{name}"], 4), flush=True)
+runs = {"alone_us": alone}
+if os.environ.get("BENCH", "1") != "0":
+    runs |= compare_latency(QUANTS, ORDER, argmax_by, lambda name: ENGINE)
 save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "latency_greedy"), "latency, llama2-7b, batch 1",
             "argmax alone (us a call) and mean decode tok/s of bench_latency per engine, in the order given", runs)

@@ -5,7 +5,8 @@ result (``save_result``) and their loop (``time_launches``), which tries each
 on a poisoned output and compared with the reference; a launch that fails (e.g. too much shared
 memory) is recorded, not fatal. Returns the rows fastest first. The batch-1 latency A/B sweeps
 (latency_gated_ab.py, latency_rope_in_decode.py, latency_what_if.py, latency_norm_in_gemv.py,
-latency_multi_step.py) share ``latency_engines``."""
+latency_multi_step.py) share ``latency_engines``, and the A/B ones after an uncounted first engine (latency_pool.py,
+latency_greedy.py, latency_attention_tiles.py) ``compare_latency``."""
 import itertools, json, os, random, time
 import torch
 from minillm.bench.harness import result_header
@@ -60,6 +61,27 @@ def latency_engines(order, switch, quantization, engine_kwargs=lambda name: {}):
         print(quantization, name, f"{tok_s[name][-1]:.1f} tok/s", flush=True)
         gc.collect(); torch.cuda.empty_cache()
     return tok_s
+
+
+def compare_latency(quants, order, switch, engine_kwargs=lambda name: {}):
+    """Two variants A and B (``order``: A, B, B, A) of the batch-1 ``latency`` engines per quantization (``quants``,
+    bf16 last), after one uncounted engine (A, the first quantization): a process's first engine decodes faster than
+    the ones after it (latency_pool.json), which would favour whichever variant came first. Returns the runs to save:
+    each quantization's tok/s by variant, ``<quant>_<B>_over_<A>``, and ``<quant>_over_bf16_<variant>``."""
+    names, runs, mean = list(dict.fromkeys(order)), {}, {}
+    latency_engines(names[:1], switch, quants[0], engine_kwargs)
+    for quant in quants:
+        tok_s = latency_engines(order, switch, quant, engine_kwargs)
+        runs[quant] = {"order": order, **tok_s}
+        for name in names:
+            mean[quant, name] = sum(tok_s[name]) / len(tok_s[name])
+        runs[f"{quant}_{names[1]}_over_{names[0]}"] = mean[quant, names[1]] / mean[quant, names[0]]
+        print(quant, {name: round(mean[quant, name], 1) for name in names}, flush=True)
+    for quant in quants[:-1]:
+        for name in names:
+            runs[f"{quant}_over_bf16_{name}"] = mean[quant, name] / mean["bf16", name]
+            print(name, f"{quant} / bf16:", round(runs[f"{quant}_over_bf16_{name}"], 4), flush=True)
+    return runs
 
 
 def time_launches(run, ref, out, kv_bytes, launches, splits, deadline, bandwidth=None):
