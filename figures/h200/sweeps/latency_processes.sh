@@ -1,7 +1,7 @@
 #!/bin/bash
 # The ``latency`` workload as a user runs it: `minillm bench latency` on llama2-7b (dummy weights; MODEL: another
 # preset), each quantization in a process of its own (QUANTS, "bf16" for none; ROUNDS rounds in turn), async
-# scheduling as default. In one process the first engine's INT4 decode runs ~3 % faster than any engine built after another
+# scheduling as default (continuous batching, as the in-process sweeps). In one process the first engine's INT4 decode runs ~3 % faster than any engine built after another
 # (latency_pool.json's uncounted first engine: 651.5 tok/s, the next four 629.8-632.6; decode_sustained.json's
 # first engine 1.510 ms a token, a later one 1.553) while bf16's does not change, so the in-process ABBA sweeps
 # understate INT4 against what one process, one engine gives. Writes latency_processes.json to $OUT.
@@ -10,12 +10,13 @@ set -e
 QUANTS=${QUANTS:-rtn-int4,bf16,rtn-int4-head8}
 ROUNDS=${ROUNDS:-2}
 MODEL=${MODEL:-llama2-7b}
-RUNS=$(mktemp -d)
+RUNS=${OUT:-/tmp/out}/runs  # each run's JSON as it ends (a cut-short call keeps them)
+mkdir -p "$RUNS"
 for round in $(seq "$ROUNDS"); do
   for quant in ${QUANTS//,/ }; do
     flag=(); [ "$quant" != bf16 ] && flag=(--quantization "$quant")
-    python3 -m minillm.cli bench latency --model "$MODEL" --load-format dummy --peers "${flag[@]}" \
-      --output "$RUNS/${quant}_${round}.json" > "$RUNS/${quant}_${round}.log" 2>&1 || tail -5 "$RUNS/${quant}_${round}.log"
+    python3 -m minillm.cli bench latency --model "$MODEL" --load-format dummy --batching continuous --peers "${flag[@]}" \
+      --output "$RUNS/${quant}_${round}.json" > "/tmp/${quant}_${round}.log" 2>&1 || tail -5 "/tmp/${quant}_${round}.log"
     python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], round(r['runs']['minillm']['mean_decode_tok_s'], 1), 'tok/s', flush=True)" "$RUNS/${quant}_${round}.json" "$quant $round"
   done
 done
