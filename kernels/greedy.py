@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import check, check_runnable
+from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable
 from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
 
 CHUNK = 1024  # logits a program reads: 32 programs for llama2-7b's vocabulary
@@ -56,8 +56,9 @@ def _argmax_kernel(X, Out, PartValue, PartCol, Counters, stride_x, n_cols,
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` for [rows, vocab] floating logits (the last dim contiguous): [rows] int64."""
-    check(logits.dim() == 2 and logits.is_floating_point(),
-          f"logits must be [rows, vocab] floating point, got {logits.dtype} {tuple(logits.shape)}")
+    check(logits.dim() == 2 and logits.dtype in FLOAT_DTYPES,
+          f"logits must be [rows, vocab] of one of {FLOAT_DTYPES} (compared in fp32), got {logits.dtype} "
+          f"{tuple(logits.shape)}")
     rows, vocab = logits.shape
     check(vocab > 0 and (logits.stride(1) == 1 or vocab == 1),
           f"logits must have a non-empty, contiguous last dim, got shape {tuple(logits.shape)} "

@@ -72,12 +72,43 @@ def test_saved_checkpoint_reloads_to_identical_weights_and_tokens(method, source
     assert greedy(reloaded) == greedy(llm)
     head = method.endswith(("head", "head8"))
     assert (type(reloaded.engine.model.lm_head).__name__ == "QuantLinear") == head
-    assert ("lm_head.qweight" in original) == head
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        stored = {name for name in f.keys() if name.startswith("lm_head.")}  # (an untied dense head: its weight)
+    assert stored == {"lm_head.qweight", "lm_head.qzeros", "lm_head.scales", "lm_head.g_idx"} if head else \
+        "lm_head.qweight" not in stored
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["quantization_config"]["lm_head"] == head
     if head:
         assert saved["tie_word_embeddings"] is False
         assert reloaded.engine.model.lm_head.bits == (8 if method.endswith(("head8", "int8-head")) else 4)
+
+
+@pytest.mark.parametrize("head_order", ["in_order", "act_order"])
+def test_a_desc_act_checkpoint_with_a_quantized_head_loads(head_order, tied_llama_dir, tmp_path):
+    """AutoGPTQ's config for a quantized head: "lm_head": true, desc_act true, no minillm_method. The head gets an
+    act-order shell: it takes a head quantized in act-order (g_idx scattering its groups), and runs one whose g_idx
+    keeps the channels in order without a permutation."""
+    from minillm.quant.quantize import gptq_linear
+    from minillm.quant.spec import QuantSpec
+
+    if head_order == "in_order":
+        llm = LLM(str(tied_llama_dir), dtype="float32", device="cpu", quantization="rtn-int4-g32-head")
+    else:  # GPTQ layers, and a head by GPTQ with act-order (minillm quantizes heads by RTN: made here by hand)
+        llm = LLM(str(tied_llama_dir), dtype="float32", device="cpu", quantization="gptq-int4-g32",
+                  calibration_samples=2)
+        model, spec = llm.engine.model, QuantSpec.parse("gptq-int4-g32-head")
+        calibration = torch.randn(256, model.config.hidden_size, generator=torch.Generator().manual_seed(6))
+        model.lm_head, model.quant_spec = gptq_linear(model.lm_head, calibration, spec), spec
+        assert model.lm_head.perm is not None
+    save_quantized(llm, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]["minillm_method"]
+    config["quantization_config"]["desc_act"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    foreign = LLM(str(tmp_path), dtype="float32", device="cpu")
+    assert foreign.engine.quantization == "gptq-int4-g32-head"
+    assert (foreign.engine.model.lm_head.perm is None) == (head_order == "in_order")
+    assert greedy(foreign) == greedy(llm)
 
 
 def test_the_files_follow_the_gptq_v1_layout(qwen2_dir, tmp_path):

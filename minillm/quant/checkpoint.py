@@ -38,6 +38,7 @@ quantizes on load in about a second.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -173,7 +174,10 @@ def install_quant_linears(model: nn.Module, spec: QuantSpec) -> None:
         for linear_path in LINEARS:
             layer.set_submodule(linear_path, shell(layer.get_submodule(linear_path), spec))
     if spec.lm_head and model.lm_head is not None:
-        model.lm_head = shell(model.lm_head, spec.head_spec())
+        # minillm's heads are never act-ordered, but AutoGPTQ's desc_act orders a quantized head's channels too: an
+        # act-order shell takes either (``_fill`` drops a permutation that leaves the channels in order).
+        head = spec.head_spec() if spec.head_int8 else replace(spec.head_spec(), act_order=spec.act_order)
+        model.lm_head = shell(model.lm_head, head)
     model.quant_spec = spec
 
 
@@ -272,10 +276,11 @@ def _fill(module: QuantLinear, codes, zeros, scales, g_idx, where: str) -> None:
         expected = torch.arange(len(g_idx), device=g_idx.device) // module.group_size
         if not torch.equal(g_idx[perm], expected):
             raise ValueError(f"{where}: g_idx does not form groups of {module.group_size} channels")
-        if module.perm is None:
-            if not torch.equal(perm, torch.arange(len(perm), device=perm.device)):
-                raise ValueError(f"{where}: g_idx reorders channels but the config says desc_act=false")
-            perm = None
+        in_order = torch.equal(perm, torch.arange(len(perm), device=perm.device))
+        if module.perm is None and not in_order:
+            raise ValueError(f"{where}: g_idx reorders channels but the config says desc_act=false")
+        if in_order:
+            module.perm = perm = None  # (an act-order shell whose channels stayed in order: nothing to permute)
         else:
             codes = codes[perm]
     module.set_codes(codes, zeros, scales, perm)

@@ -53,16 +53,49 @@ def test_nan_and_minus_infinity_rows():
 
 
 def test_rows_of_a_wider_tensor_and_no_rows():
-    """Rows with a stride beyond the vocabulary (a slice of wider logits), and an empty batch."""
-    wide = random_logits(3, 700, seed=3)
-    logits = wide[:, :650]
+    """Rows of several chunks with a stride beyond the vocabulary (a slice of wider logits), and an empty batch."""
+    wide = random_logits(3, 2 * CHUNK + 700, seed=3)
+    logits = wide[:, :2 * CHUNK + 650]
     assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
     assert greedy_argmax(wide[:0]).shape == (0,)
 
 
+def test_the_arrival_counters_are_left_at_zero():
+    """The last program of each row resets its counter: the next launch (or a CUDA graph's replay) finds them clean."""
+    from minillm.kernels.split_k import tile_counters
+    logits = random_logits(6, 3 * CHUNK + 5, seed=4)
+    for _ in range(3):
+        assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+        assert not tile_counters(logits.device)[:6].any()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="programs racing to the last arrival need a GPU (the interpreter runs them "
+                                               "one after another)")
+def test_many_rows_many_chunks_eagerly_and_in_a_graph():
+    """64 rows of a 128k vocabulary (126 programs a row racing to the last arrival), ties and NaN across chunks, many
+    launches, eagerly and replayed from a CUDA graph."""
+    logits = random_logits(64, 128256, seed=5)
+    top = logits.max() + 1
+    logits[::2, [90000, 5000, 70000]] = top
+    logits[1::4, [100000, 3000]] = float("nan")
+    want = logits.argmax(dim=-1)
+    for _ in range(20):
+        assert torch.equal(greedy_argmax(logits), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = greedy_argmax(logits)
+    for _ in range(20):
+        out.fill_(-1)
+        graph.replay()
+        assert torch.equal(out, want)
+    from minillm.kernels.split_k import tile_counters
+    assert not tile_counters(logits.device)[:64].any()
+
+
 @pytest.mark.parametrize("bad, message", [
     (lambda: random_logits(2, 8)[0], r"\[rows, vocab\]"),
-    (lambda: torch.ones(2, 8, dtype=torch.long, device=DEVICE), "floating point"),
+    (lambda: torch.ones(2, 8, dtype=torch.long, device=DEVICE), "torch.int64"),
+    (lambda: random_logits(2, 8, torch.float64), "torch.float64"),
     (lambda: random_logits(8, 2).t(), "contiguous last dim"),
     (lambda: random_logits(2, 0), "non-empty"),
 ])
