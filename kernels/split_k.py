@@ -72,6 +72,7 @@ def tile_counters(device: torch.device) -> torch.Tensor:
     if device not in COUNTERS:
         check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
               "the first split-K kernel on a device (the dense GEMV, a quantized matmul, paged decode attention "
-              "with merge='last_split', or the greedy argmax) allocates its counters; run one before capturing a CUDA graph (warm-up does)")
+              "with merge='last_split', or the greedy argmax) allocates its counters; run one before capturing a CUDA "
+              "graph (warm-up does)")
         COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
     return COUNTERS[device]

@@ -69,8 +69,8 @@ def test_the_arrival_counters_are_left_at_zero():
         assert not tile_counters(logits.device)[:6].any()
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="programs racing to the last arrival need a GPU (the interpreter runs them "
-                                               "one after another)")
+@pytest.mark.skipif(DEVICE != "cuda",
+                    reason="programs racing to the last arrival need a GPU (the interpreter runs them one by one)")
 def test_many_rows_many_chunks_eagerly_and_in_a_graph():
     """64 rows of a 128k vocabulary (126 programs a row racing to the last arrival), ties and NaN across chunks, many
     launches, eagerly and replayed from a CUDA graph."""
