@@ -107,7 +107,7 @@ def build(quantization, settings, pool=dict(num_kv_blocks=300)):
         for key, value in {**defaults, **settings.get(module, {})}.items():
             setattr(module, key, value)
     llm = LLM("llama2-7b", load_format="dummy", quantization=quantization, batching="continuous", max_num_seqs=1,
-              seed=0, **pool)  # bench_latency's graph (max_model_len 4096), a small cache each by default
+              seed=0, **pool)  # bench_latency's graph (max_model_len 2048, the default), a small cache by default
     done = llm.generate([list(range(100, 228))], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True),
                         use_tqdm=False)  # the graph's buffers now hold a real step: 255 tokens of context (latency's)
     return llm, llm.engine.runner.graphs.graphs[1], list(done[0].outputs[0].token_ids)
