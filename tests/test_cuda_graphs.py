@@ -18,6 +18,14 @@ def test_capture_sizes_cover_every_batch(max_batch, expected):
     assert capture_sizes(max_batch) == expected
 
 
+def random_requests(count: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """``count`` prompts of 1-39 random tokens and their output lengths (1-29)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 300, (int(n),), generator=generator).tolist()
+               for n in torch.randint(1, 40, (count,), generator=generator)]
+    return prompts, torch.randint(1, 30, (count,), generator=generator).tolist()
+
+
 def run_staggered(engine, prompts, max_tokens):
     """Requests arrive one per step, so decode batches grow and shrink through many capture sizes."""
     outputs, pending, step = {}, list(enumerate(prompts)), 0
@@ -34,10 +42,7 @@ def run_staggered(engine, prompts, max_tokens):
 @needs_cuda
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8", "int4"])  # quantizing writes inside the graph
 def test_graph_replay_gives_the_eager_tokens(kv_cache_dtype):
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 300, (int(n),), generator=generator).tolist()
-               for n in torch.randint(1, 40, (12,), generator=generator)]
-    max_tokens = torch.randint(1, 30, (12,), generator=generator).tolist()
+    prompts, max_tokens = random_requests(12, seed=0)
     results = {}
     for eager in (True, False):
         # A tight cache forces preemptions; a small token budget, chunked prefills.
@@ -54,10 +59,7 @@ def test_graph_replay_gives_the_eager_tokens(kv_cache_dtype):
 def test_greedy_rows_take_minillm_argmax_with_torch_tokens(monkeypatch):
     """On a GPU the sampler's argmax is kernels/greedy.py's (MINILLM_GREEDY_KERNEL=0: torch's); the tokens agree."""
     from minillm.kernels.greedy import greedy_argmax
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 300, (int(n),), generator=generator).tolist()
-               for n in torch.randint(1, 40, (6,), generator=generator)]
-    max_tokens = torch.randint(1, 30, (6,), generator=generator).tolist()
+    prompts, max_tokens = random_requests(6, seed=1)
     results = {}
     for kernel in ("1", "0"):
         monkeypatch.setenv("MINILLM_GREEDY_KERNEL", kernel)
