@@ -1,8 +1,10 @@
 """The ``latency`` workload on llama2-7b (dummy weights) with bench_latency's KV cache (most of the GPU's memory,
 ``"default"``) and with 300 blocks (``"small"``: 4800 tokens, more than a request of the workload holds), per
 quantization (QUANTS, bf16 last): engines built in the order default, small, small, default in one process after an
-uncounted first engine, async scheduling, one pass a step. decode_sustained.json found RTN INT4's decode graph ~3 %
-slower with the large cache, bf16's not. NAME names the JSON.
+uncounted first engine, async scheduling, one pass a step. Written because decode_sustained.json's RTN INT4 graph was
+~3 % slower with the large cache (bf16's not); this run found no difference (631.2 against 630.3 tok/s): that engine
+was the process's third, and the first engine in a process is the fast one (decode_engine_order.json). NAME names
+the JSON.
 
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/latency_pool.py``."""
 import os

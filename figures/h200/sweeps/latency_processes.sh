@@ -1,10 +1,11 @@
 #!/bin/bash
 # The ``latency`` workload as a user runs it: `minillm bench latency` on llama2-7b (dummy weights; MODEL: another
 # preset), each quantization in a process of its own (QUANTS, "bf16" for none; ROUNDS rounds in turn), async
-# scheduling as default (continuous batching, as the in-process sweeps). In one process the first engine's INT4 decode runs ~3 % faster than any engine built after another
-# (latency_pool.json's uncounted first engine: 651.5 tok/s, the next four 629.8-632.6; decode_sustained.json's
-# first engine 1.510 ms a token, a later one 1.553) while bf16's does not change, so the in-process ABBA sweeps
-# understate INT4 against what one process, one engine gives. Writes latency_processes.json to $OUT.
+# scheduling as default (continuous batching, as the in-process sweeps). In one process the first engine's INT4
+# decode runs ~3 % faster than any engine built after another (latency_pool.json's uncounted first engine: 651.5
+# tok/s, the next four 629.8-632.6; decode_engine_order.json: 1.511 ms a token alone, 1.556 once a second engine
+# was built) while bf16's does not change, so the in-process ABBA sweeps understate INT4 against what one process,
+# one engine gives. Writes latency_processes.json to $OUT.
 # Run from the repository root on an H200: bash figures/h200/sweeps/latency_processes.sh
 set -e
 QUANTS=${QUANTS:-rtn-int4,bf16,rtn-int4-head8}
