@@ -1,0 +1,127 @@
+"""Issue 6: the stream-K W4A16 GEMV prototype (kernels/w4_gemv_stream.py) against the split-K Gluon GEMV
+(kernels/w4_gemv_hopper.py, the default) and torch's bf16 matmul, M = 1, in one process, three interleaved rounds.
+
+Timing as w4a16_gemv_gluon.py: 20 calls in a CUDA graph, each on another copy of the weights (twice the L2 in all,
+so no call finds its weight in L2), PDL on where the kernel has it. Variants: programs an SM x ring slots, tiles
+asked into L2 before the wait (l2), the next kernel let start early or at the end, and two probes: the copies alone
+(no math, no fix-up: its answer is wrong) and no fix-up (partials stored, not summed). Every variant that computes y
+is checked against ``w4a16_matmul_ref`` (y poisoned first), run twice for bit-equal answers, and the split-K counters
+checked back at zero; odd shapes (a ragged column tile, group 64, one unit a program) are checked without timing.
+Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/w4a16_gemv_stream.py``
+(SHAPES=4096x11008,... to choose; NAME names the JSON).
+"""
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch_sweep import save_result  # noqa: E402
+
+from minillm.bench.kernels import time_interleaved  # noqa: E402
+from minillm.bench.quant_kernels import QuantShape, _copies, bytes_moved  # noqa: E402
+from minillm.bench.roofline import measure_bandwidth  # noqa: E402
+from minillm.kernels import w4_gemv_stream  # noqa: E402
+from minillm.kernels.checks import num_sms  # noqa: E402
+from minillm.kernels.quant_matmul import pack_int4, pack_int4_along_n, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
+from minillm.kernels.split_k import tile_counters  # noqa: E402
+
+VARIANTS = {  # name: w4_gemv_stream keywords
+    "stream 2x3": dict(programs_per_sm=2, stages=3),
+    "stream 2x2": dict(programs_per_sm=2, stages=2),
+    "stream 2x4": dict(programs_per_sm=2, stages=4),
+    "stream 3x2": dict(programs_per_sm=3, stages=2),
+    "stream 3x3": dict(programs_per_sm=3, stages=3),
+    "stream 4x2": dict(programs_per_sm=4, stages=2),
+    "stream 1x6": dict(programs_per_sm=1, stages=6),
+    "stream 2x3 l2 4": dict(programs_per_sm=2, stages=3, l2_tiles=4),
+    "stream 2x3 l2 16": dict(programs_per_sm=2, stages=3, l2_tiles=16),
+    "stream 3x2 l2 8": dict(programs_per_sm=3, stages=2, l2_tiles=8),
+    "stream 2x3 late start": dict(programs_per_sm=2, stages=3, early_start=False),
+    "stream 2x3 no pdl": dict(programs_per_sm=2, stages=3, pdl=False),
+    "probe 2x3 copies only": dict(programs_per_sm=2, stages=3, compute=False, fixup=False),
+    "probe 2x3 no fix-up": dict(programs_per_sm=2, stages=3, fixup=False),
+    "probe 3x2 copies only": dict(programs_per_sm=3, stages=2, compute=False, fixup=False),
+}
+
+
+def weights(k, n, group, dev, gen):
+    groups = -(-k // group)
+    return (pack_int4(torch.randint(0, 16, (k, n), device=dev, generator=gen)),
+            torch.rand(groups, n, dtype=torch.bfloat16, device=dev, generator=gen) * 0.01,
+            pack_int4_along_n(torch.randint(0, 16, (groups, n), device=dev, generator=gen)))
+
+
+def check(k, n, group, kw, dev, gen):
+    """{max_rel_error_vs_ref, bit_equal_twice, counters_zero} of a variant on fresh random inputs."""
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=dev, generator=gen)
+    w = weights(k, n, group, dev, gen)
+    want = w4a16_matmul_ref(x, *w, group).float()
+    partials = torch.empty(w4_gemv_stream.partials_needed(k, n, 4 * num_sms(dev)), dtype=torch.float32, device=dev)
+    counters = tile_counters(dev)
+    answers = []
+    for _ in range(2):
+        out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=dev)
+        w4_gemv_stream.w4_gemv_stream(x, *w, group, out, partials, counters, **kw)
+        answers.append(out)
+    torch.cuda.synchronize()
+    return {"max_rel_error_vs_ref": ((answers[0].float() - want).abs().max() / want.abs().max()).item(),
+            "bit_equal_twice": bool(torch.equal(answers[0], answers[1])),
+            "counters_zero": bool((counters[:64] == 0).all())}
+
+
+def main():
+    dev = torch.device("cuda")
+    bandwidth = measure_bandwidth(dev)
+    runs = {"copy_bandwidth_gbs": bandwidth, "sms": num_sms(dev), "checks": {}, "shapes": []}
+    gen = torch.Generator(device=dev).manual_seed(1)
+    for k, n, group in ((4096, 11008, 64), (4096, 4128, 128), (11008, 256, 128), (512, 96, 64), (4096, 11008, 128)):
+        for name, kw in VARIANTS.items():
+            if "probe" not in name:
+                runs["checks"][f"{k}x{n} g{group} {name}"] = result = check(k, n, group, kw, dev, gen)
+                print(k, n, group, name, result, flush=True)
+    shapes = os.environ.get("SHAPES", "4096x11008,11008x4096,4096x4096")
+    for k, n in (tuple(int(v) for v in s.split("x")) for s in shapes.split(",")):
+        group = 128
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=dev, generator=gen)
+        w4_bytes = bytes_moved("w4a16", QuantShape(1, k, n), 2)
+        copies = _copies(w4_bytes, dev)
+        sets = [weights(k, n, group, dev, gen) for _ in range(copies)]
+        dense = [torch.randn(k, n, dtype=torch.bfloat16, device=dev, generator=gen) for _ in range(copies)]
+        out = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
+        partials = torch.empty(w4_gemv_stream.partials_needed(k, n, 4 * num_sms(dev)), dtype=torch.float32,
+                               device=dev)
+        counters = tile_counters(dev)
+
+        def cycled(fn, pool):
+            cycle = itertools.cycle(pool)
+            return lambda: fn(next(cycle))
+
+        calls = {"torch bf16": (cycled(lambda w: torch.matmul(x, w, out=out), dense), 2 * k * n + 2 * (k + n)),
+                 "gluon gemv": (cycled(lambda w: w4a16_matmul(x, *w, group, out=out, hopper=True), sets), w4_bytes)}
+        for name, kw in VARIANTS.items():
+            def call(w, kw=kw):
+                w4_gemv_stream.w4_gemv_stream(x, *w, group, out, partials, counters, **kw)
+            calls[name] = (cycled(call, sets), w4_bytes)
+        times = time_interleaved({name: call for name, (call, _) in calls.items()}, dev)
+        row = {"k": k, "n": n, "group": group, "weight_copies": copies,
+               "plan_2_per_sm": w4_gemv_stream.plan(k, n, 2 * num_sms(dev))}
+        for name, (call, nbytes) in calls.items():
+            best = times[name]["ms"] * 1e3
+            row[name] = {"us_rounds": [ms * 1e3 for ms in times[name]["ms_rounds"]], "us": best,
+                         "gbs": nbytes / best / 1e3, "fraction_of_bandwidth": nbytes / best / 1e3 / bandwidth}
+        for name in calls:
+            row[name]["speedup_vs_torch"] = row["torch bf16"]["us"] / row[name]["us"]
+        print({key: (round(v["us"], 2), round(v["speedup_vs_torch"], 3)) if isinstance(v, dict) and "us" in v else v
+               for key, v in row.items()}, flush=True)
+        runs["shapes"].append(row)
+    save_result(os.environ.get("OUT", "/tmp/out"), os.environ.get("NAME", "w4a16_gemv_stream"),
+                "W4A16 GEMV, M = 1, bf16, stream-K prototype",
+                "us per call, best of three interleaved rounds, each the best of 5 graph replays of 20 calls, each "
+                "call on another copy of the weights (L2-cold); speed-ups over torch.matmul on the dense bf16 weight "
+                "in the same rounds; checks: answers against w4a16_matmul_ref on fresh inputs", runs)
+
+
+if __name__ == "__main__":
+    main()

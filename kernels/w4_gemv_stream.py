@@ -1,0 +1,232 @@
+"""A persistent, stream-K W4A16 GEMV (M = 1) for Hopper (sm_90), in Gluon: each program streams a contiguous run of
+the weight's tiles through a ring of TMA slots, computing each tile as it lands.
+
+Why it exists: the split-K GEMV (``w4_gemv_hopper_kernel.py``) puts the whole weight in flight at once, one program
+per 16-32 KB, and then waits. Its copies alone take 7.0 us at 4096 x 11008 (81 % of the copy bandwidth), but the
+kernel 9.9: the tiles that land last are computed after the stream has ended, and the split-K fix-up behind them
+(a fenced atomic, the partials' round trip) adds ~1.5 us more (figures/h200/sweeps/w4a16_gemv_probe.json). Both are
+bubbles in which HBM idles. This kernel aims at the other end: few programs (PROGRAMS_PER_SM an SM), each with a
+ring of STAGES tiles in flight, so that
+
+- the math trails the stream tile by tile, and only the last tile's is left when the stream ends;
+- a program's shared memory is small enough that the next GEMV's programs, launched early (PDL), fit beside it and
+  fill their rings (and ask L2 for their next tiles: ``L2_TILES``) while this one finishes its math and fix-up.
+
+The work: units of 16 packed rows (128 inputs) x 256 columns, numbered column tile by column tile (u = c KT + j);
+program p takes units [p U / P, (p + 1) U / P) (stream-K's contiguous split: Osama, Merrill, Cecka, Garland, Rennich,
+"Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on the GPU", 2023,
+https://arxiv.org/abs/2301.03598). A column tile whose units one program holds whole is written by it; otherwise each
+of its programs stores a partial and the last to arrive sums them in program order (deterministic) and writes y, as
+``split_k.py``'s fix-up. The math of a unit is the HFMA2 body of ``w4_gemv_hopper_kernel._tile_sum``.
+
+Status: a prototype under measurement (figures/h200/sweeps/w4a16_gemv_stream.py); it takes bf16 x, group 64 or 128,
+N a multiple of 32, K a multiple of 128.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from minillm.kernels.checks import num_sms
+from minillm.kernels.flash_attention_hopper import GLUON_USABLE, gluon
+
+if GLUON_USABLE:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+    from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
+    from minillm.kernels.w4_gemv_hopper_kernel import (_fma2, _let_next_start, _prmt, _tile_sum, _wait_for_previous,
+                                                       _word_sum)
+
+from minillm.kernels.w4_gemv_hopper_kernel import BLOCK_N, SUB_ROWS, TILE_ROWS, _descriptors
+
+WARPS = 4
+
+if GLUON_USABLE:
+    _TILE_ROWS_S, _BLOCK_N_S = gl.constexpr(TILE_ROWS), gl.constexpr(BLOCK_N)
+    _SUB_ROWS_S = gl.constexpr(SUB_ROWS)
+    _TWO_POW_32_S = gl.constexpr(4294967296.0)
+
+    @gluon.jit
+    def _program_of(u, P, U):
+        """The program whose run holds unit u: the largest p with p U // P <= u."""
+        return ((u + 1) * P - 1) // U
+
+    @gluon.jit
+    def _load_unit(u, KT, w_desc, s_desc, z_desc, bar, w_slot, s_slot, z_slot, GROUP_ROWS: gl.constexpr):
+        """Unit u's packed weights, scales and zero points into a slot, landing on ``bar``."""
+        row = (u % KT) * _TILE_ROWS_S
+        n0 = (u // KT) * _BLOCK_N_S
+        mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
+        tma_load(w_desc, [row, n0], bar, w_slot)
+        tma_load(s_desc, [row // GROUP_ROWS, n0], bar, s_slot)
+        tma_load(z_desc, [row // GROUP_ROWS, n0 // 2], bar, z_slot)
+
+    @gluon.jit
+    def _prefetch_unit(WP, u, KT, N, K_ROWS, WARPS_: gl.constexpr):
+        """Ask L2 for unit u's packed weights: its 16 rows of 1 KB, eight 128-byte lines each (a line a thread)."""
+        lines_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WARPS_, 1], [1, 0])
+        r = (u % KT) * _TILE_ROWS_S + gl.arange(0, _TILE_ROWS_S, layout=gl.SliceLayout(1, lines_l))[:, None]
+        col = (u // KT) * _BLOCK_N_S + 32 * gl.arange(0, 8, layout=gl.SliceLayout(0, lines_l))[None, :]
+        ok = (r < K_ROWS) & (col < N)
+        ptrs = WP + gl.where(ok, r * N + col, 0)
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [ptrs], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _run_tables(XW, u0, n_units, KT, K_ROWS, UNITS: gl.constexpr, WARPS_: gl.constexpr):
+        """x's pair tables and row sums for the program's units, [UNITS, 16] each in shared memory: row r of unit t is
+        packed row (u0 + t) % KT * 16 + r of x (``w4_gemv_hopper_kernel._x_tables`` has the pairs' arithmetic)."""
+        tab_l: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [WARPS_, 1], [1, 0])
+        t = gl.arange(0, UNITS, layout=gl.SliceLayout(1, tab_l))[:, None]
+        r = ((u0 + t) % KT) * _TILE_ROWS_S + gl.arange(0, _TILE_ROWS_S, layout=gl.SliceLayout(0, tab_l))[None, :]
+        ok = (t < n_units) & (r < K_ROWS)
+        w0 = gl.load(XW + 4 * r, mask=ok, other=0)
+        w1 = gl.load(XW + 4 * r + 1, mask=ok, other=0)
+        w2 = gl.load(XW + 4 * r + 2, mask=ok, other=0)
+        w3 = gl.load(XW + 4 * r + 3, mask=ok, other=0)
+        pairs = (_table2(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
+                 _table2(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),
+                 _table2(_fma2(_prmt(w1, w3, 0x5410), 0x72007200, 0)),
+                 _table2(_fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0)))
+        sums = _table2(_word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3))
+        return pairs, sums
+
+    @gluon.jit
+    def _table2(values):
+        """values [UNITS, 16] in shared memory, viewed with a layout of one rank less: what .index(unit) leaves."""
+        table = gl.allocate_shared_memory(values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        table.store(values)
+        return reinterpret(table, values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    @gluon.jit
+    def _flush(out, c, p, P, U, KT, Y, Partials, Counters, N, MAX_SLOTS: gl.constexpr, FIXUP: gl.constexpr,
+               WARPS_: gl.constexpr):
+        """Column tile c's part of y from program p: y itself if p holds all of c's units, else a partial, and the
+        last of c's programs to arrive sums their partials in program order and writes y."""
+        cols_l: gl.constexpr = out.type.layout
+        cols = gl.arange(0, _BLOCK_N_S, layout=cols_l)
+        n = c * _BLOCK_N_S + cols
+        first = _program_of(c * KT, P, U)
+        count = _program_of((c + 1) * KT - 1, P, U) - first + 1
+        if count == 1:
+            gl.store(Y + n, out.to(Y.dtype.element_ty), mask=n < N)
+        else:
+            gl.store(Partials + (c * MAX_SLOTS + p - first) * _BLOCK_N_S + cols, out)
+            if FIXUP:
+                warps_barrier()  # every thread's partial stored before the arrival
+                if gl.atomic_add(Counters + c, 1, sem="acq_rel") == count - 1:
+                    gl.store(Counters + c, 0)
+                    fix_l: gl.constexpr = gl.BlockedLayout([MAX_SLOTS, 2], [1, 32], [1, WARPS_], [1, 0])
+                    slots = gl.arange(0, MAX_SLOTS, layout=gl.SliceLayout(1, fix_l))[:, None]
+                    fcols = gl.arange(0, _BLOCK_N_S, layout=gl.SliceLayout(0, fix_l))[None, :]
+                    parts = gl.load(Partials + (c * MAX_SLOTS + slots) * _BLOCK_N_S + fcols,
+                                    mask=(slots < count) & (fcols < _BLOCK_N_S), other=0.0, cache_modifier=".cg")
+                    y = gl.convert_layout(gl.sum(parts, axis=0), cols_l)
+                    gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
+
+    @gluon.jit
+    def _w4_gemv_stream_kernel(XW, WP, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, KT, U,
+                               STAGES: gl.constexpr, UNITS: gl.constexpr, GROUP_ROWS: gl.constexpr,
+                               MAX_SLOTS: gl.constexpr, PDL: gl.constexpr, L2_TILES: gl.constexpr,
+                               COMPUTE: gl.constexpr, FIXUP: gl.constexpr, EARLY_START: gl.constexpr):
+        """Program p: units [p U / P, (p + 1) U / P) through a ring of STAGES slots (module docstring). UNITS: a power
+        of two at least the longest run. COMPUTE / FIXUP off: probes (the copies alone; partials stored, no sum)."""
+        WARPS_: gl.constexpr = gl.num_warps()
+        GROUPS: gl.constexpr = _TILE_ROWS_S // GROUP_ROWS
+        p = gl.program_id(0)
+        P = gl.num_programs(0)
+        u0 = p * U // P
+        n_units = (p + 1) * U // P - u0
+
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_ROWS_S, _BLOCK_N_S], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, GROUPS, _BLOCK_N_S], s_desc.layout)
+        z_smem = gl.allocate_shared_memory(gl.int8, [STAGES, GROUPS, _BLOCK_N_S // 2], z_desc.layout)
+        landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for first in gl.static_range(STAGES):
+            mbarrier.init(landed.index(first), count=1)
+        fence_async_shared()
+        for first in gl.static_range(STAGES):
+            if first < n_units:
+                _load_unit(u0 + first, KT, w_desc, s_desc, z_desc, landed.index(first), w_smem.index(first),
+                           s_smem.index(first), z_smem.index(first), GROUP_ROWS)
+        for t in gl.static_range(L2_TILES):
+            if STAGES + t < n_units:
+                _prefetch_unit(WP, u0 + STAGES + t, KT, N, K_ROWS, WARPS_)
+        if EARLY_START:
+            _let_next_start(PDL)
+        _wait_for_previous(PDL)
+        pairs, sums = _run_tables(XW, u0, n_units, KT, K_ROWS, UNITS, WARPS_)
+        warps_barrier()  # the tables are written
+
+        tile_l: gl.constexpr = gl.BlockedLayout([_SUB_ROWS_S // 2, 2], [1, 32], [1, WARPS_], [1, 0])
+        cols_l: gl.constexpr = gl.SliceLayout(0, tile_l)
+        bytes_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS_], [1, 0])
+        out = gl.zeros([_BLOCK_N_S], gl.float32, layout=cols_l)
+        for i in range(n_units):
+            s = i % STAGES
+            mbarrier.wait(landed.index(s), (i // STAGES) & 1)
+            u = u0 + i
+            if COMPUTE:
+                pairs_i = (pairs[0].index(i), pairs[1].index(i), pairs[2].index(i), pairs[3].index(i))
+                for g in gl.static_range(GROUPS):
+                    scale = gl.sum(s_smem.index(s).slice(g, 1).load(tile_l).to(gl.float32), axis=0)
+                    z_byte = gl.sum(z_smem.index(s).slice(g, 1).load(bytes_l).to(gl.int32) & 255, axis=0)
+                    z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [_BLOCK_N_S]), cols_l)
+                    x_sum = gl.sum(sums.index(i).slice(g * GROUP_ROWS, GROUP_ROWS).load(
+                        gl.BlockedLayout([GROUP_ROWS], [32], [WARPS_], [0])), axis=0)
+                    part = gl.zeros([_BLOCK_N_S], gl.float32, layout=cols_l)
+                    for sub in gl.static_range(GROUP_ROWS // _SUB_ROWS_S):
+                        part += _tile_sum(w_smem.index(s), g * GROUP_ROWS + sub * _SUB_ROWS_S, pairs_i,
+                                          g * GROUP_ROWS + sub * _SUB_ROWS_S, tile_l, 2)
+                    out += part * (scale * _TWO_POW_32_S) - x_sum * (z.to(gl.float32) * scale)
+            warps_barrier()  # every warp done with slot s
+            if i + STAGES < n_units:
+                _load_unit(u + STAGES, KT, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
+                           s_smem.index(s), z_smem.index(s), GROUP_ROWS)
+            if ((u + 1) % KT == 0) | (i == n_units - 1):
+                _flush(out, u // KT, p, P, U, KT, Y, Partials, Counters, N, MAX_SLOTS, FIXUP, WARPS_)
+                out = gl.zeros([_BLOCK_N_S], gl.float32, layout=cols_l)
+        if not EARLY_START:
+            _let_next_start(PDL)
+
+
+def plan(k: int, n: int, programs: int) -> dict:
+    """The launch's numbers for a K x N weight over ``programs`` programs: units U, units a column tile KT, the
+    programs P (at most U), UNITS (a power of two at least the longest run) and MAX_SLOTS (a power of two at least the
+    most programs sharing a column tile)."""
+    kt = -(-k // (8 * TILE_ROWS))
+    u = kt * -(-n // BLOCK_N)
+    p = min(programs, u)
+
+    def program_of(unit):  # (_program_of)
+        return ((unit + 1) * p - 1) // u
+
+    most = max(program_of((c + 1) * kt - 1) - program_of(c * kt) + 1 for c in range(u // kt))
+    return {"U": u, "KT": kt, "P": p, "UNITS": triton.next_power_of_2(-(-u // p)),
+            "MAX_SLOTS": triton.next_power_of_2(most)}
+
+
+def partials_needed(k: int, n: int, programs: int) -> int:
+    numbers = plan(k, n, programs)
+    return numbers["U"] // numbers["KT"] * numbers["MAX_SLOTS"] * BLOCK_N
+
+
+def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                   out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool = True,
+                   programs_per_sm: int = 2, stages: int = 3, l2_tiles: int = 0, compute: bool = True,
+                   fixup: bool = True, early_start: bool = True) -> None:
+    """y = x @ W into ``out`` [1, N] (bf16 x [1, K], GPTQ-packed qweight [K / 8, N], group 64 or 128)."""
+    k, n = 8 * qweight.shape[0], qweight.shape[1]
+    if k % (8 * TILE_ROWS) or n % 32 or group not in (64, 128) or x.dtype != torch.bfloat16 or x.shape[0] != 1:
+        raise ValueError(f"the stream GEMV takes one bf16 row, K a multiple of 128, N of 32, group 64 or 128; got "
+                         f"x {tuple(x.shape)} {x.dtype}, K = {k}, N = {n}, group {group}")
+    numbers = plan(k, n, programs_per_sm * num_sms(x.device))
+    if partials.numel() < partials_needed(k, n, programs_per_sm * num_sms(x.device)):
+        raise ValueError(f"partials holds {partials.numel()} floats, fewer than the fix-up needs")
+    _w4_gemv_stream_kernel[(numbers["P"],)](
+        x.view(torch.int32), qweight, *_descriptors(qweight, scales, zeros, group), out, partials, counters, n,
+        k // 8, numbers["KT"], numbers["U"], STAGES=stages, UNITS=numbers["UNITS"], GROUP_ROWS=group // 8,
+        MAX_SLOTS=numbers["MAX_SLOTS"], PDL=pdl, L2_TILES=l2_tiles, COMPUTE=compute, FIXUP=fixup,
+        EARLY_START=early_start, num_warps=WARPS, launch_pdl=pdl)
