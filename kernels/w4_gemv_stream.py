@@ -102,15 +102,18 @@ if GLUON_USABLE:
 
     @gluon.jit
     def _flush(out, c, p, P, U, KT, Y, Partials, Counters, N, MAX_SLOTS: gl.constexpr, FIXUP: gl.constexpr,
-               WARPS_: gl.constexpr):
+               ADD: gl.constexpr, WARPS_: gl.constexpr):
         """Column tile c's part of y from program p: y itself if p holds all of c's units, else a partial, and the
-        last of c's programs to arrive sums their partials in program order and writes y."""
+        last of c's programs to arrive sums their partials in program order and writes y. ADD: Y is an fp32 row
+        and each program adds its part to it (a RED: no fix-up)."""
         cols_l: gl.constexpr = out.type.layout
         cols = gl.arange(0, _BLOCK_N_S, layout=cols_l)
         n = c * _BLOCK_N_S + cols
         first = _program_of(c * KT, P, U)
         count = _program_of((c + 1) * KT - 1, P, U) - first + 1
-        if count == 1:
+        if ADD:
+            gl.atomic_add(Y + n, out, mask=n < N, sem="relaxed")
+        elif count == 1:
             gl.store(Y + n, out.to(Y.dtype.element_ty), mask=n < N)
         else:
             gl.store(Partials + (c * MAX_SLOTS + p - first) * _BLOCK_N_S + cols, out)
@@ -130,7 +133,8 @@ if GLUON_USABLE:
     def _w4_gemv_stream_kernel(XW, WP, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, KT, U,
                                STAGES: gl.constexpr, UNITS: gl.constexpr, GROUP_ROWS: gl.constexpr,
                                MAX_SLOTS: gl.constexpr, PDL: gl.constexpr, L2_TILES: gl.constexpr,
-                               COMPUTE: gl.constexpr, FIXUP: gl.constexpr, EARLY_START: gl.constexpr):
+                               COMPUTE: gl.constexpr, FIXUP: gl.constexpr, EARLY_START: gl.constexpr,
+                               ADD: gl.constexpr = False):
         """Program p: units [p U / P, (p + 1) U / P) through a ring of STAGES slots (module docstring). UNITS: a power
         of two at least the longest run. COMPUTE / FIXUP off: probes (the copies alone; partials stored, no sum)."""
         WARPS_: gl.constexpr = gl.num_warps()
@@ -186,7 +190,7 @@ if GLUON_USABLE:
                 _load_unit(u + STAGES, KT, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
                            s_smem.index(s), z_smem.index(s), GROUP_ROWS)
             if ((u + 1) % KT == 0) | (i == n_units - 1):
-                _flush(out, u // KT, p, P, U, KT, Y, Partials, Counters, N, MAX_SLOTS, FIXUP, WARPS_)
+                _flush(out, u // KT, p, P, U, KT, Y, Partials, Counters, N, MAX_SLOTS, FIXUP, ADD, WARPS_)
                 out = gl.zeros([_BLOCK_N_S], gl.float32, layout=cols_l)
         if not EARLY_START:
             _let_next_start(PDL)
@@ -216,8 +220,9 @@ def partials_needed(k: int, n: int, programs: int) -> int:
 def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                    out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool = True,
                    programs_per_sm: int = 2, stages: int = 3, l2_tiles: int = 0, compute: bool = True,
-                   fixup: bool = True, early_start: bool = True) -> None:
-    """y = x @ W into ``out`` [1, N] (bf16 x [1, K], GPTQ-packed qweight [K / 8, N], group 64 or 128)."""
+                   fixup: bool = True, early_start: bool = True, add: bool = False) -> None:
+    """y = x @ W into ``out`` [1, N] (bf16 x [1, K], GPTQ-packed qweight [K / 8, N], group 64 or 128); ``add``:
+    ``out`` is fp32 and y is added to it."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     if k % (8 * TILE_ROWS) or n % 32 or group not in (64, 128) or x.dtype != torch.bfloat16 or x.shape[0] != 1:
         raise ValueError(f"the stream GEMV takes one bf16 row, K a multiple of 128, N of 32, group 64 or 128; got "
@@ -229,4 +234,4 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x.view(torch.int32), qweight, *_descriptors(qweight, scales, zeros, group), out, partials, counters, n,
         k // 8, numbers["KT"], numbers["U"], STAGES=stages, UNITS=numbers["UNITS"], GROUP_ROWS=group // 8,
         MAX_SLOTS=numbers["MAX_SLOTS"], PDL=pdl, L2_TILES=l2_tiles, COMPUTE=compute, FIXUP=fixup,
-        EARLY_START=early_start, num_warps=WARPS, launch_pdl=pdl)
+        EARLY_START=early_start, ADD=add, num_warps=WARPS, launch_pdl=pdl)

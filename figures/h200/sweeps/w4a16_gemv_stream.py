@@ -40,6 +40,8 @@ VARIANTS = {  # name: w4_gemv_stream keywords
     "stream 3x2 l2 8": dict(programs_per_sm=3, stages=2, l2_tiles=8),
     "stream 2x3 late start": dict(programs_per_sm=2, stages=3, early_start=False),
     "stream 2x3 no pdl": dict(programs_per_sm=2, stages=3, pdl=False),
+    "stream 2x3 add": dict(programs_per_sm=2, stages=3, add=True),
+    "stream 3x2 add": dict(programs_per_sm=3, stages=2, add=True),
     "probe 2x3 copies only": dict(programs_per_sm=2, stages=3, compute=False, fixup=False),
     "probe 2x3 no fix-up": dict(programs_per_sm=2, stages=3, fixup=False),
     "probe 3x2 copies only": dict(programs_per_sm=3, stages=2, compute=False, fixup=False),
@@ -62,7 +64,10 @@ def check(k, n, group, kw, dev, gen):
     counters = tile_counters(dev)
     answers = []
     for _ in range(2):
-        out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=dev)
+        if kw.get("add"):  # y added to a zeroed fp32 row
+            out = torch.zeros((1, n), dtype=torch.float32, device=dev)
+        else:
+            out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=dev)
         w4_gemv_stream.w4_gemv_stream(x, *w, group, out, partials, counters, **kw)
         answers.append(out)
     torch.cuda.synchronize()
@@ -90,6 +95,7 @@ def main():
         sets = [weights(k, n, group, dev, gen) for _ in range(copies)]
         dense = [torch.randn(k, n, dtype=torch.bfloat16, device=dev, generator=gen) for _ in range(copies)]
         out = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
+        out32 = torch.zeros(1, n, dtype=torch.float32, device=dev)  # (the add variants' row: sums, never read)
         partials = torch.empty(w4_gemv_stream.partials_needed(k, n, 4 * num_sms(dev)), dtype=torch.float32,
                                device=dev)
         counters = tile_counters(dev)
@@ -102,7 +108,8 @@ def main():
                  "gluon gemv": (cycled(lambda w: w4a16_matmul(x, *w, group, out=out, hopper=True), sets), w4_bytes)}
         for name, kw in VARIANTS.items():
             def call(w, kw=kw):
-                w4_gemv_stream.w4_gemv_stream(x, *w, group, out, partials, counters, **kw)
+                w4_gemv_stream.w4_gemv_stream(x, *w, group, out32 if kw.get("add") else out, partials, counters,
+                                              **kw)
             calls[name] = (cycled(call, sets), w4_bytes)
         times = time_interleaved({name: call for name, (call, _) in calls.items()}, dev)
         row = {"k": k, "n": n, "group": group, "weight_copies": copies,
