@@ -133,10 +133,13 @@ if GLUON_USABLE:
     def _w4_gemv_stream_kernel(XW, WP, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, KT, U,
                                STAGES: gl.constexpr, UNITS: gl.constexpr, GROUP_ROWS: gl.constexpr,
                                MAX_SLOTS: gl.constexpr, PDL: gl.constexpr, L2_TILES: gl.constexpr,
-                               COMPUTE: gl.constexpr, FIXUP: gl.constexpr, EARLY_START: gl.constexpr,
+                               COMPUTE: gl.constexpr, FIXUP: gl.constexpr, START: gl.constexpr,
                                ADD: gl.constexpr = False):
         """Program p: units [p U / P, (p + 1) U / P) through a ring of STAGES slots (module docstring). UNITS: a power
-        of two at least the longest run. COMPUTE / FIXUP off: probes (the copies alone; partials stored, no sum)."""
+        of two at least the longest run. COMPUTE / FIXUP off: probes (the copies alone; partials stored, no sum).
+        START: when the next kernel, launched early (PDL), may start: 0 before the wait, 1 once the program has
+        issued its last copy (its ring and L2 asks then land during this kernel's last math and fix-up), 2 at the
+        end."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS_S // GROUP_ROWS
         p = gl.program_id(0)
@@ -158,7 +161,7 @@ if GLUON_USABLE:
         for t in gl.static_range(L2_TILES):
             if STAGES + t < n_units:
                 _prefetch_unit(WP, u0 + STAGES + t, KT, N, K_ROWS, WARPS_)
-        if EARLY_START:
+        if (START == 0) | ((START == 1) & (n_units <= STAGES)):
             _let_next_start(PDL)
         _wait_for_previous(PDL)
         pairs, sums = _run_tables(XW, u0, n_units, KT, K_ROWS, UNITS, WARPS_)
@@ -189,10 +192,12 @@ if GLUON_USABLE:
             if i + STAGES < n_units:
                 _load_unit(u + STAGES, KT, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
                            s_smem.index(s), z_smem.index(s), GROUP_ROWS)
+                if (START == 1) & (i + STAGES == n_units - 1):
+                    _let_next_start(PDL)
             if ((u + 1) % KT == 0) | (i == n_units - 1):
                 _flush(out, u // KT, p, P, U, KT, Y, Partials, Counters, N, MAX_SLOTS, FIXUP, ADD, WARPS_)
                 out = gl.zeros([_BLOCK_N_S], gl.float32, layout=cols_l)
-        if not EARLY_START:
+        if START == 2:
             _let_next_start(PDL)
 
 
@@ -220,7 +225,7 @@ def partials_needed(k: int, n: int, programs: int) -> int:
 def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                    out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool = True,
                    programs_per_sm: int = 2, stages: int = 3, l2_tiles: int = 0, compute: bool = True,
-                   fixup: bool = True, early_start: bool = True, add: bool = False) -> None:
+                   fixup: bool = True, start: int = 0, add: bool = False) -> None:
     """y = x @ W into ``out`` [1, N] (bf16 x [1, K], GPTQ-packed qweight [K / 8, N], group 64 or 128); ``add``:
     ``out`` is fp32 and y is added to it."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
@@ -234,4 +239,4 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x.view(torch.int32), qweight, *_descriptors(qweight, scales, zeros, group), out, partials, counters, n,
         k // 8, numbers["KT"], numbers["U"], STAGES=stages, UNITS=numbers["UNITS"], GROUP_ROWS=group // 8,
         MAX_SLOTS=numbers["MAX_SLOTS"], PDL=pdl, L2_TILES=l2_tiles, COMPUTE=compute, FIXUP=fixup,
-        EARLY_START=early_start, ADD=add, num_warps=WARPS, launch_pdl=pdl)
+        START=start, ADD=add, num_warps=WARPS, launch_pdl=pdl)

@@ -3,7 +3,8 @@
 
 Timing as w4a16_gemv_gluon.py: 20 calls in a CUDA graph, each on another copy of the weights (twice the L2 in all,
 so no call finds its weight in L2), PDL on where the kernel has it. Variants: programs an SM x ring slots, tiles
-asked into L2 before the wait (l2), the next kernel let start early or at the end, and two probes: the copies alone
+asked into L2 before the wait (l2), when the next kernel may start (start 0 / 1 / 2), the add form (y added to an
+fp32 row: no fix-up), and two probes: the copies alone
 (no math, no fix-up: its answer is wrong) and no fix-up (partials stored, not summed). Every variant that computes y
 is checked against ``w4a16_matmul_ref`` (y poisoned first), run twice for bit-equal answers, and the split-K counters
 checked back at zero; odd shapes (a ragged column tile, group 64, one unit a program) are checked without timing.
@@ -27,24 +28,23 @@ from minillm.kernels.checks import num_sms  # noqa: E402
 from minillm.kernels.quant_matmul import pack_int4, pack_int4_along_n, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 from minillm.kernels.split_k import tile_counters  # noqa: E402
 
-VARIANTS = {  # name: w4_gemv_stream keywords
-    "stream 2x3": dict(programs_per_sm=2, stages=3),
-    "stream 2x2": dict(programs_per_sm=2, stages=2),
-    "stream 2x4": dict(programs_per_sm=2, stages=4),
+VARIANTS = {  # name: w4_gemv_stream keywords (start: when the next kernel may start, w4_gemv_stream.py)
     "stream 3x2": dict(programs_per_sm=3, stages=2),
-    "stream 3x3": dict(programs_per_sm=3, stages=3),
-    "stream 4x2": dict(programs_per_sm=4, stages=2),
-    "stream 1x6": dict(programs_per_sm=1, stages=6),
-    "stream 2x3 l2 4": dict(programs_per_sm=2, stages=3, l2_tiles=4),
-    "stream 2x3 l2 16": dict(programs_per_sm=2, stages=3, l2_tiles=16),
-    "stream 3x2 l2 8": dict(programs_per_sm=3, stages=2, l2_tiles=8),
-    "stream 2x3 late start": dict(programs_per_sm=2, stages=3, early_start=False),
-    "stream 2x3 no pdl": dict(programs_per_sm=2, stages=3, pdl=False),
-    "stream 2x3 add": dict(programs_per_sm=2, stages=3, add=True),
+    "stream 2x2": dict(programs_per_sm=2, stages=2),
+    "stream 3x2 start 1": dict(programs_per_sm=3, stages=2, start=1),
+    "stream 3x2 start 1 l2 2": dict(programs_per_sm=3, stages=2, start=1, l2_tiles=2),
+    "stream 3x2 start 1 l2 4": dict(programs_per_sm=3, stages=2, start=1, l2_tiles=4),
+    "stream 2x2 start 1 l2 4": dict(programs_per_sm=2, stages=2, start=1, l2_tiles=4),
+    "stream 2x3 start 1": dict(programs_per_sm=2, stages=3, start=1),
+    "stream 2x3 start 1 l2 2": dict(programs_per_sm=2, stages=3, start=1, l2_tiles=2),
+    "stream 3x2 start 2": dict(programs_per_sm=3, stages=2, start=2),
     "stream 3x2 add": dict(programs_per_sm=3, stages=2, add=True),
-    "probe 2x3 copies only": dict(programs_per_sm=2, stages=3, compute=False, fixup=False),
-    "probe 2x3 no fix-up": dict(programs_per_sm=2, stages=3, fixup=False),
+    "stream 3x2 add start 1": dict(programs_per_sm=3, stages=2, add=True, start=1),
+    "stream 3x2 add start 1 l2 4": dict(programs_per_sm=3, stages=2, add=True, start=1, l2_tiles=4),
+    "stream 2x2 add": dict(programs_per_sm=2, stages=2, add=True),
+    "probe 3x2 no fix-up": dict(programs_per_sm=3, stages=2, fixup=False),
     "probe 3x2 copies only": dict(programs_per_sm=3, stages=2, compute=False, fixup=False),
+    "probe 3x2 copies only start 1": dict(programs_per_sm=3, stages=2, compute=False, fixup=False, start=1),
 }
 
 
