@@ -1,0 +1,100 @@
+"""The stream-K W4A16 GEMV (kernels/w4_gemv_stream.py) against ``w4a16_matmul_ref``: its bf16 form (the fix-up of
+column tiles that several programs share) and its add form (y added to an fp32 row), over shapes that leave a
+column tile ragged, a group of 64, one unit a program and many programs a tile, and in a CUDA graph.
+
+Gluon has no interpreter: the numerical tests need an sm_90 GPU. On the CPU, ``plan`` (the work's split) is tested,
+and the kernel is compiled for sm_90 (tests/test_w4_gemv_stream_sass.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.kernels import split_k, w4_gemv_stream as stream
+from minillm.kernels.quant_matmul import w4a16_matmul_ref
+
+from test_quant_matmul import assert_matches, counters_are_clean, int4_problem, poisoned
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and stream.GLUON_USABLE
+needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm_90 GPUs only (no interpreter)")
+
+CASES = [  # k, n, group, programs an SM, slots
+    (4096, 11008, 128, 3, 2),  # Llama-2-7B's gate/up: ~9 programs a column tile
+    (11008, 4096, 128, 2, 3),  # its down_proj: 86 units a column tile
+    (4096, 4128, 128, 2, 2),  # a ragged last column tile (TMA's zero fill)
+    (4096, 1024, 64, 3, 2),  # two groups a unit
+    (11008, 256, 128, 2, 2),  # one column tile, one unit a program: 86 partials
+    (512, 96, 64, 1, 4),  # fewer units than programs
+]
+
+
+def program_of(unit: int, programs: int, units: int) -> int:
+    """By search, not by the kernel's formula: the program whose run [p U / P, (p + 1) U / P) holds ``unit``."""
+    return next(p for p in range(programs) if p * units // programs <= unit < (p + 1) * units // programs)
+
+
+@pytest.mark.parametrize("k,n,programs", [(4096, 11008, 396), (11008, 4096, 264), (11008, 256, 528), (512, 96, 132),
+                                          (4096, 4096, 132)])
+def test_plan_covers_every_unit_once_and_counts_a_tiles_programs(k, n, programs):
+    numbers = stream.plan(k, n, programs)
+    units, kt, p = numbers["U"], numbers["KT"], numbers["P"]
+    assert kt == -(-k // 128) and units == kt * -(-n // 256) and p == min(programs, units)
+    runs = [(i * units // p, (i + 1) * units // p) for i in range(p)]
+    assert runs[0][0] == 0 and runs[-1][1] == units and all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+    longest = max(b - a for a, b in runs)
+    assert longest >= 1 and numbers["UNITS"] >= longest and numbers["UNITS"] & (numbers["UNITS"] - 1) == 0
+    sharing = [program_of((c + 1) * kt - 1, p, units) - program_of(c * kt, p, units) + 1 for c in range(units // kt)]
+    assert numbers["MAX_SLOTS"] >= max(sharing) and numbers["MAX_SLOTS"] < 2 * max(sharing)
+    assert stream.partials_needed(k, n, programs) == units // kt * numbers["MAX_SLOTS"] * 256
+
+
+def test_it_refuses_what_it_cannot_run_and_says_why():
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    qweight = torch.zeros(512, 1000, dtype=torch.int32)  # N = 1000: not a multiple of 32
+    with pytest.raises(ValueError, match="N of 32.*N = 1000"):
+        stream.w4_gemv_stream(x, qweight, None, None, 128, None, None, None)
+
+
+@needs_sm90
+@pytest.mark.parametrize("k,n,group,per_sm,stages", CASES)
+@pytest.mark.parametrize("add", [False, True])
+def test_stream_gemv_matches_ref(k, n, group, per_sm, stages, add):
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + group + add)
+    want = w4a16_matmul_ref(x, qweight, scales, zeros, group)
+    partials = torch.full((stream.partials_needed(k, n, per_sm * stream.num_sms(x.device)),), float("nan"),
+                          device=x.device)
+    counters = split_k.tile_counters(x.device)
+    start = torch.randn(1, n, device=x.device) if add else None
+    out = start.clone() if add else poisoned((1, n), torch.bfloat16)
+    stream.w4_gemv_stream(x, qweight, scales, zeros, group, out, partials, counters, programs_per_sm=per_sm,
+                          stages=stages, add=add)
+    if add:  # y added to the row in fp32
+        torch.testing.assert_close(out - start, want.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())
+    else:
+        assert_matches(out, want, torch.bfloat16)
+        again = poisoned((1, n), torch.bfloat16)
+        stream.w4_gemv_stream(x, qweight, scales, zeros, group, again, partials, counters, programs_per_sm=per_sm,
+                              stages=stages)
+        assert torch.equal(again, out), "the fix-up sums in program order: the same bits every run"
+    assert counters_are_clean()
+
+
+@needs_sm90
+def test_stream_gemv_replays_in_a_cuda_graph():
+    """Counters reset by each tile's last program: replays with new x stay right."""
+    k, n = 4096, 2048
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=12)
+    partials = torch.empty(stream.partials_needed(k, n, 3 * stream.num_sms(x.device)), device=x.device)
+    counters = split_k.tile_counters(x.device)
+    out = torch.empty(1, n, dtype=torch.bfloat16, device=x.device)
+    stream.w4_gemv_stream(x, qweight, scales, zeros, 128, out, partials, counters, programs_per_sm=3, stages=2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stream.w4_gemv_stream(x, qweight, scales, zeros, 128, out, partials, counters, programs_per_sm=3, stages=2)
+    for seed in range(3):
+        x.copy_(int4_problem(1, k, 8, 128, torch.bfloat16, seed=40 + seed)[0])
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_matches(out, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
+    assert counters_are_clean()
