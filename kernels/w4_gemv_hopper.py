@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from minillm.kernels.checks import num_sms
+from minillm.kernels.checks import num_sms, switched_on
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
 from minillm.kernels.pdl import supported as pdl_supported
 from minillm.kernels import w4_gemv_hopper_kernel as kernel  # (its kernel exists where GLUON_USABLE)
+from minillm.kernels import w4_gemv_stream as stream
 from minillm.kernels.split_k import MAX_TILES, tile_counters
 from minillm.kernels.w4_gemv_hopper_kernel import BLOCK_N, RUN, TILE_ROWS, WARPS
 from minillm.kernels.w4_gemv_norms import Norm, Rms
@@ -144,8 +145,16 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
          out: torch.Tensor, gated: bool = False, add: bool = False, norm: Norm | None = None,
          squares: torch.Tensor | None = None, rms: Rms | None = None) -> None:
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
-    where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run."""
+    where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run. Forms that add y to a row
+    run the stream-K kernel instead (``w4_gemv_stream.py``) where it takes them, unless MINILLM_GEMV_STREAM=0."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
+    if add and out.dtype == torch.float32 and switched_on("MINILLM_GEMV_STREAM") and not stream.unsupported(
+            k, n, group, x.dtype, x.shape[0], add, gated, norm is not None, rms is not None):
+        per_sm, stages = stream.choose_shape(k, n, num_sms(x.device))
+        stream.w4_gemv_stream(x, qweight, scales, zeros, group, out, None, None, pdl_supported(x.device),
+                              programs_per_sm=per_sm, stages=stages, add=True, gated=gated, norm=norm, squares=squares,
+                              rms=rms)
+        return
     tiles = choose_tiles(k, n, num_sms(x.device))
     partials = torch.empty(max(partials_needed(k, n, tiles, norm is not None), 1), dtype=torch.float32,
                            device=x.device)

@@ -29,6 +29,7 @@ import torch
 import triton
 
 from minillm.kernels.checks import num_sms
+from minillm.kernels.w4_gemv_norms import Norm, Rms
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, gluon
 
 if GLUON_USABLE:
@@ -37,7 +38,8 @@ if GLUON_USABLE:
 
     from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
     from minillm.kernels.w4_gemv_hopper_kernel import (_fma2, _let_next_start, _prmt, _tile_sum, _wait_for_previous,
-                                                       _word_sum)
+                                                       _word_sum, _x_words)
+    from minillm.kernels.w4_gemv_norms import stored_inv_rms, weighted_word
 
 from minillm.kernels.w4_gemv_hopper_kernel import BLOCK_N, SUB_ROWS, TILE_ROWS, _descriptors
 
@@ -75,23 +77,35 @@ if GLUON_USABLE:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _run_tables(XW, u0, n_units, KT, K_ROWS, UNITS: gl.constexpr, WARPS_: gl.constexpr):
+    def _run_tables(XW, u0, n_units, KT, K_ROWS, NormW, inv, UNITS: gl.constexpr, WARPS_: gl.constexpr,
+                    GATED: gl.constexpr, NORMED: gl.constexpr, SCALED: gl.constexpr):
         """x's pair tables and row sums for the program's units, [UNITS, 16] each in shared memory: row r of unit t is
-        packed row (u0 + t) % KT * 16 + r of x (``w4_gemv_hopper_kernel._x_tables`` has the pairs' arithmetic)."""
+        packed row (u0 + t) % KT * 16 + r of x (``w4_gemv_hopper_kernel._x_tables`` has the pairs' arithmetic and the
+        forms GATED, NORMED and SCALED). NORMED: also the sum of squares of the inputs of the program's units of column
+        tile 0, whose programs between them hold every row of K once (0 for the others)."""
         tab_l: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [WARPS_, 1], [1, 0])
         t = gl.arange(0, UNITS, layout=gl.SliceLayout(1, tab_l))[:, None]
         r = ((u0 + t) % KT) * _TILE_ROWS_S + gl.arange(0, _TILE_ROWS_S, layout=gl.SliceLayout(0, tab_l))[None, :]
         ok = (t < n_units) & (r < K_ROWS)
-        w0 = gl.load(XW + 4 * r, mask=ok, other=0)
-        w1 = gl.load(XW + 4 * r + 1, mask=ok, other=0)
-        w2 = gl.load(XW + 4 * r + 2, mask=ok, other=0)
-        w3 = gl.load(XW + 4 * r + 3, mask=ok, other=0)
+        if NORMED:
+            w0, q0 = weighted_word(XW, NormW, 4 * r, ok)
+            w1, q1 = weighted_word(XW, NormW, 4 * r + 1, ok)
+            w2, q2 = weighted_word(XW, NormW, 4 * r + 2, ok)
+            w3, q3 = weighted_word(XW, NormW, 4 * r + 3, ok)
+            in_first_tile = (u0 + t < KT) & ok
+            squares = gl.sum(gl.sum(gl.where(in_first_tile, q0 + q1 + q2 + q3, 0.0), axis=1), axis=0)
+        else:
+            w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, inv, GATED, SCALED)
+            w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, inv, GATED, SCALED)
+            w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, inv, GATED, SCALED)
+            w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, inv, GATED, SCALED)
+            squares = 0.0
         pairs = (_table2(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
                  _table2(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),
                  _table2(_fma2(_prmt(w1, w3, 0x5410), 0x72007200, 0)),
                  _table2(_fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0)))
         sums = _table2(_word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3))
-        return pairs, sums
+        return pairs, sums, squares
 
     @gluon.jit
     def _table2(values):
@@ -130,16 +144,19 @@ if GLUON_USABLE:
                     gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
 
     @gluon.jit
-    def _w4_gemv_stream_kernel(XW, WP, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, KT, U,
-                               STAGES: gl.constexpr, UNITS: gl.constexpr, GROUP_ROWS: gl.constexpr,
-                               MAX_SLOTS: gl.constexpr, PDL: gl.constexpr, L2_TILES: gl.constexpr,
-                               COMPUTE: gl.constexpr, FIXUP: gl.constexpr, START: gl.constexpr,
-                               ADD: gl.constexpr = False):
+    def _w4_gemv_stream_kernel(XW, WP, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, KT, U, NormW, eps,
+                               Squares, square_slots, norm_width, STAGES: gl.constexpr, UNITS: gl.constexpr,
+                               GROUP_ROWS: gl.constexpr, MAX_SLOTS: gl.constexpr, PDL: gl.constexpr,
+                               L2_TILES: gl.constexpr, COMPUTE: gl.constexpr, FIXUP: gl.constexpr, START: gl.constexpr,
+                               ADD: gl.constexpr = False, GATED: gl.constexpr = False,
+                               NORMED: gl.constexpr = False, SCALED: gl.constexpr = False,
+                               SQUARE_SLOTS: gl.constexpr = 1):
         """Program p: units [p U / P, (p + 1) U / P) through a ring of STAGES slots (module docstring). UNITS: a power
         of two at least the longest run. COMPUTE / FIXUP off: probes (the copies alone; partials stored, no sum).
         START: when the next kernel, launched early (PDL), may start: 0 before the wait, 1 once the program has
         issued its last copy (its ring and L2 asks then land during this kernel's last math and fix-up), 2 at the
-        end."""
+        end. ADD, GATED, NORMED, SCALED: as ``w4_gemv_hopper_kernel._w4_gemv_kernel``'s, NORMED only with ADD (the
+        programs that hold units of column tile 0 store their squares at Squares[p]: between them, the whole row's)."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS_S // GROUP_ROWS
         p = gl.program_id(0)
@@ -164,7 +181,14 @@ if GLUON_USABLE:
         if (START == 0) | ((START == 1) & (n_units <= STAGES)):
             _let_next_start(PDL)
         _wait_for_previous(PDL)
-        pairs, sums = _run_tables(XW, u0, n_units, KT, K_ROWS, UNITS, WARPS_)
+        inv = 1.0
+        if SCALED:
+            inv = stored_inv_rms(Squares, square_slots, SQUARE_SLOTS, norm_width, eps, WARPS_)
+        pairs, sums, squares = _run_tables(XW, u0, n_units, KT, K_ROWS, NormW, inv, UNITS, WARPS_, GATED, NORMED,
+                                           SCALED)
+        if NORMED:
+            if u0 < KT:
+                gl.store(Squares + p, squares)
         warps_barrier()  # the tables are written
 
         tile_l: gl.constexpr = gl.BlockedLayout([_SUB_ROWS_S // 2, 2], [1, 32], [1, WARPS_], [1, 0])
@@ -201,6 +225,14 @@ if GLUON_USABLE:
             _let_next_start(PDL)
 
 
+def choose_shape(k: int, n: int, sms: int) -> tuple[int, int]:
+    """(programs an SM, ring slots a program) for a K x N weight: 3 x 2 where that leaves a program at least three
+    units, else 2 x 3 (H200, add form: 3 x 2 7.18 / 7.16 us at 4096 x 11008 / 11008 x 4096 against 2 x 3's 7.75 /
+    7.68; at 4096 x 4096, 512 units, 2 x 3 3.62 against 3.91: figures/h200/sweeps/w4a16_gemv_stream.json)."""
+    kt = -(-k // (8 * TILE_ROWS))
+    return (3, 2) if kt * -(-n // BLOCK_N) >= 9 * sms else (2, 3)
+
+
 def plan(k: int, n: int, programs: int) -> dict:
     """The launch's numbers for a K x N weight over ``programs`` programs: units U, units a column tile KT, the
     programs P (at most U), UNITS (a power of two at least the longest run) and MAX_SLOTS (a power of two at least the
@@ -223,20 +255,49 @@ def partials_needed(k: int, n: int, programs: int) -> int:
 
 
 def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                   out: torch.Tensor, partials: torch.Tensor, counters: torch.Tensor, pdl: bool = True,
+                   out: torch.Tensor, partials: torch.Tensor | None, counters: torch.Tensor | None, pdl: bool = True,
                    programs_per_sm: int = 2, stages: int = 3, l2_tiles: int = 0, compute: bool = True,
-                   fixup: bool = True, start: int = 0, add: bool = False) -> None:
-    """y = x @ W into ``out`` [1, N] (bf16 x [1, K], GPTQ-packed qweight [K / 8, N], group 64 or 128); ``add``:
-    ``out`` is fp32 and y is added to it."""
+                   fixup: bool = True, start: int = 0, add: bool = False, gated: bool = False,
+                   norm: Norm | None = None, squares: torch.Tensor | None = None, rms: Rms | None = None) -> None:
+    """y = x @ W into ``out`` [1, N] (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128). ``add``: ``out``
+    is fp32 and y is added to it (``partials`` and ``counters`` unused: None will do). With ``add``, the forms of
+    ``w4_gemv_hopper.w4_gemv``: ``gated`` (x the gate_up row [1, 2K]; ``rms``: its 1 / rms left to this GEMV) and
+    ``norm`` with ``squares`` (x the residual stream's fp32 row; y added without the norm's 1 / rms, the sums of
+    squares left at ``squares``, a slot a program of column tile 0, at most K / 128)."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
-    if k % (8 * TILE_ROWS) or n % 32 or group not in (64, 128) or x.dtype != torch.bfloat16 or x.shape[0] != 1:
-        raise ValueError(f"the stream GEMV takes one bf16 row, K a multiple of 128, N of 32, group 64 or 128; got "
-                         f"x {tuple(x.shape)} {x.dtype}, K = {k}, N = {n}, group {group}")
+    reason = unsupported(k, n, group, x.dtype, x.shape[0], add, gated, norm is not None, rms is not None)
+    if reason:
+        raise ValueError(f"the stream GEMV cannot run these inputs: {reason}")
     numbers = plan(k, n, programs_per_sm * num_sms(x.device))
-    if partials.numel() < partials_needed(k, n, programs_per_sm * num_sms(x.device)):
+    if not add and partials.numel() < partials_needed(k, n, programs_per_sm * num_sms(x.device)):
         raise ValueError(f"partials holds {partials.numel()} floats, fewer than the fix-up needs")
+    if norm is not None and (squares is None or squares.numel() < numbers["KT"]):
+        raise ValueError(f"a normed GEMV leaves its sums of squares in squares: fp32 with {numbers['KT']} slots, got "
+                         f"{None if squares is None else squares.numel()}")
+    partials = partials if partials is not None else out
+    counters = counters if counters is not None else out
+    weight, eps = (norm.weight.view(torch.int32), norm.eps) if norm else (partials, rms.eps if rms else 0.0)
+    squares_at = squares if norm else rms.squares if rms else partials
     _w4_gemv_stream_kernel[(numbers["P"],)](
-        x.view(torch.int32), qweight, *_descriptors(qweight, scales, zeros, group), out, partials, counters, n,
-        k // 8, numbers["KT"], numbers["U"], STAGES=stages, UNITS=numbers["UNITS"], GROUP_ROWS=group // 8,
-        MAX_SLOTS=numbers["MAX_SLOTS"], PDL=pdl, L2_TILES=l2_tiles, COMPUTE=compute, FIXUP=fixup,
-        START=start, ADD=add, num_warps=WARPS, launch_pdl=pdl)
+        x if norm or rms else x.view(torch.int32), qweight, *_descriptors(qweight, scales, zeros, group), out,
+        partials, counters, n, k // 8, numbers["KT"], numbers["U"], weight, eps, squares_at,
+        rms.squares.numel() if rms else 0, rms.width if rms else 0, STAGES=stages, UNITS=numbers["UNITS"],
+        GROUP_ROWS=group // 8, MAX_SLOTS=numbers["MAX_SLOTS"], PDL=pdl, L2_TILES=l2_tiles, COMPUTE=compute,
+        FIXUP=fixup, START=start, ADD=add, GATED=gated, NORMED=norm is not None, SCALED=rms is not None,
+        SQUARE_SLOTS=triton.next_power_of_2(rms.squares.numel()) if rms else 1, num_warps=WARPS, launch_pdl=pdl)
+
+
+def unsupported(k: int, n: int, group: int, dtype: torch.dtype, rows: int, add: bool = False, gated: bool = False,
+                normed: bool = False, scaled: bool = False) -> str | None:
+    """Why the stream GEMV cannot take a K x N weight at ``group`` with x of ``dtype`` and ``rows`` rows in this form,
+    or None if it can (``w4_gemv_hopper.unsupported`` checks the rest: the device, alignment, Gluon)."""
+    want = torch.float32 if normed or scaled else torch.bfloat16
+    if dtype != want or rows != 1:
+        return f"it takes one {want} row, not {rows} of {dtype}"
+    if k % (8 * TILE_ROWS) or n % 32 or group not in (64, 128):
+        return f"it takes K a multiple of 128, N of 32 and group 64 or 128; got K = {k}, N = {n}, group {group}"
+    if (gated or normed) and not add:
+        return "its gated and normed forms add y to a row (add=True)"
+    if normed and gated:
+        return "it applies SiLU-and-multiply to x or normalises it, not both"
+    return None

@@ -5,7 +5,8 @@
 # decode runs ~3 % faster than any engine built after another (latency_pool.json's uncounted first engine: 651.5
 # tok/s, the next four 629.8-632.6; decode_engine_order.json: 1.511 ms a token alone, 1.556 once a second engine
 # was built) while bf16's does not change, so the in-process ABBA sweeps understate INT4 against what one process,
-# one engine gives. Writes latency_processes.json to $OUT.
+# one engine gives. A QUANTS entry may carry environment switches for its process after a +, e.g.
+# rtn-int4+MINILLM_GEMV_STREAM=0 (an A/B of a switch, one process a run). Writes latency_processes.json to $OUT.
 # Run from the repository root on an H200: bash figures/h200/sweeps/latency_processes.sh
 set -e
 QUANTS=${QUANTS:-rtn-int4,bf16,rtn-int4-head8}
@@ -14,11 +15,13 @@ MODEL=${MODEL:-llama2-7b}
 RUNS=${OUT:-/tmp/out}/runs  # each run's JSON as it ends (a cut-short call keeps them)
 mkdir -p "$RUNS"
 for round in $(seq "$ROUNDS"); do
-  for quant in ${QUANTS//,/ }; do
+  for label in ${QUANTS//,/ }; do
+    quant=${label%%+*}
+    rest=${label#"$quant"}; switches=(); IFS=+ read -r -a switches <<< "${rest#+}"
     flag=(); [ "$quant" != bf16 ] && flag=(--quantization "$quant")
-    python3 -m minillm.cli bench latency --model "$MODEL" --load-format dummy --batching continuous --peers "${flag[@]}" \
-      --output "$RUNS/${quant}_${round}.json" > "/tmp/${quant}_${round}.log" 2>&1 || tail -5 "/tmp/${quant}_${round}.log"
-    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], round(r['runs']['minillm']['mean_decode_tok_s'], 1), 'tok/s', flush=True)" "$RUNS/${quant}_${round}.json" "$quant $round"
+    env "${switches[@]}" python3 -m minillm.cli bench latency --model "$MODEL" --load-format dummy --batching continuous --peers "${flag[@]}" \
+      --output "$RUNS/${label}_${round}.json" > "/tmp/${label}_${round}.log" 2>&1 || tail -5 "/tmp/${label}_${round}.log"
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], round(r['runs']['minillm']['mean_decode_tok_s'], 1), 'tok/s', flush=True)" "$RUNS/${label}_${round}.json" "$label $round"
   done
 done
 python3 - "$RUNS" "$QUANTS" <<'PY'
