@@ -34,6 +34,14 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
+# The forms that add y to a row run the stream-K kernel (w4_gemv_stream.py) unless MINILLM_GEMV_STREAM=0.
+STREAM = switched_on("MINILLM_GEMV_STREAM")
+
+
+def stream_takes(k: int, n: int, form: str) -> bool:
+    """Whether ``gemv`` runs a K x N weight's add form ``form`` ("add", "gated" or "normed") on the stream kernel
+    where that kernel can: STREAM (a sweep may narrow it to some projections or forms)."""
+    return STREAM
 
 
 def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -148,7 +156,8 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run. Forms that add y to a row
     run the stream-K kernel instead (``w4_gemv_stream.py``) where it takes them, unless MINILLM_GEMV_STREAM=0."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
-    if add and out.dtype == torch.float32 and switched_on("MINILLM_GEMV_STREAM") and not stream.unsupported(
+    form = "gated" if gated else "normed" if norm is not None else "add"
+    if add and out.dtype == torch.float32 and stream_takes(k, n, form) and not stream.unsupported(
             k, n, group, x.dtype, x.shape[0], add, gated, norm is not None, rms is not None):
         per_sm, stages = stream.choose_shape(k, n, num_sms(x.device))
         stream.w4_gemv_stream(x, qweight, scales, zeros, group, out, None, None, pdl_supported(x.device),
