@@ -10,10 +10,12 @@ M > 1 take the Triton kernels.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
-from minillm.kernels.checks import num_sms, switched_on
+from minillm.kernels.checks import num_sms
 from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
 from minillm.kernels.pdl import supported as pdl_supported
@@ -34,8 +36,10 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-# The forms that add y to a row run the stream-K kernel (w4_gemv_stream.py) unless MINILLM_GEMV_STREAM=0.
-STREAM = switched_on("MINILLM_GEMV_STREAM")
+# The forms that add y to a row run the stream-K kernel (w4_gemv_stream.py) only with MINILLM_GEMV_STREAM=1: faster
+# alone (7.2 against ~9 us at 4096 x 11008), but slower in the batch-1 decode graph, 559 against 651 tok/s
+# (figures/h200/sweeps/latency_processes_stream.json).
+STREAM = os.environ.get("MINILLM_GEMV_STREAM", "0") == "1"
 
 
 def stream_takes(k: int, n: int, form: str) -> bool:
@@ -154,7 +158,7 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
          squares: torch.Tensor | None = None, rms: Rms | None = None) -> None:
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
     where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run. Forms that add y to a row
-    run the stream-K kernel instead (``w4_gemv_stream.py``) where it takes them, unless MINILLM_GEMV_STREAM=0."""
+    run the stream-K kernel instead (``w4_gemv_stream.py``) where it takes them if ``stream_takes`` says so."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     form = "gated" if gated else "normed" if norm is not None else "add"
     if add and out.dtype == torch.float32 and stream_takes(k, n, form) and not stream.unsupported(
