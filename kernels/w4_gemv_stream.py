@@ -19,8 +19,20 @@ https://arxiv.org/abs/2301.03598). A column tile whose units one program holds w
 of its programs stores a partial and the last to arrive sums them in program order (deterministic) and writes y, as
 ``split_k.py``'s fix-up. The math of a unit is the HFMA2 body of ``w4_gemv_hopper_kernel._tile_sum``.
 
-Status: a prototype under measurement (figures/h200/sweeps/w4a16_gemv_stream.py); it takes bf16 x, group 64 or 128,
-N a multiple of 32, K a multiple of 128.
+Measured on the H200 (figures/h200/sweeps/w4a16_gemv_stream.json, w4a16_gemv_stream_start.json; 20 calls in a CUDA
+graph, each on another copy of the weights, against torch's bf16 matmul in the same rounds): the ring's copies alone
+5.8-6.2 us at 4096 x 11008 and 11008 x 4096 (the split-K kernel's 7.0); y added to an fp32 row (ADD, no fix-up)
+7.18-7.23 and 7.15-7.16 us, 3.29-3.37x and 3.45-3.49x the bf16 matmul; a bf16 y with the fix-up 9.16-9.27 and
+9.06-9.09 (the split-K kernel 9.60-9.65 and 9.65-9.67). Letting the next kernel start after the last copy (START 1)
+or asking L2 for later units (L2_TILES) was slower. In the batch-1 decode graph, though, the four add forms on this
+kernel made a token 1.8016 ms against 1.5543 (figures/h200/sweeps/decode_graph_stream.json): launched early behind the
+GEMV ahead, the split-K kernel's resident programs put their whole share of the weight in flight, this one only its
+rings, and its programs, sized for an idle GPU, share the SMs with the kernels launched around them. So
+``w4_gemv_hopper.gemv`` runs it only with MINILLM_GEMV_STREAM=1.
+
+What it takes (``unsupported``): one bf16 row (fp32 for the normed and scaled forms), K a multiple of 128, N of 32,
+group 64 or 128; the gated and normed forms only with ADD. Not under Triton's interpreter (Gluon has none): tested on
+an sm_90 GPU (tests/kernels/test_w4_gemv_stream.py, and the fused forms' tests with MINILLM_GEMV_STREAM=1).
 """
 
 from __future__ import annotations

@@ -98,3 +98,46 @@ def test_stream_gemv_replays_in_a_cuda_graph():
         graph.replay()
         assert_matches(out, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
     assert counters_are_clean()
+
+
+@needs_sm90
+@pytest.mark.parametrize("form", ["add", "gated", "normed", "scaled"])
+def test_fused_forms_on_the_stream_kernel_match_the_split_k_kernel(monkeypatch, form):
+    """``fused_gemv``'s add forms with MINILLM_GEMV_STREAM=1 (``w4_gemv_hopper.STREAM``) against the split-K kernel's
+    (the reference the fused forms' own tests hold it to): Llama-2-7B's o_proj (add), down_proj (gated; scaled: the
+    1 / rms gate_up left it), gate_up_proj (normed: y without 1 / rms, and the whole row's sum of squares in the
+    slots of column tile 0's programs, zeros after). The order of the REDs differs, so to the body's error."""
+    from minillm.kernels import w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
+    from minillm.kernels.w4_gemv_norms import Norm, Rms
+    k, n = {"add": (4096, 4096), "gated": (11008, 4096), "normed": (4096, 22016), "scaled": (11008, 4096)}[form]
+    _, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=k + n + len(form))
+    g = torch.Generator().manual_seed(n)
+    row = {"add": lambda: torch.randn(1, k, generator=g).to(torch.bfloat16),
+           "gated": lambda: (torch.randn(1, 2 * k, generator=g) * 3).to(torch.bfloat16),
+           "normed": lambda: torch.randn(1, k, generator=g) * 3,
+           "scaled": lambda: torch.randn(1, 2 * k, generator=g) * 40}[form]().cuda()
+    slots = k // 128
+    kwargs = {"add": {}, "gated": {"gated": True}, "normed": {"norm": Norm(torch.rand(k, generator=g).to(
+        torch.bfloat16).cuda() + 0.5, 1e-5)}, "scaled": {"gated": True}}[form]
+    if form == "scaled":  # a gate_up row's sums of squares as its GEMV would have left them, zeros after
+        sums = torch.zeros(2 * k // 128, device="cuda")
+        sums[:5] = (torch.rand(5, generator=g) * 1e5).cuda()
+        kwargs["rms"] = Rms(sums, 4096, 1e-5)
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(hopper, "STREAM", on)
+        start = torch.randn(1, n, generator=torch.Generator().manual_seed(1)).cuda() * (0 if form == "normed" else 4)
+        squares = torch.zeros(slots, device="cuda") if form == "normed" else None  # (zeroed, as the engine's are)
+        out = fused_forms.fused_gemv(row, qweight, scales, zeros, 128, residual=start, squares=squares, **kwargs)
+        results[on] = (out.clone(), None if squares is None else squares.clone())
+    (split_k_y, split_k_squares), (stream_y, stream_squares) = results[False], results[True]
+    scale = split_k_y.abs().max().item()
+    torch.testing.assert_close(stream_y, split_k_y, rtol=0, atol=1e-2 * scale)
+    if form == "normed":
+        for squares in (split_k_squares, stream_squares):
+            assert torch.allclose(squares.double().sum(), row.double().square().sum(), rtol=1e-5)
+        sms = stream.num_sms(row.device)
+        numbers = stream.plan(k, n, stream.choose_shape(k, n, sms)[0] * sms)
+        first_tile = (numbers["KT"] * numbers["P"] - 1) // numbers["U"] + 1  # the programs holding column tile 0
+        assert stream_squares[:first_tile].all() and not stream_squares[first_tile:].any()
+    assert counters_are_clean()
