@@ -165,8 +165,8 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
             k, n, group, x.dtype, x.shape[0], add, gated, norm is not None, rms is not None):
         per_sm, stages = stream.choose_shape(k, n, num_sms(x.device))
         stream.w4_gemv_stream(x, qweight, scales, zeros, group, out, None, None, pdl_supported(x.device),
-                              programs_per_sm=per_sm, stages=stages, add=True, gated=gated, norm=norm, squares=squares,
-                              rms=rms)
+                              programs_per_sm=per_sm, stages=stages, start=stream.START, add=True, gated=gated,
+                              norm=norm, squares=squares, rms=rms)
         return
     tiles = choose_tiles(k, n, num_sms(x.device))
     partials = torch.empty(max(partials_needed(k, n, tiles, norm is not None), 1), dtype=torch.float32,

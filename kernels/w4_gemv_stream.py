@@ -56,6 +56,8 @@ if GLUON_USABLE:
 from minillm.kernels.w4_gemv_hopper_kernel import BLOCK_N, SUB_ROWS, TILE_ROWS, _descriptors
 
 WARPS = 4
+# When ``w4_gemv_hopper.gemv``'s launches let the next kernel start (the kernel's START; a sweep may change it).
+START = 0
 
 if GLUON_USABLE:
     _TILE_ROWS_S, _BLOCK_N_S = gl.constexpr(TILE_ROWS), gl.constexpr(BLOCK_N)
