@@ -126,13 +126,21 @@ if GLUON_USABLE:
         and rounded to bf16 before SiLU-and-multiply."""
         rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS_], [0])
         r = first_row + gl.arange(0, ROWS, layout=rows_l)
-        ok = r < K_ROWS
+        pairs, total, squares = x_pairs(XW, r, r < K_ROWS, K_ROWS, NormW, inv, GATED, NORMED, SCALED)
+        if NORMED:
+            squares = gl.sum(squares, axis=0)
+        return (_table(pairs[0]), _table(pairs[1]), _table(pairs[2]), _table(pairs[3])), _table(total), squares
+
+    @gluon.jit
+    def x_pairs(XW, r, ok, K_ROWS, NormW, inv, GATED: gl.constexpr, NORMED: gl.constexpr, SCALED: gl.constexpr):
+        """For packed rows r of x (any shape; zeros where not ok), in registers: the four pairs the products want
+        (``_x_tables``), each row's sum of x, and with NORMED each row's sum of squares of s (0 without)."""
         if NORMED:  # inputs 8r, 8r + 1 in word 0 ...
             w0, q0 = weighted_word(XW, NormW, 4 * r, ok)
             w1, q1 = weighted_word(XW, NormW, 4 * r + 1, ok)
             w2, q2 = weighted_word(XW, NormW, 4 * r + 2, ok)
             w3, q3 = weighted_word(XW, NormW, 4 * r + 3, ok)
-            squares = gl.sum(q0 + q1 + q2 + q3, axis=0)
+            squares = q0 + q1 + q2 + q3
         else:
             w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, inv, GATED, SCALED)
             w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, inv, GATED, SCALED)
@@ -140,13 +148,11 @@ if GLUON_USABLE:
             w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, inv, GATED, SCALED)
             squares = 0.0
         # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
-        pairs = (_table(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
-                 _table(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),
-                 _table(_fma2(_prmt(w1, w3, 0x5410), 0x72007200, 0)),
-                 _table(_fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0)))
+        pairs = (_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0), _fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0),
+                 _fma2(_prmt(w1, w3, 0x5410), 0x72007200, 0), _fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0))
         # Exact: a bf16 is an fp32 with its low 16 bits zero.
         total = _word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3)
-        return pairs, _table(total), squares
+        return pairs, total, squares
 
     @gluon.jit
     def _x_words(XW, word, ok, UP_WORDS, inv, GATED: gl.constexpr, SCALED: gl.constexpr):

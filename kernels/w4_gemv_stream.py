@@ -49,9 +49,8 @@ if GLUON_USABLE:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
-    from minillm.kernels.w4_gemv_hopper_kernel import (_fma2, _let_next_start, _prmt, _tile_sum, _wait_for_previous,
-                                                       _word_sum, _x_words)
-    from minillm.kernels.w4_gemv_norms import stored_inv_rms, weighted_word
+    from minillm.kernels.w4_gemv_hopper_kernel import _let_next_start, _tile_sum, _wait_for_previous, x_pairs
+    from minillm.kernels.w4_gemv_norms import stored_inv_rms
 
 from minillm.kernels.w4_gemv_hopper_kernel import BLOCK_N, SUB_ROWS, TILE_ROWS, _descriptors
 
@@ -101,25 +100,11 @@ if GLUON_USABLE:
         t = gl.arange(0, UNITS, layout=gl.SliceLayout(1, tab_l))[:, None]
         r = ((u0 + t) % KT) * _TILE_ROWS_S + gl.arange(0, _TILE_ROWS_S, layout=gl.SliceLayout(0, tab_l))[None, :]
         ok = (t < n_units) & (r < K_ROWS)
+        values, total, squares = x_pairs(XW, r, ok, K_ROWS, NormW, inv, GATED, NORMED, SCALED)
         if NORMED:
-            w0, q0 = weighted_word(XW, NormW, 4 * r, ok)
-            w1, q1 = weighted_word(XW, NormW, 4 * r + 1, ok)
-            w2, q2 = weighted_word(XW, NormW, 4 * r + 2, ok)
-            w3, q3 = weighted_word(XW, NormW, 4 * r + 3, ok)
-            in_first_tile = (u0 + t < KT) & ok
-            squares = gl.sum(gl.sum(gl.where(in_first_tile, q0 + q1 + q2 + q3, 0.0), axis=1), axis=0)
-        else:
-            w0 = _x_words(XW, 4 * r, ok, 4 * K_ROWS, inv, GATED, SCALED)
-            w1 = _x_words(XW, 4 * r + 1, ok, 4 * K_ROWS, inv, GATED, SCALED)
-            w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, inv, GATED, SCALED)
-            w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, inv, GATED, SCALED)
-            squares = 0.0
-        pairs = (_table2(_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0)),
-                 _table2(_fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0)),
-                 _table2(_fma2(_prmt(w1, w3, 0x5410), 0x72007200, 0)),
-                 _table2(_fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0)))
-        sums = _table2(_word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3))
-        return pairs, sums, squares
+            squares = gl.sum(gl.sum(gl.where((u0 + t < KT) & ok, squares, 0.0), axis=1), axis=0)
+        pairs = (_table2(values[0]), _table2(values[1]), _table2(values[2]), _table2(values[3]))
+        return pairs, _table2(total), squares
 
     @gluon.jit
     def _table2(values):
