@@ -27,8 +27,10 @@ graph, each on another copy of the weights, against torch's bf16 matmul in the s
 or asking L2 for later units (L2_TILES) was slower. In the batch-1 decode graph, though, the four add forms on this
 kernel made a token 1.8016 ms against 1.5543 (figures/h200/sweeps/decode_graph_stream.json): launched early behind the
 GEMV ahead, the split-K kernel's resident programs put their whole share of the weight in flight, this one only its
-rings, and its programs, sized for an idle GPU, share the SMs with the kernels launched around them. So
-``w4_gemv_hopper.gemv`` runs it only with MINILLM_GEMV_STREAM=1.
+rings, and its programs, sized for an idle GPU, share the SMs with the kernels launched around them. With the next
+kernel let start only at its end (START 2), 1.6076 against 1.5552 (decode_graph_stream_start.json): o_proj faster
+(4.08 against 5.98 us), qkv_proj slower (10.19 against 5.79), having lost the head start the split-K qkv_proj gets
+during down_proj. So ``w4_gemv_hopper.gemv`` runs it only with MINILLM_GEMV_STREAM=1.
 
 What it takes (``unsupported``): one bf16 row (fp32 for the normed and scaled forms), K a multiple of 128, N of 32,
 group 64 or 128; the gated and normed forms only with ADD. Not under Triton's interpreter (Gluon has none): tested on
