@@ -200,6 +200,49 @@ if GLUON_USABLE:
         return gl.sum(_word_sum(acc2), axis=0)
 
     @gluon.jit
+    def tile_slots(w_desc, s_desc, z_desc, COUNT: gl.constexpr, GROUPS: gl.constexpr):
+        """Shared memory for COUNT tiles' packed weights, scales and zero points, and an mbarrier each (initialised)."""
+        w_smem = gl.allocate_shared_memory(gl.int32, [COUNT, _TILE_ROWS, _BLOCK_N], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [COUNT, GROUPS, _BLOCK_N], s_desc.layout)
+        z_smem = gl.allocate_shared_memory(gl.int8, [COUNT, GROUPS, _BLOCK_N // 2], z_desc.layout)
+        landed = gl.allocate_shared_memory(gl.int64, [COUNT, 1], mbarrier.MBarrierLayout())
+        for t in gl.static_range(COUNT):
+            mbarrier.init(landed.index(t), count=1)
+        fence_async_shared()
+        return w_smem, s_smem, z_smem, landed
+
+    @gluon.jit
+    def load_tile(row, n0, w_desc, s_desc, z_desc, bar, w_slot, s_slot, z_slot, GROUP_ROWS: gl.constexpr):
+        """The tile of packed rows from ``row`` and columns from n0: weights, scales and zero points into their slots,
+        landing on ``bar``."""
+        mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
+        tma_load(w_desc, [row, n0], bar, w_slot)
+        tma_load(s_desc, [row // GROUP_ROWS, n0], bar, s_slot)
+        tma_load(z_desc, [row // GROUP_ROWS, n0 // 2], bar, z_slot)
+
+    @gluon.jit
+    def add_tile(out, w_tile, s_tile, z_tile, pairs, sums, first: gl.constexpr, GROUP_ROWS: gl.constexpr,
+                 tile_l: gl.constexpr, bytes_l: gl.constexpr, RUN: gl.constexpr):
+        """out (fp32 [BLOCK_N]) plus a landed tile's products with x, group by group: x's rows of the tile start at
+        row ``first`` of the tables ``pairs`` and ``sums``."""
+        WARPS_: gl.constexpr = gl.num_warps()
+        cols_l: gl.constexpr = gl.SliceLayout(0, tile_l)
+        for g in gl.static_range(_TILE_ROWS // GROUP_ROWS):
+            # (Rows of one: an NVMMA-laid buffer keeps its rank; the sums over them only drop the axis.)
+            scale = gl.sum(s_tile.slice(g, 1).load(tile_l).to(gl.float32), axis=0)
+            z_byte = gl.sum(z_tile.slice(g, 1).load(bytes_l).to(gl.int32) & 255, axis=0)
+            z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [_BLOCK_N]), cols_l)
+            x_sum = gl.sum(sums.slice(first + g * GROUP_ROWS, GROUP_ROWS).load(
+                gl.BlockedLayout([GROUP_ROWS], [32], [WARPS_], [0])), axis=0)
+            part = gl.zeros([_BLOCK_N], gl.float32, layout=cols_l)
+            for sub in gl.static_range(GROUP_ROWS // _SUB_ROWS):
+                part += _tile_sum(w_tile, g * GROUP_ROWS + sub * _SUB_ROWS, pairs, first + g * GROUP_ROWS
+                                  + sub * _SUB_ROWS, tile_l, RUN)
+            # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
+            out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
+        return out
+
+    @gluon.jit
     def _w4_gemv_kernel(XW, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, NormW, eps, Squares,
                         square_slots, norm_width,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
@@ -219,21 +262,12 @@ if GLUON_USABLE:
         first_row = split * (TILES * _TILE_ROWS)
 
         # Every tile's copies first: weights, scales and zero points of tile t land on barrier t.
-        w_smem = gl.allocate_shared_memory(gl.int32, [TILES, _TILE_ROWS, _BLOCK_N], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(s_desc.dtype, [TILES, GROUPS, _BLOCK_N], s_desc.layout)
-        z_smem = gl.allocate_shared_memory(gl.int8, [TILES, GROUPS, _BLOCK_N // 2], z_desc.layout)
-        landed = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
-        for t in gl.static_range(TILES):
-            mbarrier.init(landed.index(t), count=1)
-        fence_async_shared()
+        w_smem, s_smem, z_smem, landed = tile_slots(w_desc, s_desc, z_desc, TILES, GROUPS)
         for t in gl.static_range(TILES):
             row = first_row + t * _TILE_ROWS
             if row < K_ROWS:
-                mbarrier.expect(landed.index(t), w_desc.block_type.nbytes + s_desc.block_type.nbytes
-                                + z_desc.block_type.nbytes)
-                tma_load(w_desc, [row, n0], landed.index(t), w_smem.index(t))
-                tma_load(s_desc, [row // GROUP_ROWS, n0], landed.index(t), s_smem.index(t))
-                tma_load(z_desc, [row // GROUP_ROWS, n0 // 2], landed.index(t), z_smem.index(t))
+                load_tile(row, n0, w_desc, s_desc, z_desc, landed.index(t), w_smem.index(t), s_smem.index(t),
+                          z_smem.index(t), GROUP_ROWS)
         # The next GEMV, if launched early (the gated down_proj behind gate_up), takes SM slots as programs here end
         # and issues its copies during this kernel's tail (fix-up, last tiles' math), as a norm ahead of it lets it.
         _let_next_start(PDL)
@@ -253,19 +287,8 @@ if GLUON_USABLE:
         for t in gl.static_range(TILES):
             if first_row + t * _TILE_ROWS < K_ROWS:
                 mbarrier.wait(landed.index(t), 0)
-                for g in gl.static_range(GROUPS):
-                    # (Rows of one: an NVMMA-laid buffer keeps its rank; the sums over them only drop the axis.)
-                    scale = gl.sum(s_smem.index(t).slice(g, 1).load(tile_l).to(gl.float32), axis=0)
-                    z_byte = gl.sum(z_smem.index(t).slice(g, 1).load(bytes_l).to(gl.int32) & 255, axis=0)
-                    z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [_BLOCK_N]), cols_l)
-                    x_sum = gl.sum(sums.slice(t * _TILE_ROWS + g * GROUP_ROWS, GROUP_ROWS).load(
-                        gl.BlockedLayout([GROUP_ROWS], [32], [WARPS_], [0])), axis=0)
-                    part = gl.zeros([_BLOCK_N], gl.float32, layout=cols_l)
-                    for sub in gl.static_range(GROUP_ROWS // _SUB_ROWS):
-                        part += _tile_sum(w_smem.index(t), g * GROUP_ROWS + sub * _SUB_ROWS, pairs,
-                                          t * _TILE_ROWS + g * GROUP_ROWS + sub * _SUB_ROWS, tile_l, RUN)
-                    # sum_k x (q - z) s = (2**32 s) sum x q 2**-32 - (z s) sum x
-                    out += part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
+                out = add_tile(out, w_smem.index(t), s_smem.index(t), z_smem.index(t), pairs, sums, t * _TILE_ROWS,
+                               GROUP_ROWS, tile_l, bytes_l, RUN)
 
         _finish(out, Y, Partials, Counters, tile_n, N, 8 * K_ROWS, squares, eps, Squares, WARPS_, ADD, NORMED)
 

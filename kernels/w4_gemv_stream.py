@@ -15,9 +15,10 @@ ring of STAGES tiles in flight, so that
 The work: units of 16 packed rows (128 inputs) x 256 columns, numbered column tile by column tile (u = c KT + j);
 program p takes units [p U / P, (p + 1) U / P) (stream-K's contiguous split: Osama, Merrill, Cecka, Garland, Rennich,
 "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on the GPU", 2023,
-https://arxiv.org/abs/2301.03598). A column tile whose units one program holds whole is written by it; otherwise each
-of its programs stores a partial and the last to arrive sums them in program order (deterministic) and writes y, as
-``split_k.py``'s fix-up. The math of a unit is the HFMA2 body of ``w4_gemv_hopper_kernel._tile_sum``.
+https://arxiv.org/abs/2301.03598). A column tile whose units one program holds whole is written by it; otherwise each of
+its programs stores a partial and the last to arrive sums them in program order (deterministic) and writes y, as
+``split_k.py``'s fix-up. A unit's slots, copies and math are the split-K kernel's (``w4_gemv_hopper_kernel.tile_slots``,
+``load_tile``, ``add_tile``).
 
 Measured on the H200 (figures/h200/sweeps/w4a16_gemv_stream.json, w4a16_gemv_stream_start.json; 20 calls in a CUDA
 graph, each on another copy of the weights, against torch's bf16 matmul in the same rounds): the ring's copies alone
@@ -48,13 +49,14 @@ from minillm.kernels.flash_attention_hopper import GLUON_USABLE, gluon
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
-    from minillm.kernels.w4_gemv_hopper_kernel import _let_next_start, _tile_sum, _wait_for_previous, x_pairs
+    from minillm.kernels.flash_attention_hopper import reinterpret, warps_barrier
+    from minillm.kernels.w4_gemv_hopper_kernel import (_let_next_start, _wait_for_previous, add_tile, load_tile,
+                                                       tile_slots, x_pairs)
     from minillm.kernels.w4_gemv_norms import stored_inv_rms
 
-from minillm.kernels.w4_gemv_hopper_kernel import BLOCK_N, SUB_ROWS, TILE_ROWS, _descriptors
+from minillm.kernels.w4_gemv_hopper_kernel import BLOCK_N, RUN, SUB_ROWS, TILE_ROWS, _descriptors
 
 WARPS = 4
 # When ``w4_gemv_hopper.gemv``'s launches let the next kernel start (the kernel's START; a sweep may change it).
@@ -62,8 +64,7 @@ START = 0
 
 if GLUON_USABLE:
     _TILE_ROWS_S, _BLOCK_N_S = gl.constexpr(TILE_ROWS), gl.constexpr(BLOCK_N)
-    _SUB_ROWS_S = gl.constexpr(SUB_ROWS)
-    _TWO_POW_32_S = gl.constexpr(4294967296.0)
+    _SUB_ROWS_S, _RUN_S = gl.constexpr(SUB_ROWS), gl.constexpr(RUN)
 
     @gluon.jit
     def _program_of(u, P, U):
@@ -73,12 +74,8 @@ if GLUON_USABLE:
     @gluon.jit
     def _load_unit(u, KT, w_desc, s_desc, z_desc, bar, w_slot, s_slot, z_slot, GROUP_ROWS: gl.constexpr):
         """Unit u's packed weights, scales and zero points into a slot, landing on ``bar``."""
-        row = (u % KT) * _TILE_ROWS_S
-        n0 = (u // KT) * _BLOCK_N_S
-        mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
-        tma_load(w_desc, [row, n0], bar, w_slot)
-        tma_load(s_desc, [row // GROUP_ROWS, n0], bar, s_slot)
-        tma_load(z_desc, [row // GROUP_ROWS, n0 // 2], bar, z_slot)
+        load_tile((u % KT) * _TILE_ROWS_S, (u // KT) * _BLOCK_N_S, w_desc, s_desc, z_desc, bar, w_slot, s_slot,
+                  z_slot, GROUP_ROWS)
 
     @gluon.jit
     def _prefetch_unit(WP, u, KT, N, K_ROWS, WARPS_: gl.constexpr):
@@ -165,13 +162,7 @@ if GLUON_USABLE:
         u0 = p * U // P
         n_units = (p + 1) * U // P - u0
 
-        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_ROWS_S, _BLOCK_N_S], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, GROUPS, _BLOCK_N_S], s_desc.layout)
-        z_smem = gl.allocate_shared_memory(gl.int8, [STAGES, GROUPS, _BLOCK_N_S // 2], z_desc.layout)
-        landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for first in gl.static_range(STAGES):
-            mbarrier.init(landed.index(first), count=1)
-        fence_async_shared()
+        w_smem, s_smem, z_smem, landed = tile_slots(w_desc, s_desc, z_desc, STAGES, GROUPS)
         for first in gl.static_range(STAGES):
             if first < n_units:
                 _load_unit(u0 + first, KT, w_desc, s_desc, z_desc, landed.index(first), w_smem.index(first),
@@ -192,7 +183,7 @@ if GLUON_USABLE:
                 gl.store(Squares + p, squares)
         warps_barrier()  # the tables are written
 
-        tile_l: gl.constexpr = gl.BlockedLayout([_SUB_ROWS_S // 2, 2], [1, 32], [1, WARPS_], [1, 0])
+        tile_l: gl.constexpr = gl.BlockedLayout([_SUB_ROWS_S // _RUN_S, 2], [1, 32], [1, WARPS_], [1, 0])
         cols_l: gl.constexpr = gl.SliceLayout(0, tile_l)
         bytes_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS_], [1, 0])
         out = gl.zeros([_BLOCK_N_S], gl.float32, layout=cols_l)
@@ -202,17 +193,8 @@ if GLUON_USABLE:
             u = u0 + i
             if COMPUTE:
                 pairs_i = (pairs[0].index(i), pairs[1].index(i), pairs[2].index(i), pairs[3].index(i))
-                for g in gl.static_range(GROUPS):
-                    scale = gl.sum(s_smem.index(s).slice(g, 1).load(tile_l).to(gl.float32), axis=0)
-                    z_byte = gl.sum(z_smem.index(s).slice(g, 1).load(bytes_l).to(gl.int32) & 255, axis=0)
-                    z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [_BLOCK_N_S]), cols_l)
-                    x_sum = gl.sum(sums.index(i).slice(g * GROUP_ROWS, GROUP_ROWS).load(
-                        gl.BlockedLayout([GROUP_ROWS], [32], [WARPS_], [0])), axis=0)
-                    part = gl.zeros([_BLOCK_N_S], gl.float32, layout=cols_l)
-                    for sub in gl.static_range(GROUP_ROWS // _SUB_ROWS_S):
-                        part += _tile_sum(w_smem.index(s), g * GROUP_ROWS + sub * _SUB_ROWS_S, pairs_i,
-                                          g * GROUP_ROWS + sub * _SUB_ROWS_S, tile_l, 2)
-                    out += part * (scale * _TWO_POW_32_S) - x_sum * (z.to(gl.float32) * scale)
+                out = add_tile(out, w_smem.index(s), s_smem.index(s), z_smem.index(s), pairs_i, sums.index(i), 0,
+                               GROUP_ROWS, tile_l, bytes_l, _RUN_S)
             warps_barrier()  # every warp done with slot s
             if i + STAGES < n_units:
                 _load_unit(u + STAGES, KT, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
