@@ -36,16 +36,22 @@ TILES = 4
 # 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
 # qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-# The forms that add y to a row run the stream-K kernel (w4_gemv_stream.py) only with MINILLM_GEMV_STREAM=1: faster
-# alone (7.2 against ~9 us at 4096 x 11008), but slower in the batch-1 decode graph, 559 against 651 tok/s
-# (figures/h200/sweeps/latency_processes_stream.json).
-STREAM = os.environ.get("MINILLM_GEMV_STREAM", "0") == "1"
+# The GEMV forms ("plain": y = x W in bf16; "add", "gated", "normed": y added to an fp32 row) that run the stream-K
+# kernel (w4_gemv_stream.py) where it takes them; MINILLM_GEMV_STREAM: "0" none, "1" all, or forms by name
+# ("plain,add"). The add forms are faster alone (7.2 against ~9 us at 4096 x 11008) but slower in the batch-1 decode
+# graph, 559 against 651 tok/s (figures/h200/sweeps/latency_processes_stream.json).
+STREAM_FORMS = ("plain", "add", "gated", "normed")
+STREAM = {"0": (), "1": STREAM_FORMS}.get(os.environ.get("MINILLM_GEMV_STREAM", "0"),
+                                          tuple(os.environ.get("MINILLM_GEMV_STREAM", "0").split(",")))
+if set(STREAM) - set(STREAM_FORMS):
+    raise ValueError(f"MINILLM_GEMV_STREAM must be 0, 1 or forms among {', '.join(STREAM_FORMS)}, comma-separated; "
+                     f"got {os.environ['MINILLM_GEMV_STREAM']!r}")
 
 
 def stream_takes(k: int, n: int, form: str) -> bool:
-    """Whether ``gemv`` runs a K x N weight's add form ``form`` ("add", "gated" or "normed") on the stream kernel
-    where that kernel can: STREAM (a sweep may narrow it to some projections or forms)."""
-    return STREAM
+    """Whether ``gemv`` runs a K x N weight's form ``form`` (one of STREAM_FORMS) on the stream kernel where that
+    kernel can: the forms in STREAM (a sweep may narrow it to some projections)."""
+    return form in STREAM
 
 
 def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -157,15 +163,15 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
          out: torch.Tensor, gated: bool = False, add: bool = False, norm: Norm | None = None,
          squares: torch.Tensor | None = None, rms: Rms | None = None) -> None:
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
-    where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run. Forms that add y to a row
-    run the stream-K kernel instead (``w4_gemv_stream.py``) where it takes them if ``stream_takes`` says so."""
+    where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run. A form runs the stream-K
+    kernel instead (``w4_gemv_stream.py``) where it takes it if ``stream_takes`` says so."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
-    form = "gated" if gated else "normed" if norm is not None else "add"
-    if add and out.dtype == torch.float32 and stream_takes(k, n, form) and not stream.unsupported(
+    form = "gated" if gated else "normed" if norm is not None else "add" if add else "plain"
+    if out.dtype == (torch.float32 if add else torch.bfloat16) and stream_takes(k, n, form) and not stream.unsupported(
             k, n, group, x.dtype, x.shape[0], add, gated, norm is not None, rms is not None):
         per_sm, stages = stream.choose_shape(k, n, num_sms(x.device))
-        stream.w4_gemv_stream(x, qweight, scales, zeros, group, out, None, None, pdl_supported(x.device),
-                              programs_per_sm=per_sm, stages=stages, start=stream.START, add=True, gated=gated,
+        stream.w4_gemv_stream(x, qweight, scales, zeros, group, out, pdl=pdl_supported(x.device),
+                              programs_per_sm=per_sm, stages=stages, start=stream.START, add=add, gated=gated,
                               norm=norm, squares=squares, rms=rms)
         return
     tiles = choose_tiles(k, n, num_sms(x.device))

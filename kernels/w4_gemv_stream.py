@@ -59,12 +59,19 @@ if GLUON_USABLE:
 from minillm.kernels.w4_gemv_hopper_kernel import BLOCK_N, RUN, SUB_ROWS, TILE_ROWS, _descriptors
 
 WARPS = 4
+# How a column tile that several programs share gets its y (the kernel's FIXUP): FIXUP_POLL, its first program reads
+# the others' partials until none is EMPTY; FIXUP_COUNTER, the last to arrive at a counter sums them (split_k.py's);
+# FIXUP_NONE, partials stored, not summed (a probe: y is wrong).
+FIXUP_NONE, FIXUP_COUNTER, FIXUP_POLL = 0, 1, 2
+EMPTY = -1  # an unstored partial's bits in the poll's slots: a NaN no fp32 arithmetic on the GPU returns (0x7FFFFFFF)
 # When ``w4_gemv_hopper.gemv``'s launches let the next kernel start (the kernel's START; a sweep may change it).
 START = 0
 
 if GLUON_USABLE:
     _TILE_ROWS_S, _BLOCK_N_S = gl.constexpr(TILE_ROWS), gl.constexpr(BLOCK_N)
     _SUB_ROWS_S, _RUN_S = gl.constexpr(SUB_ROWS), gl.constexpr(RUN)
+    _FIXUP_COUNTER_S, _FIXUP_POLL_S = gl.constexpr(FIXUP_COUNTER), gl.constexpr(FIXUP_POLL)
+    _EMPTY_S, _NAN_S = gl.constexpr(EMPTY), gl.constexpr(0x7FFFFFFF)
 
     @gluon.jit
     def _program_of(u, P, U):
@@ -115,31 +122,56 @@ if GLUON_USABLE:
     @gluon.jit
     def _flush(out, c, p, P, U, KT, Y, Partials, Counters, N, MAX_SLOTS: gl.constexpr, FIXUP: gl.constexpr,
                ADD: gl.constexpr, WARPS_: gl.constexpr):
-        """Column tile c's part of y from program p: y itself if p holds all of c's units, else a partial, and the
-        last of c's programs to arrive sums their partials in program order and writes y. ADD: Y is an fp32 row
-        and each program adds its part to it (a RED: no fix-up)."""
+        """Column tile c's part of y from program p: y itself if p holds all of c's units, else a partial, summed
+        with the others in program order (deterministic) by c's first program (FIXUP_POLL) or by the last to arrive
+        (FIXUP_COUNTER). ADD: Y is an fp32 row and each program adds its part to it (a RED: no fix-up)."""
         cols_l: gl.constexpr = out.type.layout
         cols = gl.arange(0, _BLOCK_N_S, layout=cols_l)
         n = c * _BLOCK_N_S + cols
         first = _program_of(c * KT, P, U)
         count = _program_of((c + 1) * KT - 1, P, U) - first + 1
+        tile = Partials + c * MAX_SLOTS * _BLOCK_N_S  # c's slots, a program's partial each
         if ADD:
             gl.atomic_add(Y + n, out, mask=n < N, sem="relaxed")
         elif count == 1:
             gl.store(Y + n, out.to(Y.dtype.element_ty), mask=n < N)
+        elif FIXUP == _FIXUP_POLL_S:
+            words = tile.to(gl.pointer_type(gl.int32))
+            if p == first:
+                y = _sum_when_stored(out, words, count, MAX_SLOTS, WARPS_)
+                gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
+            else:  # a NaN's bits made canonical, so that no partial reads as "not stored yet"
+                bits = out.to(gl.int32, bitcast=True)
+                gl.store(words + (p - first) * _BLOCK_N_S + cols, gl.where(bits == _EMPTY_S, _NAN_S, bits))
         else:
-            gl.store(Partials + (c * MAX_SLOTS + p - first) * _BLOCK_N_S + cols, out)
-            if FIXUP:
+            gl.store(tile + (p - first) * _BLOCK_N_S + cols, out)
+            if FIXUP == _FIXUP_COUNTER_S:
                 warps_barrier()  # every thread's partial stored before the arrival
                 if gl.atomic_add(Counters + c, 1, sem="acq_rel") == count - 1:
                     gl.store(Counters + c, 0)
                     fix_l: gl.constexpr = gl.BlockedLayout([MAX_SLOTS, 2], [1, 32], [1, WARPS_], [1, 0])
                     slots = gl.arange(0, MAX_SLOTS, layout=gl.SliceLayout(1, fix_l))[:, None]
                     fcols = gl.arange(0, _BLOCK_N_S, layout=gl.SliceLayout(0, fix_l))[None, :]
-                    parts = gl.load(Partials + (c * MAX_SLOTS + slots) * _BLOCK_N_S + fcols,
-                                    mask=(slots < count) & (fcols < _BLOCK_N_S), other=0.0, cache_modifier=".cg")
+                    parts = gl.load(tile + slots * _BLOCK_N_S + fcols, mask=(slots < count) & (fcols < _BLOCK_N_S),
+                                    other=0.0, cache_modifier=".cg")
                     y = gl.convert_layout(gl.sum(parts, axis=0), cols_l)
                     gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
+
+    @gluon.jit
+    def _sum_when_stored(own, words, count, MAX_SLOTS: gl.constexpr, WARPS_: gl.constexpr):
+        """own (slot 0's partial, this program's) plus the partials of slots 1 .. count - 1, read from L2 until none
+        is EMPTY (their programs store them as they finish: no fence, no counter), summed in slot order; the slots
+        are left EMPTY again for the next launch."""
+        fix_l: gl.constexpr = gl.BlockedLayout([MAX_SLOTS, 2], [1, 32], [1, WARPS_], [1, 0])
+        slots = gl.arange(0, MAX_SLOTS, layout=gl.SliceLayout(1, fix_l))[:, None]
+        fcols = gl.arange(0, _BLOCK_N_S, layout=gl.SliceLayout(0, fix_l))[None, :]
+        ptrs = words + slots * _BLOCK_N_S + fcols
+        peers = (slots >= 1) & (slots < count) & (fcols < _BLOCK_N_S)
+        bits = gl.load(ptrs, mask=peers, other=0, volatile=True)
+        while gl.max(gl.max(gl.where(bits == _EMPTY_S, 1, 0), axis=1), axis=0) > 0:  # (a REDUX a slot: no spill)
+            bits = gl.load(ptrs, mask=peers, other=0, volatile=True)
+        gl.store(ptrs, gl.full([MAX_SLOTS, _BLOCK_N_S], _EMPTY_S, gl.int32, fix_l), mask=peers)
+        return own + gl.convert_layout(gl.sum(bits.to(gl.float32, bitcast=True), axis=0), own.type.layout)
 
     @gluon.jit
     def _w4_gemv_stream_kernel(XW, WP, w_desc, s_desc, z_desc, Y, Partials, Counters, N, K_ROWS, KT, U, NormW, eps,
@@ -150,7 +182,7 @@ if GLUON_USABLE:
                                NORMED: gl.constexpr = False, SCALED: gl.constexpr = False,
                                SQUARE_SLOTS: gl.constexpr = 1):
         """Program p: units [p U / P, (p + 1) U / P) through a ring of STAGES slots (module docstring). UNITS: a power
-        of two at least the longest run. COMPUTE / FIXUP off: probes (the copies alone; partials stored, no sum).
+        of two at least the longest run. FIXUP: the module's FIXUP_*. COMPUTE off: a probe (the copies alone).
         START: when the next kernel, launched early (PDL), may start: 0 before the wait, 1 once the program has
         issued its last copy (its ring and L2 asks then land during this kernel's last math and fix-up), 2 at the
         end. ADD, GATED, NORMED, SCALED: as ``w4_gemv_hopper_kernel._w4_gemv_kernel``'s, NORMED only with ADD (the
@@ -233,27 +265,67 @@ def plan(k: int, n: int, programs: int) -> dict:
 
 
 def partials_needed(k: int, n: int, programs: int) -> int:
+    """fp32 the fix-up of a K x N weight over ``programs`` programs needs: MAX_SLOTS partials a column tile."""
     numbers = plan(k, n, programs)
     return numbers["U"] // numbers["KT"] * numbers["MAX_SLOTS"] * BLOCK_N
 
 
+POLL_SLOTS = {}  # device -> int32 slots, EMPTY where no partial waits (FIXUP_POLL leaves them so)
+
+
+def poll_slots(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's slots for FIXUP_POLL's partials, at least ``needed``, filled with EMPTY once (grown outside CUDA
+    graph capture only: a captured launch keeps its slots' address)."""
+    slots = POLL_SLOTS.get(device)
+    if slots is None or slots.numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the stream GEMV's fix-up needs {needed} slots on {device}, more than it holds; run "
+                               "this GEMV once before capturing a CUDA graph (warm-up does)")
+        slots = POLL_SLOTS[device] = torch.full((max(needed, 1 << 18),), EMPTY, dtype=torch.int32, device=device)
+    return slots
+
+
+def programs_that_fit(shared_bytes: int, registers: int, warps: int, device: torch.device) -> int:
+    """Programs of a kernel using ``shared_bytes`` of shared memory and ``registers`` a thread that one SM holds at
+    once: FIXUP_POLL's first programs wait for the others, so all P must be resident together."""
+    props = torch.cuda.get_device_properties(device)
+    shared = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    regs = getattr(props, "regs_per_multiprocessor", 65536)
+    per_warp = -(-registers * 32 // 256) * 256  # (allocated 256 a warp at a time)
+    return min(shared // (shared_bytes + 1024), regs // (per_warp * warps))  # (1 KB of an SM's reserved a program)
+
+
+FITS = {}  # (device, the launch's constexprs) -> programs_that_fit
+
+
 def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                   out: torch.Tensor, partials: torch.Tensor | None, counters: torch.Tensor | None, pdl: bool = True,
-                   programs_per_sm: int = 2, stages: int = 3, l2_tiles: int = 0, compute: bool = True,
-                   fixup: bool = True, start: int = 0, add: bool = False, gated: bool = False,
-                   norm: Norm | None = None, squares: torch.Tensor | None = None, rms: Rms | None = None) -> None:
-    """y = x @ W into ``out`` [1, N] (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128). ``add``: ``out``
-    is fp32 and y is added to it (``partials`` and ``counters`` unused: None will do). With ``add``, the forms of
-    ``w4_gemv_hopper.w4_gemv``: ``gated`` (x the gate_up row [1, 2K]; ``rms``: its 1 / rms left to this GEMV) and
-    ``norm`` with ``squares`` (x the residual stream's fp32 row; y added without the norm's 1 / rms, the sums of
-    squares left at ``squares``, a slot a program of column tile 0, at most K / 128)."""
+                   out: torch.Tensor, partials: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                   pdl: bool = True, programs_per_sm: int = 2, stages: int = 3, l2_tiles: int = 0,
+                   compute: bool = True, fixup: int = FIXUP_POLL, start: int = 0, add: bool = False,
+                   gated: bool = False, norm: Norm | None = None, squares: torch.Tensor | None = None,
+                   rms: Rms | None = None) -> None:
+    """y = x @ W into ``out`` [1, N] (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128). A bf16 y's
+    column tiles that several programs share are summed by ``fixup``: FIXUP_POLL in the device's ``poll_slots``,
+    FIXUP_COUNTER in ``partials`` (fp32, at least ``partials_needed``) with ``counters``
+    (``split_k.tile_counters``), FIXUP_NONE not at all (a probe). ``add``: ``out`` is fp32 and y is added to it (no
+    fix-up). With ``add``, the forms of ``w4_gemv_hopper.w4_gemv``: ``gated`` (x the gate_up row [1, 2K]; ``rms``:
+    its 1 / rms left to this GEMV) and ``norm`` with ``squares`` (x the residual stream's fp32 row; y added without
+    the norm's 1 / rms, the sums of squares left at ``squares``, a slot a program of column tile 0, at most
+    K / 128)."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     reason = unsupported(k, n, group, x.dtype, x.shape[0], add, gated, norm is not None, rms is not None)
     if reason:
         raise ValueError(f"the stream GEMV cannot run these inputs: {reason}")
-    numbers = plan(k, n, programs_per_sm * num_sms(x.device))
-    if not add and partials.numel() < partials_needed(k, n, programs_per_sm * num_sms(x.device)):
-        raise ValueError(f"partials holds {partials.numel()} floats, fewer than the fix-up needs")
+    if fixup not in (FIXUP_NONE, FIXUP_COUNTER, FIXUP_POLL):
+        raise ValueError(f"fixup must be FIXUP_NONE, FIXUP_COUNTER or FIXUP_POLL (0, 1, 2), got {fixup!r}")
+    programs = programs_per_sm * num_sms(x.device)
+    numbers = plan(k, n, programs)
+    needed = partials_needed(k, n, programs)
+    if not add and fixup == FIXUP_POLL:
+        partials = poll_slots(x.device, needed)
+    elif not add and (partials is None or partials.numel() < needed or (fixup and counters is None)):
+        raise ValueError(f"a bf16 y's fix-up {fixup} needs partials of at least {needed} floats and counters; got "
+                         f"{None if partials is None else partials.numel()} and {counters}")
     if norm is not None and (squares is None or squares.numel() < numbers["KT"]):
         raise ValueError(f"a normed GEMV leaves its sums of squares in squares: fp32 with {numbers['KT']} slots, got "
                          f"{None if squares is None else squares.numel()}")
@@ -261,13 +333,23 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     counters = counters if counters is not None else out
     weight, eps = (norm.weight.view(torch.int32), norm.eps) if norm else (partials, rms.eps if rms else 0.0)
     squares_at = squares if norm else rms.squares if rms else partials
-    _w4_gemv_stream_kernel[(numbers["P"],)](
-        x if norm or rms else x.view(torch.int32), qweight, *_descriptors(qweight, scales, zeros, group), out,
-        partials, counters, n, k // 8, numbers["KT"], numbers["U"], weight, eps, squares_at,
-        rms.squares.numel() if rms else 0, rms.width if rms else 0, STAGES=stages, UNITS=numbers["UNITS"],
-        GROUP_ROWS=group // 8, MAX_SLOTS=numbers["MAX_SLOTS"], PDL=pdl, L2_TILES=l2_tiles, COMPUTE=compute,
-        FIXUP=fixup, START=start, ADD=add, GATED=gated, NORMED=norm is not None, SCALED=rms is not None,
-        SQUARE_SLOTS=triton.next_power_of_2(rms.squares.numel()) if rms else 1, num_warps=WARPS, launch_pdl=pdl)
+    args = (x if norm or rms else x.view(torch.int32), qweight, *_descriptors(qweight, scales, zeros, group), out,
+            partials, counters, n, k // 8, numbers["KT"], numbers["U"], weight, eps, squares_at,
+            rms.squares.numel() if rms else 0, rms.width if rms else 0)
+    constexprs = dict(STAGES=stages, UNITS=numbers["UNITS"], GROUP_ROWS=group // 8, MAX_SLOTS=numbers["MAX_SLOTS"],
+                      PDL=pdl, L2_TILES=l2_tiles, COMPUTE=compute, FIXUP=fixup, START=start, ADD=add, GATED=gated,
+                      NORMED=norm is not None, SCALED=rms is not None,
+                      SQUARE_SLOTS=triton.next_power_of_2(rms.squares.numel()) if rms else 1)
+    if not add and fixup == FIXUP_POLL:
+        key = (x.device, tuple(sorted(constexprs.items())))
+        if key not in FITS:
+            compiled = _w4_gemv_stream_kernel.warmup(*args, grid=(1,), **constexprs, num_warps=WARPS)
+            compiled._init_handles()  # (loading the binary gives its registers)
+            FITS[key] = programs_that_fit(compiled.metadata.shared, compiled.n_regs, WARPS, x.device)
+        if FITS[key] < min(programs_per_sm, numbers["P"] / num_sms(x.device)):
+            raise ValueError(f"programs_per_sm={programs_per_sm}, but an SM holds {FITS[key]} of these programs at "
+                             "once, and the poll's fix-up waits for all of them: ask for fewer, or fixup=FIXUP_COUNTER")
+    _w4_gemv_stream_kernel[(numbers["P"],)](*args, **constexprs, num_warps=WARPS, launch_pdl=pdl)
 
 
 def unsupported(k: int, n: int, group: int, dtype: torch.dtype, rows: int, add: bool = False, gated: bool = False,

@@ -1,6 +1,7 @@
 """The stream-K W4A16 GEMV (kernels/w4_gemv_stream.py) against ``w4a16_matmul_ref``: its bf16 form (the fix-up of
-column tiles that several programs share) and its add form (y added to an fp32 row), over shapes that leave a
-column tile ragged, a group of 64, one unit a program and many programs a tile, and in a CUDA graph.
+column tiles that several programs share, by poll and by counter) and its add form (y added to an fp32 row), over
+shapes that leave a column tile ragged, a group of 64, one unit a program and many programs a tile, and in a CUDA
+graph; the poll with NaNs, and its refusal of programs that could not all be resident.
 
 Gluon has no interpreter: the numerical tests need an sm_90 GPU. On the CPU, ``plan`` (the work's split) is tested,
 and the kernel is compiled for sm_90 (tests/test_w4_gemv_stream_sass.py).
@@ -56,48 +57,92 @@ def test_it_refuses_what_it_cannot_run_and_says_why():
         stream.w4_gemv_stream(x, qweight, None, None, 128, None, None, None)
 
 
+def slots_are_empty(device) -> bool:
+    """FIXUP_POLL leaves every slot of the device's fix-up EMPTY for the next launch."""
+    slots = stream.POLL_SLOTS.get(device)
+    return slots is None or bool((slots == stream.EMPTY).all())
+
+
 @needs_sm90
 @pytest.mark.parametrize("k,n,group,per_sm,stages", CASES)
-@pytest.mark.parametrize("add", [False, True])
-def test_stream_gemv_matches_ref(k, n, group, per_sm, stages, add):
+@pytest.mark.parametrize("form", ["poll", "counter", "add"])
+def test_stream_gemv_matches_ref(k, n, group, per_sm, stages, form):
+    add = form == "add"
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + group + add)
     want = w4a16_matmul_ref(x, qweight, scales, zeros, group)
     partials = torch.full((stream.partials_needed(k, n, per_sm * stream.num_sms(x.device)),), float("nan"),
                           device=x.device)
     counters = split_k.tile_counters(x.device)
+    fixup = stream.FIXUP_COUNTER if form == "counter" else stream.FIXUP_POLL
     start = torch.randn(1, n, device=x.device) if add else None
     out = start.clone() if add else poisoned((1, n), torch.bfloat16)
     stream.w4_gemv_stream(x, qweight, scales, zeros, group, out, partials, counters, programs_per_sm=per_sm,
-                          stages=stages, add=add)
+                          stages=stages, add=add, fixup=fixup)
     if add:  # y added to the row in fp32
         torch.testing.assert_close(out - start, want.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())
     else:
         assert_matches(out, want, torch.bfloat16)
-        again = poisoned((1, n), torch.bfloat16)
-        stream.w4_gemv_stream(x, qweight, scales, zeros, group, again, partials, counters, programs_per_sm=per_sm,
-                              stages=stages)
-        assert torch.equal(again, out), "the fix-up sums in program order: the same bits every run"
-    assert counters_are_clean()
+        for _ in range(3):
+            again = poisoned((1, n), torch.bfloat16)
+            stream.w4_gemv_stream(x, qweight, scales, zeros, group, again, partials, counters,
+                                  programs_per_sm=per_sm, stages=stages, fixup=fixup)
+            assert torch.equal(again, out), "the fix-up sums in program order: the same bits every run"
+    assert counters_are_clean() and slots_are_empty(x.device)
 
 
 @needs_sm90
-def test_stream_gemv_replays_in_a_cuda_graph():
-    """Counters reset by each tile's last program: replays with new x stay right."""
-    k, n = 4096, 2048
+def test_poll_fix_up_passes_nans_through_and_leaves_its_slots_empty():
+    """A NaN in x makes NaN partials: stored as the canonical NaN, never as EMPTY (which would leave the tile's
+    first program waiting for ever): y is NaN where the reference's is (everywhere: NaN times any weight)."""
+    k, n = 4096, 11008
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=5)
+    x[0, 3000] = float("nan")
+    out = poisoned((1, n), torch.bfloat16)
+    stream.w4_gemv_stream(x, qweight, scales, zeros, 128, out, programs_per_sm=3, stages=2)
+    torch.cuda.synchronize()
+    want = w4a16_matmul_ref(x, qweight, scales, zeros, 128)
+    assert torch.equal(out.isnan(), want.isnan()) and out.isnan().any()
+    assert slots_are_empty(x.device)
+
+
+@needs_sm90
+def test_poll_refuses_more_programs_an_sm_than_fit():
+    """The poll's first programs wait for the others: programs that could not all be resident would hang, so the
+    launch says so instead (3 programs of 12 slots, ~200 KB each, on a 228 KB SM)."""
+    k, n = 4096, 4096
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=6)
+    out = poisoned((1, n), torch.bfloat16)
+    with pytest.raises(ValueError, match="programs_per_sm=3, but an SM holds [01] of these programs"):
+        stream.w4_gemv_stream(x, qweight, scales, zeros, 128, out, programs_per_sm=3, stages=12)
+    stream.w4_gemv_stream(x, qweight, scales, zeros, 128, out, programs_per_sm=1, stages=12)
+    assert_matches(out, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
+
+
+@needs_sm90
+@pytest.mark.parametrize("fixup", ["poll", "counter"])
+def test_stream_gemv_replays_in_a_cuda_graph(fixup):
+    """Counters reset by each tile's last program, poll slots emptied by each tile's first: replays with new x stay
+    right."""
+    k, n = 4096, 11008
+    fixup = stream.FIXUP_POLL if fixup == "poll" else stream.FIXUP_COUNTER
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=12)
     partials = torch.empty(stream.partials_needed(k, n, 3 * stream.num_sms(x.device)), device=x.device)
     counters = split_k.tile_counters(x.device)
     out = torch.empty(1, n, dtype=torch.bfloat16, device=x.device)
-    stream.w4_gemv_stream(x, qweight, scales, zeros, 128, out, partials, counters, programs_per_sm=3, stages=2)
+
+    def run():
+        stream.w4_gemv_stream(x, qweight, scales, zeros, 128, out, partials, counters, programs_per_sm=3, stages=2,
+                              fixup=fixup)
+    run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        stream.w4_gemv_stream(x, qweight, scales, zeros, 128, out, partials, counters, programs_per_sm=3, stages=2)
+        run()
     for seed in range(3):
         x.copy_(int4_problem(1, k, 8, 128, torch.bfloat16, seed=40 + seed)[0])
         out.fill_(float("nan"))
         graph.replay()
         assert_matches(out, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
-    assert counters_are_clean()
+    assert counters_are_clean() and slots_are_empty(x.device)
 
 
 @needs_sm90
@@ -125,7 +170,7 @@ def test_fused_forms_on_the_stream_kernel_match_the_split_k_kernel(monkeypatch, 
         kwargs["rms"] = Rms(sums, 4096, 1e-5)
     results = {}
     for on in (False, True):
-        monkeypatch.setattr(hopper, "STREAM", on)
+        monkeypatch.setattr(hopper, "STREAM", hopper.STREAM_FORMS if on else ())
         start = torch.randn(1, n, generator=torch.Generator().manual_seed(1)).cuda() * (0 if form == "normed" else 4)
         squares = torch.zeros(slots, device="cuda") if form == "normed" else None  # (zeroed, as the engine's are)
         out = fused_forms.fused_gemv(row, qweight, scales, zeros, 128, residual=start, squares=squares, **kwargs)
@@ -141,3 +186,40 @@ def test_fused_forms_on_the_stream_kernel_match_the_split_k_kernel(monkeypatch, 
         first_tile = (numbers["KT"] * numbers["P"] - 1) // numbers["U"] + 1  # the programs holding column tile 0
         assert stream_squares[:first_tile].all() and not stream_squares[first_tile:].any()
     assert counters_are_clean()
+
+
+@needs_sm90
+def test_w4a16_matmul_runs_the_plain_form_on_the_stream_kernel_where_asked(monkeypatch):
+    """MINILLM_GEMV_STREAM=plain (``w4_gemv_hopper.STREAM``): a bf16 row's y = x W through ``w4a16_matmul`` comes from
+    the stream kernel (its poll slots get used), equal to the split-K kernel's to the fp32 sums' order."""
+    from minillm.kernels import w4_gemv_hopper as hopper
+    from minillm.kernels.quant_matmul import w4a16_matmul
+    k, n = 4096, 12288  # Llama-2-7B's qkv_proj where norms are not folded
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=21)
+    monkeypatch.setattr(hopper, "STREAM", ())
+    split_k_y = w4a16_matmul(x, qweight, scales, zeros, 128)
+    monkeypatch.setattr(hopper, "STREAM", ("plain",))
+    monkeypatch.setattr(stream, "POLL_SLOTS", {})
+    stream_y = w4a16_matmul(x, qweight, scales, zeros, 128)
+    assert x.device in stream.POLL_SLOTS and slots_are_empty(x.device)
+    torch.testing.assert_close(stream_y.float(), split_k_y.float(), rtol=0,
+                               atol=1e-2 * split_k_y.float().abs().max().item())
+    assert_matches(stream_y, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
+
+
+@pytest.mark.parametrize("value,forms", [("0", ()), ("1", ("plain", "add", "gated", "normed")),
+                                         ("plain", ("plain",)), ("plain,add", ("plain", "add")), ("bogus", None)])
+def test_the_switch_names_forms_and_refuses_others(value, forms):
+    """MINILLM_GEMV_STREAM, read at import (in a fresh interpreter): 0, 1 or forms by name; anything else says what is
+    valid."""
+    import os
+    import subprocess
+    import sys
+    code = "from minillm.kernels import w4_gemv_hopper as h; print(','.join(h.STREAM))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "MINILLM_GEMV_STREAM": value})
+    if forms is None:
+        assert done.returncode != 0 and "must be 0, 1 or forms among plain, add, gated, normed" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == ",".join(forms)

@@ -1,13 +1,15 @@
 """Issue 6: the stream-K W4A16 GEMV prototype (kernels/w4_gemv_stream.py) against the split-K Gluon GEMV
-(kernels/w4_gemv_hopper.py, the default) and torch's bf16 matmul, M = 1, in one process, three interleaved rounds.
+(kernels/w4_gemv_hopper.py, "gluon gemv") and torch's bf16 matmul, M = 1, in one process, three interleaved rounds.
 
 Timing as w4a16_gemv_gluon.py: 20 calls in a CUDA graph, each on another copy of the weights (twice the L2 in all,
-so no call finds its weight in L2), PDL on where the kernel has it. Variants: programs an SM x ring slots, tiles
-asked into L2 before the wait (l2), when the next kernel may start (start 0 / 1 / 2), the add form (y added to an
-fp32 row: no fix-up), and two probes: the copies alone
-(no math, no fix-up: its answer is wrong) and no fix-up (partials stored, not summed). Every variant that computes y
-is checked against ``w4a16_matmul_ref`` (y poisoned first), run twice for bit-equal answers, and the split-K counters
-checked back at zero; odd shapes (a ragged column tile, group 64, one unit a program) are checked without timing.
+so no call finds its weight in L2), PDL on where the kernel has it. Variants (ALL_VARIANTS; VARIANTS picks): programs
+an SM x ring slots, the bf16 y's fix-up (poll: the tile's first program reads the others' partials until all are
+stored; counter: the last to arrive sums them), tiles asked into L2 before the wait (l2), when the next kernel may
+start (start 0 / 1 / 2), the add form (y added to an fp32 row: no fix-up), and two probes: the copies alone (no
+math, no fix-up: its answer is wrong) and no fix-up (partials stored, not summed). Every variant that computes y is
+checked against ``w4a16_matmul_ref`` (y poisoned first), run twice for bit-equal answers, the split-K counters
+checked back at zero and the poll's slots back at EMPTY; odd shapes (a ragged column tile, group 64, one unit a
+program) are checked without timing.
 Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/sweeps/w4a16_gemv_stream.py``
 (SHAPES=4096x11008,... to choose; NAME names the JSON).
 """
@@ -23,29 +25,41 @@ from launch_sweep import save_result  # noqa: E402
 from minillm.bench.kernels import time_interleaved  # noqa: E402
 from minillm.bench.quant_kernels import QuantShape, _copies, bytes_moved  # noqa: E402
 from minillm.bench.roofline import measure_bandwidth  # noqa: E402
-from minillm.kernels import w4_gemv_stream  # noqa: E402
+from minillm.kernels import w4_gemv_hopper, w4_gemv_stream  # noqa: E402
 from minillm.kernels.checks import num_sms  # noqa: E402
 from minillm.kernels.quant_matmul import pack_int4, pack_int4_along_n, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 from minillm.kernels.split_k import tile_counters  # noqa: E402
 
-VARIANTS = {  # name: w4_gemv_stream keywords (start: when the next kernel may start, w4_gemv_stream.py)
-    "stream 3x2": dict(programs_per_sm=3, stages=2),
-    "stream 2x2": dict(programs_per_sm=2, stages=2),
-    "stream 3x2 start 1": dict(programs_per_sm=3, stages=2, start=1),
-    "stream 3x2 start 1 l2 2": dict(programs_per_sm=3, stages=2, start=1, l2_tiles=2),
-    "stream 3x2 start 1 l2 4": dict(programs_per_sm=3, stages=2, start=1, l2_tiles=4),
-    "stream 2x2 start 1 l2 4": dict(programs_per_sm=2, stages=2, start=1, l2_tiles=4),
-    "stream 2x3 start 1": dict(programs_per_sm=2, stages=3, start=1),
-    "stream 2x3 start 1 l2 2": dict(programs_per_sm=2, stages=3, start=1, l2_tiles=2),
-    "stream 3x2 start 2": dict(programs_per_sm=3, stages=2, start=2),
+POLL, COUNTER, NONE = w4_gemv_stream.FIXUP_POLL, w4_gemv_stream.FIXUP_COUNTER, w4_gemv_stream.FIXUP_NONE
+# name: w4_gemv_stream keywords (start: when the next kernel may start; fixup: how a bf16 y's shared column tiles are
+# summed, w4_gemv_stream.py). Session 30's list had the start and L2 variants; NAME=... VARIANTS=name,name picks.
+ALL_VARIANTS = {
+    "stream 3x2 poll": dict(programs_per_sm=3, stages=2, fixup=POLL),
+    "stream 2x3 poll": dict(programs_per_sm=2, stages=3, fixup=POLL),
+    "stream 2x2 poll": dict(programs_per_sm=2, stages=2, fixup=POLL),
+    "stream 3x2 counter": dict(programs_per_sm=3, stages=2, fixup=COUNTER),
+    "stream 2x3 counter": dict(programs_per_sm=2, stages=3, fixup=COUNTER),
+    "stream 3x2 start 1": dict(programs_per_sm=3, stages=2, start=1, fixup=COUNTER),
+    "stream 3x2 start 1 l2 2": dict(programs_per_sm=3, stages=2, start=1, l2_tiles=2, fixup=COUNTER),
+    "stream 3x2 start 2": dict(programs_per_sm=3, stages=2, start=2, fixup=COUNTER),
     "stream 3x2 add": dict(programs_per_sm=3, stages=2, add=True),
+    "stream 2x3 add": dict(programs_per_sm=2, stages=3, add=True),
     "stream 3x2 add start 1": dict(programs_per_sm=3, stages=2, add=True, start=1),
-    "stream 3x2 add start 1 l2 4": dict(programs_per_sm=3, stages=2, add=True, start=1, l2_tiles=4),
-    "stream 2x2 add": dict(programs_per_sm=2, stages=2, add=True),
-    "probe 3x2 no fix-up": dict(programs_per_sm=3, stages=2, fixup=False),
-    "probe 3x2 copies only": dict(programs_per_sm=3, stages=2, compute=False, fixup=False),
-    "probe 3x2 copies only start 1": dict(programs_per_sm=3, stages=2, compute=False, fixup=False, start=1),
+    "probe 3x2 no fix-up": dict(programs_per_sm=3, stages=2, fixup=NONE),
+    "probe 3x2 copies only": dict(programs_per_sm=3, stages=2, compute=False, fixup=NONE),
 }
+DEFAULT_VARIANTS = ("stream 3x2 poll", "stream 2x3 poll", "stream 2x2 poll", "stream 3x2 counter", "stream 2x3 counter",
+                    "stream 3x2 add", "stream 2x3 add", "probe 3x2 no fix-up", "probe 3x2 copies only")
+VARIANTS = {name: ALL_VARIANTS[name] for name in os.environ.get("VARIANTS", ",".join(DEFAULT_VARIANTS)).split(",")}
+
+
+def pinned_split_k(call):
+    """``call`` with ``w4a16_matmul``'s plain form on the split-K kernel whatever MINILLM_GEMV_STREAM says."""
+    saved, w4_gemv_hopper.STREAM = w4_gemv_hopper.STREAM, ()
+    try:
+        return call()
+    finally:
+        w4_gemv_hopper.STREAM = saved
 
 
 def weights(k, n, group, dev, gen):
@@ -73,7 +87,9 @@ def check(k, n, group, kw, dev, gen):
     torch.cuda.synchronize()
     return {"max_rel_error_vs_ref": ((answers[0].float() - want).abs().max() / want.abs().max()).item(),
             "bit_equal_twice": bool(torch.equal(answers[0], answers[1])),
-            "counters_zero": bool((counters[:64] == 0).all())}
+            "counters_zero": bool((counters[:64] == 0).all()),
+            "poll_slots_empty": bool((w4_gemv_stream.POLL_SLOTS[dev] == w4_gemv_stream.EMPTY).all())
+            if dev in w4_gemv_stream.POLL_SLOTS else None}
 
 
 def main():
@@ -104,8 +120,9 @@ def main():
             cycle = itertools.cycle(pool)
             return lambda: fn(next(cycle))
 
+        split_k_only = lambda w: pinned_split_k(lambda: w4a16_matmul(x, *w, group, out=out, hopper=True))  # noqa
         calls = {"torch bf16": (cycled(lambda w: torch.matmul(x, w, out=out), dense), 2 * k * n + 2 * (k + n)),
-                 "gluon gemv": (cycled(lambda w: w4a16_matmul(x, *w, group, out=out, hopper=True), sets), w4_bytes)}
+                 "gluon gemv": (cycled(split_k_only, sets), w4_bytes)}
         for name, kw in VARIANTS.items():
             def call(w, kw=kw):
                 w4_gemv_stream.w4_gemv_stream(x, *w, group, out32 if kw.get("add") else out, partials, counters,
