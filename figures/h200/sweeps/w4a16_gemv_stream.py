@@ -120,7 +120,9 @@ def main():
             cycle = itertools.cycle(pool)
             return lambda: fn(next(cycle))
 
-        split_k_only = lambda w: pinned_split_k(lambda: w4a16_matmul(x, *w, group, out=out, hopper=True))  # noqa
+        def split_k_only(w):
+            return pinned_split_k(lambda: w4a16_matmul(x, *w, group, out=out, hopper=True))
+
         calls = {"torch bf16": (cycled(lambda w: torch.matmul(x, w, out=out), dense), 2 * k * n + 2 * (k + n)),
                  "gluon gemv": (cycled(split_k_only, sets), w4_bytes)}
         for name, kw in VARIANTS.items():
