@@ -164,17 +164,20 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
          squares: torch.Tensor | None = None, rms: Rms | None = None) -> None:
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
     where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run. A form runs the stream-K
-    kernel instead (``w4_gemv_stream.py``) where it takes it if ``stream_takes`` says so."""
+    kernel instead (``w4_gemv_stream.py``) where it takes it if ``stream_takes`` says so (the plain form only where
+    ``poll_pays``)."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     form = "gated" if gated else "normed" if norm is not None else "add" if add else "plain"
+    sms = num_sms(x.device)
     if out.dtype == (torch.float32 if add else torch.bfloat16) and stream_takes(k, n, form) and not stream.unsupported(
-            k, n, group, x.dtype, x.shape[0], add, gated, norm is not None, rms is not None):
-        per_sm, stages = stream.choose_shape(k, n, num_sms(x.device))
+            k, n, group, x.dtype, x.shape[0], add, gated, norm is not None, rms is not None) and (
+            add or stream.poll_pays(k, n, sms)):
+        per_sm, stages = stream.choose_shape(k, n, sms)
         stream.w4_gemv_stream(x, qweight, scales, zeros, group, out, pdl=pdl_supported(x.device),
                               programs_per_sm=per_sm, stages=stages, start=stream.START, add=add, gated=gated,
                               norm=norm, squares=squares, rms=rms)
         return
-    tiles = choose_tiles(k, n, num_sms(x.device))
+    tiles = choose_tiles(k, n, sms)
     partials = torch.empty(max(partials_needed(k, n, tiles, norm is not None), 1), dtype=torch.float32,
                            device=x.device)
     w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),

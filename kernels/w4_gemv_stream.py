@@ -248,6 +248,13 @@ def choose_shape(k: int, n: int, sms: int) -> tuple[int, int]:
     return (3, 2) if kt * -(-n // BLOCK_N) >= 9 * sms else (2, 3)
 
 
+def poll_pays(k: int, n: int, sms: int) -> bool:
+    """Whether a bf16 y (the plain form) is faster here than on the split-K kernel: where ``choose_shape`` gives 3 x 2
+    (H200: 8.61 / 9.16 us at 4096 x 11008 / 11008 x 4096 against 9.58 / 9.69; at 4096 x 4096 5.63-6.45 against 5.56:
+    figures/h200/sweeps/w4a16_gemv_stream_poll.json)."""
+    return choose_shape(k, n, sms) == (3, 2)
+
+
 def plan(k: int, n: int, programs: int) -> dict:
     """The launch's numbers for a K x N weight over ``programs`` programs: units U, units a column tile KT, the
     programs P (at most U), UNITS (a power of two at least the longest run) and MAX_SLOTS (a power of two at least the
