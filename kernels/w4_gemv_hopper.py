@@ -38,14 +38,16 @@ TILES = 4
 MIN_PROGRAMS_PER_SM = 2
 # The GEMV forms ("plain": y = x W in bf16; "add", "gated", "normed": y added to an fp32 row) that run the stream-K
 # kernel (w4_gemv_stream.py) where it takes them; MINILLM_GEMV_STREAM: "0" none, "1" all, or forms by name
-# ("plain,add"). The add forms are faster alone (7.2 against ~9 us at 4096 x 11008) but slower in the batch-1 decode
-# graph, 559 against 651 tok/s (figures/h200/sweeps/latency_processes_stream.json).
+# ("plain,add"). By default the plain form, where ``poll_pays``: with the norm kernels (nothing folded: tensor
+# parallelism, MINILLM_NORM_IN_GEMV=0) 1.8073 against 1.8966 ms a token (figures/h200/sweeps/
+# decode_graph_stream_plain.json). The add forms are faster alone (7.2 against ~9 us at 4096 x 11008) but slower in
+# the batch-1 decode graph, 559 against 651 tok/s (latency_processes_stream.json).
 STREAM_FORMS = ("plain", "add", "gated", "normed")
-STREAM = {"0": (), "1": STREAM_FORMS}.get(os.environ.get("MINILLM_GEMV_STREAM", "0"),
-                                          tuple(os.environ.get("MINILLM_GEMV_STREAM", "0").split(",")))
+_SWITCH = os.environ.get("MINILLM_GEMV_STREAM", "plain")
+STREAM = {"0": (), "1": STREAM_FORMS}.get(_SWITCH, tuple(_SWITCH.split(",")))
 if set(STREAM) - set(STREAM_FORMS):
     raise ValueError(f"MINILLM_GEMV_STREAM must be 0, 1 or forms among {', '.join(STREAM_FORMS)}, comma-separated; "
-                     f"got {os.environ['MINILLM_GEMV_STREAM']!r}")
+                     f"got {_SWITCH!r}")
 
 
 def stream_takes(k: int, n: int, form: str) -> bool:

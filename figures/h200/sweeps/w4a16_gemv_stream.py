@@ -88,8 +88,8 @@ def check(k, n, group, kw, dev, gen):
     return {"max_rel_error_vs_ref": ((answers[0].float() - want).abs().max() / want.abs().max()).item(),
             "bit_equal_twice": bool(torch.equal(answers[0], answers[1])),
             "counters_zero": bool((counters[:64] == 0).all()),
-            "poll_slots_empty": bool((w4_gemv_stream.POLL_SLOTS[dev] == w4_gemv_stream.EMPTY).all())
-            if dev in w4_gemv_stream.POLL_SLOTS else None}
+            "poll_slots_empty": bool((w4_gemv_stream.POLL_SLOTS[x.device] == w4_gemv_stream.EMPTY).all())
+            if x.device in w4_gemv_stream.POLL_SLOTS else None}
 
 
 def main():
