@@ -121,7 +121,7 @@ if GLUON_USABLE:
 
     @gluon.jit
     def _flush(out, c, p, P, U, KT, Y, Partials, Counters, N, MAX_SLOTS: gl.constexpr, FIXUP: gl.constexpr,
-               ADD: gl.constexpr, WARPS_: gl.constexpr, SHORT_CONSUMER: gl.constexpr):
+               ADD: gl.constexpr, WARPS_: gl.constexpr):
         """Column tile c's part of y from program p: y itself if p holds all of c's units, else a partial, summed
         with the others in program order (deterministic) by c's first program (FIXUP_POLL) or by the last to arrive
         (FIXUP_COUNTER). ADD: Y is an fp32 row and each program adds its part to it (a RED: no fix-up)."""
@@ -137,11 +137,8 @@ if GLUON_USABLE:
             gl.store(Y + n, out.to(Y.dtype.element_ty), mask=n < N)
         elif FIXUP == _FIXUP_POLL_S:
             words = tile.to(gl.pointer_type(gl.int32))
-            consumer = first
-            if SHORT_CONSUMER:
-                consumer = _short_consumer(c, first, count, P, U, KT)
-            if p == consumer:
-                y = _sum_when_stored(out, words, p - first, count, MAX_SLOTS, WARPS_)
+            if p == first:
+                y = _sum_when_stored(out, words, count, MAX_SLOTS, WARPS_)
                 gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
             else:  # a NaN's bits made canonical, so that no partial reads as "not stored yet"
                 bits = out.to(gl.int32, bitcast=True)
@@ -161,29 +158,15 @@ if GLUON_USABLE:
                     gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
 
     @gluon.jit
-    def _short_consumer(c, first, count, P, U, KT):
-        """Column tile c's summing program under SHORT_CONSUMER: the first of c's programs whose run is the shorter
-        length (U // P units) and ends in c, so that it is done, and reading, before the longer runs end; c's first
-        program if none is."""
-        last = first + count - 1
-        ends_in_c = count - 1 + (((last + 1) * U // P) == (c + 1) * KT).to(gl.int32)  # (the last may run on)
-        consumer = first
-        for back in range(ends_in_c):
-            q = first + ends_in_c - 1 - back
-            if (q + 1) * U // P - q * U // P == U // P:
-                consumer = q
-        return consumer
-
-    @gluon.jit
-    def _sum_when_stored(own, words, own_slot, count, MAX_SLOTS: gl.constexpr, WARPS_: gl.constexpr):
-        """own (this program's partial, slot own_slot's) plus the partials of the others of slots 0 .. count - 1,
-        read from L2 until none is EMPTY (their programs store them as they finish: no fence, no counter); the slots
-        are left EMPTY again for the next launch. The sum's order is fixed by the plan: the same bits every run."""
+    def _sum_when_stored(own, words, count, MAX_SLOTS: gl.constexpr, WARPS_: gl.constexpr):
+        """own (slot 0's partial, this program's) plus the partials of slots 1 .. count - 1, read from L2 until none
+        is EMPTY (their programs store them as they finish: no fence, no counter), summed in slot order; the slots
+        are left EMPTY again for the next launch."""
         fix_l: gl.constexpr = gl.BlockedLayout([MAX_SLOTS, 2], [1, 32], [1, WARPS_], [1, 0])
         slots = gl.arange(0, MAX_SLOTS, layout=gl.SliceLayout(1, fix_l))[:, None]
         fcols = gl.arange(0, _BLOCK_N_S, layout=gl.SliceLayout(0, fix_l))[None, :]
         ptrs = words + slots * _BLOCK_N_S + fcols
-        peers = (slots != own_slot) & (slots < count) & (fcols < _BLOCK_N_S)
+        peers = (slots >= 1) & (slots < count) & (fcols < _BLOCK_N_S)
         bits = gl.load(ptrs, mask=peers, other=0, volatile=True)
         while gl.max(gl.max(gl.where(bits == _EMPTY_S, 1, 0), axis=1), axis=0) > 0:  # (a REDUX a slot: no spill)
             bits = gl.load(ptrs, mask=peers, other=0, volatile=True)
@@ -197,7 +180,7 @@ if GLUON_USABLE:
                                L2_TILES: gl.constexpr, COMPUTE: gl.constexpr, FIXUP: gl.constexpr, START: gl.constexpr,
                                ADD: gl.constexpr = False, GATED: gl.constexpr = False,
                                NORMED: gl.constexpr = False, SCALED: gl.constexpr = False,
-                               SQUARE_SLOTS: gl.constexpr = 1, SHORT_CONSUMER: gl.constexpr = True):
+                               SQUARE_SLOTS: gl.constexpr = 1):
         """Program p: units [p U / P, (p + 1) U / P) through a ring of STAGES slots (module docstring). UNITS: a power
         of two at least the longest run. FIXUP: the module's FIXUP_*. COMPUTE off: a probe (the copies alone).
         START: when the next kernel, launched early (PDL), may start: 0 before the wait, 1 once the program has
@@ -251,8 +234,7 @@ if GLUON_USABLE:
                 if (START == 1) & (i + STAGES == n_units - 1):
                     _let_next_start(PDL)
             if ((u + 1) % KT == 0) | (i == n_units - 1):
-                _flush(out, u // KT, p, P, U, KT, Y, Partials, Counters, N, MAX_SLOTS, FIXUP, ADD, WARPS_,
-                       SHORT_CONSUMER)
+                _flush(out, u // KT, p, P, U, KT, Y, Partials, Counters, N, MAX_SLOTS, FIXUP, ADD, WARPS_)
                 out = gl.zeros([_BLOCK_N_S], gl.float32, layout=cols_l)
         if START == 2:
             _let_next_start(PDL)
@@ -328,13 +310,12 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    pdl: bool = True, programs_per_sm: int = 2, stages: int = 3, l2_tiles: int = 0,
                    compute: bool = True, fixup: int = FIXUP_POLL, start: int = 0, add: bool = False,
                    gated: bool = False, norm: Norm | None = None, squares: torch.Tensor | None = None,
-                   rms: Rms | None = None, short_consumer: bool = True) -> None:
+                   rms: Rms | None = None) -> None:
     """y = x @ W into ``out`` [1, N] (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128). A bf16 y's
     column tiles that several programs share are summed by ``fixup``: FIXUP_POLL in the device's ``poll_slots``,
     FIXUP_COUNTER in ``partials`` (fp32, at least ``partials_needed``) with ``counters``
     (``split_k.tile_counters``), FIXUP_NONE not at all (a probe). ``add``: ``out`` is fp32 and y is added to it (no
-    fix-up). ``short_consumer`` (FIXUP_POLL; off for sweeps): a tile's sum by one of its programs with a short run
-    (``_short_consumer``), not by its first. With ``add``, the forms of ``w4_gemv_hopper.w4_gemv``: ``gated`` (x the gate_up row [1, 2K]; ``rms``:
+    fix-up). With ``add``, the forms of ``w4_gemv_hopper.w4_gemv``: ``gated`` (x the gate_up row [1, 2K]; ``rms``:
     its 1 / rms left to this GEMV) and ``norm`` with ``squares`` (x the residual stream's fp32 row; y added without
     the norm's 1 / rms, the sums of squares left at ``squares``, a slot a program of column tile 0, at most
     K / 128)."""
@@ -365,8 +346,7 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     constexprs = dict(STAGES=stages, UNITS=numbers["UNITS"], GROUP_ROWS=group // 8, MAX_SLOTS=numbers["MAX_SLOTS"],
                       PDL=pdl, L2_TILES=l2_tiles, COMPUTE=compute, FIXUP=fixup, START=start, ADD=add, GATED=gated,
                       NORMED=norm is not None, SCALED=rms is not None,
-                      SQUARE_SLOTS=triton.next_power_of_2(rms.squares.numel()) if rms else 1,
-                      SHORT_CONSUMER=short_consumer)
+                      SQUARE_SLOTS=triton.next_power_of_2(rms.squares.numel()) if rms else 1)
     if not add and fixup == FIXUP_POLL:
         key = (x.device, tuple(sorted(constexprs.items())))
         if key not in FITS:

@@ -3,8 +3,8 @@
 
 Timing as w4a16_gemv_gluon.py: 20 calls in a CUDA graph, each on another copy of the weights (twice the L2 in all,
 so no call finds its weight in L2), PDL on where the kernel has it. Variants (ALL_VARIANTS; VARIANTS picks): programs
-an SM x ring slots, the bf16 y's fix-up (poll: one of the tile's programs, with a short run or, "first", its first,
-reads the others' partials until all are stored; counter: the last to arrive sums them), tiles asked into L2 before the wait (l2), when the next kernel may
+an SM x ring slots, the bf16 y's fix-up (poll: the tile's first program reads the others' partials until all are
+stored; counter: the last to arrive sums them), tiles asked into L2 before the wait (l2), when the next kernel may
 start (start 0 / 1 / 2), the add form (y added to an fp32 row: no fix-up), and two probes: the copies alone (no
 math, no fix-up: its answer is wrong) and no fix-up (partials stored, not summed). Every variant that computes y is
 checked against ``w4a16_matmul_ref`` (y poisoned first), run twice for bit-equal answers, the split-K counters
@@ -37,8 +37,6 @@ ALL_VARIANTS = {
     "stream 3x2 poll": dict(programs_per_sm=3, stages=2, fixup=POLL),
     "stream 2x3 poll": dict(programs_per_sm=2, stages=3, fixup=POLL),
     "stream 2x2 poll": dict(programs_per_sm=2, stages=2, fixup=POLL),
-    "stream 3x2 poll first": dict(programs_per_sm=3, stages=2, fixup=POLL, short_consumer=False),
-    "stream 2x3 poll first": dict(programs_per_sm=2, stages=3, fixup=POLL, short_consumer=False),
     "stream 3x2 counter": dict(programs_per_sm=3, stages=2, fixup=COUNTER),
     "stream 2x3 counter": dict(programs_per_sm=2, stages=3, fixup=COUNTER),
     "stream 3x2 start 1": dict(programs_per_sm=3, stages=2, start=1, fixup=COUNTER),
@@ -50,9 +48,8 @@ ALL_VARIANTS = {
     "probe 3x2 no fix-up": dict(programs_per_sm=3, stages=2, fixup=NONE),
     "probe 3x2 copies only": dict(programs_per_sm=3, stages=2, compute=False, fixup=NONE),
 }
-DEFAULT_VARIANTS = ("stream 3x2 poll", "stream 3x2 poll first", "stream 2x3 poll", "stream 2x3 poll first",
-                    "stream 2x2 poll", "stream 3x2 counter", "stream 2x3 counter", "stream 3x2 add",
-                    "probe 3x2 no fix-up")
+DEFAULT_VARIANTS = ("stream 3x2 poll", "stream 2x3 poll", "stream 2x2 poll", "stream 3x2 counter", "stream 2x3 counter",
+                    "stream 3x2 add", "stream 2x3 add", "probe 3x2 no fix-up", "probe 3x2 copies only")
 VARIANTS = {name: ALL_VARIANTS[name] for name in os.environ.get("VARIANTS", ",".join(DEFAULT_VARIANTS)).split(",")}
 
 
