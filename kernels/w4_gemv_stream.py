@@ -15,10 +15,14 @@ ring of STAGES tiles in flight, so that
 The work: units of 16 packed rows (128 inputs) x 256 columns, numbered column tile by column tile (u = c KT + j);
 program p takes units [p U / P, (p + 1) U / P) (stream-K's contiguous split: Osama, Merrill, Cecka, Garland, Rennich,
 "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on the GPU", 2023,
-https://arxiv.org/abs/2301.03598). A column tile whose units one program holds whole is written by it; otherwise each of
-its programs stores a partial and the last to arrive sums them in program order (deterministic) and writes y, as
-``split_k.py``'s fix-up. A unit's slots, copies and math are the split-K kernel's (``w4_gemv_hopper_kernel.tile_slots``,
-``load_tile``, ``add_tile``).
+https://arxiv.org/abs/2301.03598). A column tile whose units one program holds whole is written by it; otherwise its
+other programs store their partials as they finish, and its first program (which ends in it, as they do) reads them
+from L2 until none is EMPTY, sums them in a fixed order (the same bits every run) and writes y, leaving the slots
+EMPTY for the next launch (FIXUP_POLL: no fence and no counter, one L2 round trip after the last partial lands, where
+``split_k.py``'s last-arrival fix-up, FIXUP_COUNTER here, takes three). The poll waits for other programs, so all P
+must be resident at once: ``w4_gemv_stream`` refuses a launch whose programs an SM do not fit (``programs_that_fit``).
+A unit's slots, copies and math are the split-K kernel's (``w4_gemv_hopper_kernel.tile_slots``, ``load_tile``,
+``add_tile``).
 
 Measured on the H200 (figures/h200/sweeps/w4a16_gemv_stream.json, w4a16_gemv_stream_start.json; 20 calls in a CUDA
 graph, each on another copy of the weights, against torch's bf16 matmul in the same rounds): the ring's copies alone
@@ -31,11 +35,19 @@ GEMV ahead, the split-K kernel's resident programs put their whole share of the 
 rings, and its programs, sized for an idle GPU, share the SMs with the kernels launched around them. With the next
 kernel let start only at its end (START 2), 1.6076 against 1.5552 (decode_graph_stream_start.json): o_proj faster
 (4.08 against 5.98 us), qkv_proj slower (10.19 against 5.79), having lost the head start the split-K qkv_proj gets
-during down_proj. So ``w4_gemv_hopper.gemv`` runs it only with MINILLM_GEMV_STREAM=1.
+during down_proj. So ``w4_gemv_hopper.gemv`` runs the add forms on it only with MINILLM_GEMV_STREAM=1.
+
+The plain form (a bf16 y) with the poll (figures/h200/sweeps/w4a16_gemv_stream_poll.json): 8.61 and 9.16 us, 2.86x and
+2.74x the bf16 matmul, against the counter's 9.33 and 9.04 and the split-K kernel's 9.58 and 9.69; at 4096 x 4096 it
+loses (5.63-6.45 against 5.56), hence ``poll_pays``. Summing a tile in one of its programs with a shorter run, which
+is done (and polls) earlier, was slower still (10.09 and 11.77 us, w4a16_gemv_stream_short.json). In the batch-1
+decode graph with nothing folded (the norm kernels, as under tensor parallelism) the plain form on this kernel makes a
+token 1.8073 ms against 1.8966 (decode_graph_stream_plain.json), so ``gemv`` runs it there by default.
 
 What it takes (``unsupported``): one bf16 row (fp32 for the normed and scaled forms), K a multiple of 128, N of 32,
 group 64 or 128; the gated and normed forms only with ADD. Not under Triton's interpreter (Gluon has none): tested on
-an sm_90 GPU (tests/kernels/test_w4_gemv_stream.py, and the fused forms' tests with MINILLM_GEMV_STREAM=1).
+an sm_90 GPU (tests/kernels/test_w4_gemv_stream.py, and the fused forms' tests with MINILLM_GEMV_STREAM=1); compiled
+for sm_90 on the CPU by tests/test_w4_gemv_stream_sass.py.
 """
 
 from __future__ import annotations
