@@ -171,9 +171,9 @@ if GLUON_USABLE:
 
     @gluon.jit
     def _sum_when_stored(own, words, count, MAX_SLOTS: gl.constexpr, WARPS_: gl.constexpr):
-        """own (slot 0's partial, this program's) plus the partials of slots 1 .. count - 1, read from L2 until none
-        is EMPTY (their programs store them as they finish: no fence, no counter), summed in slot order; the slots
-        are left EMPTY again for the next launch."""
+        """own (slot 0's partial, this program's) plus the sum of slots 1 .. count - 1, read from L2 until none is
+        EMPTY (their programs store them as they finish: no fence, no counter), in a fixed order; the slots are left
+        EMPTY again for the next launch."""
         fix_l: gl.constexpr = gl.BlockedLayout([MAX_SLOTS, 2], [1, 32], [1, WARPS_], [1, 0])
         slots = gl.arange(0, MAX_SLOTS, layout=gl.SliceLayout(1, fix_l))[:, None]
         fcols = gl.arange(0, _BLOCK_N_S, layout=gl.SliceLayout(0, fix_l))[None, :]
@@ -294,7 +294,8 @@ POLL_SLOTS = {}  # device -> int32 slots, EMPTY where no partial waits (FIXUP_PO
 
 def poll_slots(device: torch.device, needed: int) -> torch.Tensor:
     """The device's slots for FIXUP_POLL's partials, at least ``needed``, filled with EMPTY once (grown outside CUDA
-    graph capture only: a captured launch keeps its slots' address)."""
+    graph capture only: a captured launch keeps its slots' address). Like ``split_k.tile_counters``, one launch at a
+    time a device: launches on two streams at once would share them."""
     slots = POLL_SLOTS.get(device)
     if slots is None or slots.numel() < needed:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
