@@ -1,7 +1,8 @@
 """The W4A16 GEMV (M = 1) for Hopper (sm_90), from Python: what the Gluon kernel (``w4_gemv_hopper_kernel.py``,
 whose docstring has its design and speed) takes, how many tiles a program gets, and its launch. ``w4a16_matmul``
 runs it for one row of bf16 x on an H100/H200; ``w4_gemv_fused.fused_gemv`` runs its forms with a norm, a
-residual or SiLU-and-multiply folded in.
+residual or SiLU-and-multiply folded in. ``gemv`` sends the forms STREAM names to the stream-K kernel
+(``w4_gemv_stream.py``) instead: by default the plain form (a bf16 y) at large shapes.
 
 What it takes (``unsupported`` names what is missing): bf16 x, one row (M = 1), group_size 64 or 128, N a multiple of
 32 (TMA's 16-byte row strides for the packed zero points), 16-byte aligned tensors, sm_90. fp16 x, other groups and
@@ -39,15 +40,28 @@ MIN_PROGRAMS_PER_SM = 2
 # The GEMV forms ("plain": y = x W in bf16; "add", "gated", "normed": y added to an fp32 row) that run the stream-K
 # kernel (w4_gemv_stream.py) where it takes them; MINILLM_GEMV_STREAM: "0" none, "1" all, or forms by name
 # ("plain,add"). By default the plain form, where ``poll_pays``: with the norm kernels (nothing folded: tensor
-# parallelism, MINILLM_NORM_IN_GEMV=0) 1.8073 against 1.8966 ms a token (figures/h200/sweeps/
-# decode_graph_stream_plain.json). The add forms are faster alone (7.2 against ~9 us at 4096 x 11008) but slower in
-# the batch-1 decode graph, 559 against 651 tok/s (latency_processes_stream.json).
+# parallelism, MINILLM_NORM_IN_GEMV=0), qkv_proj and gate_up_proj on it, 1.8073 against 1.8966 ms a token
+# (figures/h200/sweeps/decode_graph_stream_plain.json). The add forms are faster alone (7.2 against ~9 us at
+# 4096 x 11008) but slower in the batch-1 decode graph, 559 against 651 tok/s (latency_processes_stream.json).
 STREAM_FORMS = ("plain", "add", "gated", "normed")
-_SWITCH = os.environ.get("MINILLM_GEMV_STREAM", "plain")
-STREAM = {"0": (), "1": STREAM_FORMS}.get(_SWITCH, tuple(_SWITCH.split(",")))
-if set(STREAM) - set(STREAM_FORMS):
-    raise ValueError(f"MINILLM_GEMV_STREAM must be 0, 1 or forms among {', '.join(STREAM_FORMS)}, comma-separated; "
-                     f"got {_SWITCH!r}")
+
+
+def stream_forms(switch: str) -> tuple[str, ...]:
+    """MINILLM_GEMV_STREAM's forms: 0 / off / false / no none, 1 / on / true / yes all, empty the default ("plain"),
+    else forms by name, comma-separated; a ValueError names what is valid."""
+    value = switch.strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return ()
+    if value in ("1", "on", "true", "yes"):
+        return STREAM_FORMS
+    forms = tuple(form.strip() for form in (value or "plain").split(",") if form.strip())
+    if not forms or set(forms) - set(STREAM_FORMS):
+        raise ValueError(f"MINILLM_GEMV_STREAM must be 0, 1 or forms among {', '.join(STREAM_FORMS)}, comma-separated; "
+                         f"got {switch!r}")
+    return forms
+
+
+STREAM = stream_forms(os.environ.get("MINILLM_GEMV_STREAM", "plain"))
 
 
 def stream_takes(k: int, n: int, form: str) -> bool:
@@ -175,10 +189,16 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
             k, n, group, x.dtype, x.shape[0], add, gated, norm is not None, rms is not None) and (
             add or stream.poll_pays(k, n, sms)):
         per_sm, stages = stream.choose_shape(k, n, sms)
-        stream.w4_gemv_stream(x, qweight, scales, zeros, group, out, pdl=pdl_supported(x.device),
-                              programs_per_sm=per_sm, stages=stages, start=stream.START, add=add, gated=gated,
-                              norm=norm, squares=squares, rms=rms)
-        return
+        fixup = stream.choose_fixup(k, n, per_sm * sms)
+        partials = None if add or fixup == stream.FIXUP_POLL else torch.empty(
+            stream.partials_needed(k, n, per_sm * sms), dtype=torch.float32, device=x.device)
+        try:
+            stream.w4_gemv_stream(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device),
+                                  pdl=pdl_supported(x.device), programs_per_sm=per_sm, stages=stages, fixup=fixup,
+                                  start=stream.START, add=add, gated=gated, norm=norm, squares=squares, rms=rms)
+            return
+        except stream.DoesNotFit:  # (its programs cannot all be resident: refused before any launch)
+            pass
     tiles = choose_tiles(k, n, sms)
     partials = torch.empty(max(partials_needed(k, n, tiles, norm is not None), 1), dtype=torch.float32,
                            device=x.device)

@@ -16,7 +16,7 @@ The work: units of 16 packed rows (128 inputs) x 256 columns, numbered column ti
 program p takes units [p U / P, (p + 1) U / P) (stream-K's contiguous split: Osama, Merrill, Cecka, Garland, Rennich,
 "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on the GPU", 2023,
 https://arxiv.org/abs/2301.03598). A column tile whose units one program holds whole is written by it; otherwise its
-other programs store their partials as they finish, and its first program (which ends in it, as they do) reads them
+other programs store their partials as they finish, and its first program (whose run ends in it) reads them
 from L2 until none is EMPTY, sums them in a fixed order (the same bits every run) and writes y, leaving the slots
 EMPTY for the next launch (FIXUP_POLL: no fence and no counter, one L2 round trip after the last partial lands, where
 ``split_k.py``'s last-arrival fix-up, FIXUP_COUNTER here, takes three). The poll waits for other programs, so all P
@@ -35,14 +35,16 @@ GEMV ahead, the split-K kernel's resident programs put their whole share of the 
 rings, and its programs, sized for an idle GPU, share the SMs with the kernels launched around them. With the next
 kernel let start only at its end (START 2), 1.6076 against 1.5552 (decode_graph_stream_start.json): o_proj faster
 (4.08 against 5.98 us), qkv_proj slower (10.19 against 5.79), having lost the head start the split-K qkv_proj gets
-during down_proj. So ``w4_gemv_hopper.gemv`` runs the add forms on it only with MINILLM_GEMV_STREAM=1.
+during down_proj. So ``w4_gemv_hopper.gemv`` runs the add forms on it only where MINILLM_GEMV_STREAM names them.
 
 The plain form (a bf16 y) with the poll (figures/h200/sweeps/w4a16_gemv_stream_poll.json): 8.61 and 9.16 us, 2.86x and
-2.74x the bf16 matmul, against the counter's 9.33 and 9.04 and the split-K kernel's 9.58 and 9.69; at 4096 x 4096 it
-loses (5.63-6.45 against 5.56), hence ``poll_pays``. Summing a tile in one of its programs with a shorter run, which
-is done (and polls) earlier, was slower still (10.09 and 11.77 us, w4a16_gemv_stream_short.json). In the batch-1
-decode graph with nothing folded (the norm kernels, as under tensor parallelism) the plain form on this kernel makes a
-token 1.8073 ms against 1.8966 (decode_graph_stream_plain.json), so ``gemv`` runs it there by default.
+2.74x the bf16 matmul, against the counter's 9.33 and 9.04 and the split-K kernel's 9.58 and 9.69; where ~25 programs
+share a tile (11008 x 4096) the counter wins, hence ``choose_fixup``. At 4096 x 4096 (2 x 3) the counter takes
+5.03-5.04 against split-K's 5.52-5.56, not yet measured in a decode graph, so ``poll_pays`` keeps such shapes on
+split-K. Summing a tile in one of its programs with a shorter run, which is done (and polls) earlier, was slower still
+(10.09 and 11.77 us, w4a16_gemv_stream_short.json). In the batch-1 decode graph with nothing folded (the norm
+kernels, as under tensor parallelism) qkv_proj and gate_up_proj on this kernel make a token 1.8073 ms against 1.8966
+(decode_graph_stream_plain.json), so ``gemv`` runs the plain form there by default.
 
 What it takes (``unsupported``): one bf16 row (fp32 for the normed and scaled forms), K a multiple of 128, N of 32,
 group 64 or 128; the gated and normed forms only with ADD. Not under Triton's interpreter (Gluon has none): tested on
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from minillm.kernels.checks import num_sms
 from minillm.kernels.w4_gemv_norms import Norm, Rms
@@ -75,7 +78,8 @@ WARPS = 4
 # the others' partials until none is EMPTY; FIXUP_COUNTER, the last to arrive at a counter sums them (split_k.py's);
 # FIXUP_NONE, partials stored, not summed (a probe: y is wrong).
 FIXUP_NONE, FIXUP_COUNTER, FIXUP_POLL = 0, 1, 2
-EMPTY = -1  # an unstored partial's bits in the poll's slots: a NaN no fp32 arithmetic on the GPU returns (0x7FFFFFFF)
+EMPTY = -1  # an unstored partial's bits in the poll's slots: a NaN (0xFFFFFFFF) that GPU arithmetic does not return
+# (its NaNs are 0x7FFFFFFF); a partial with these bits is stored as 0x7FFFFFFF all the same
 # When ``w4_gemv_hopper.gemv``'s launches let the next kernel start (the kernel's START; a sweep may change it).
 START = 0
 
@@ -135,8 +139,9 @@ if GLUON_USABLE:
     def _flush(out, c, p, P, U, KT, Y, Partials, Counters, N, MAX_SLOTS: gl.constexpr, FIXUP: gl.constexpr,
                ADD: gl.constexpr, WARPS_: gl.constexpr):
         """Column tile c's part of y from program p: y itself if p holds all of c's units, else a partial, summed
-        with the others in program order (deterministic) by c's first program (FIXUP_POLL) or by the last to arrive
-        (FIXUP_COUNTER). ADD: Y is an fp32 row and each program adds its part to it (a RED: no fix-up)."""
+        with the others in an order fixed by the plan (deterministic) by c's first program (FIXUP_POLL: c is the last
+        tile of its run, so it waits only at its end) or by the last to arrive (FIXUP_COUNTER). ADD: Y is an fp32
+        row and each program adds its part to it (a RED: no fix-up)."""
         cols_l: gl.constexpr = out.type.layout
         cols = gl.arange(0, _BLOCK_N_S, layout=cols_l)
         n = c * _BLOCK_N_S + cols
@@ -261,10 +266,19 @@ def choose_shape(k: int, n: int, sms: int) -> tuple[int, int]:
 
 
 def poll_pays(k: int, n: int, sms: int) -> bool:
-    """Whether a bf16 y (the plain form) is faster here than on the split-K kernel: where ``choose_shape`` gives 3 x 2
-    (H200: 8.61 / 9.16 us at 4096 x 11008 / 11008 x 4096 against 9.58 / 9.69; at 4096 x 4096 5.63-6.45 against 5.56:
-    figures/h200/sweeps/w4a16_gemv_stream_poll.json)."""
+    """Whether ``w4_gemv_hopper.gemv`` runs a bf16 y (the plain form) here rather than on the split-K kernel: where
+    ``choose_shape`` gives 3 x 2, the shapes measured in the decode graph with nothing folded (qkv_proj, gate_up_proj:
+    figures/h200/sweeps/decode_graph_stream_plain.json; alone 8.61 / 9.04 us at 4096 x 11008 / 11008 x 4096 against
+    split-K's 9.58 / 9.69, w4a16_gemv_stream_poll.json)."""
     return choose_shape(k, n, sms) == (3, 2)
+
+
+def choose_fixup(k: int, n: int, programs: int) -> int:
+    """A bf16 y's fix-up: FIXUP_POLL where at most 16 programs share a column tile, FIXUP_COUNTER where more do (the
+    poll reads every sharer's slot at each try; H200, 3 x 2: at 4096 x 11008, 9-10 programs a tile, poll 8.61 / 8.77
+    against counter 9.33 / 9.32 us; at 11008 x 4096, ~25, poll 9.16 / 9.37 against 9.04 / 9.17:
+    figures/h200/sweeps/w4a16_gemv_stream_poll.json, w4a16_gemv_stream_short.json)."""
+    return FIXUP_POLL if plan(k, n, programs)["MAX_SLOTS"] <= 16 else FIXUP_COUNTER
 
 
 def plan(k: int, n: int, programs: int) -> dict:
@@ -290,6 +304,7 @@ def partials_needed(k: int, n: int, programs: int) -> int:
 
 
 POLL_SLOTS = {}  # device -> int32 slots, EMPTY where no partial waits (FIXUP_POLL leaves them so)
+RETIRED_SLOTS = []  # slots outgrown, kept for the CUDA graphs captured with them
 
 
 def poll_slots(device: torch.device, needed: int) -> torch.Tensor:
@@ -301,6 +316,8 @@ def poll_slots(device: torch.device, needed: int) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"the stream GEMV's fix-up needs {needed} slots on {device}, more than it holds; run "
                                "this GEMV once before capturing a CUDA graph (warm-up does)")
+        if slots is not None:  # (a captured graph may still write to the old slots: they are never freed)
+            RETIRED_SLOTS.append(slots)
         slots = POLL_SLOTS[device] = torch.full((max(needed, 1 << 18),), EMPTY, dtype=torch.int32, device=device)
     return slots
 
@@ -315,7 +332,11 @@ def programs_that_fit(shared_bytes: int, registers: int, warps: int, device: tor
     return min(shared // (shared_bytes + 1024), regs // (per_warp * warps))  # (1 KB of an SM's reserved a program)
 
 
-FITS = {}  # (device, the launch's constexprs) -> programs_that_fit
+FITS = {}  # (device, K, N, the launch's constexprs) -> programs_that_fit
+
+
+class DoesNotFit(ValueError):
+    """FIXUP_POLL's programs cannot all be resident at once (``w4_gemv_hopper.gemv`` then runs the split-K kernel)."""
 
 
 def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
@@ -344,8 +365,9 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if not add and fixup == FIXUP_POLL:
         partials = poll_slots(x.device, needed)
     elif not add and (partials is None or partials.numel() < needed or (fixup and counters is None)):
-        raise ValueError(f"a bf16 y's fix-up {fixup} needs partials of at least {needed} floats and counters; got "
-                         f"{None if partials is None else partials.numel()} and {counters}")
+        raise ValueError(f"a bf16 y's fix-up {fixup} needs partials of at least {needed} floats"
+                         f"{' and counters' if fixup else ''}; got {None if partials is None else partials.numel()} "
+                         f"floats{' and no counters' if fixup and counters is None else ''}")
     if norm is not None and (squares is None or squares.numel() < numbers["KT"]):
         raise ValueError(f"a normed GEMV leaves its sums of squares in squares: fp32 with {numbers['KT']} slots, got "
                          f"{None if squares is None else squares.numel()}")
@@ -361,13 +383,16 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                       NORMED=norm is not None, SCALED=rms is not None,
                       SQUARE_SLOTS=triton.next_power_of_2(rms.squares.numel()) if rms else 1)
     if not add and fixup == FIXUP_POLL:
-        key = (x.device, tuple(sorted(constexprs.items())))
+        key = (x.device, k, n, tuple(sorted(constexprs.items())))  # (k, n: the compiler specialises on them)
         if key not in FITS:
-            compiled = _w4_gemv_stream_kernel.warmup(*args, grid=(1,), **constexprs, num_warps=WARPS)
-            compiled._init_handles()  # (loading the binary gives its registers)
-            FITS[key] = programs_that_fit(compiled.metadata.shared, compiled.n_regs, WARPS, x.device)
+            compiled = _w4_gemv_stream_kernel.warmup(*args, grid=(1,), **constexprs, num_warps=WARPS, launch_pdl=pdl)
+            try:
+                compiled._init_handles()  # (loading the binary gives its registers)
+                FITS[key] = programs_that_fit(compiled.metadata.shared, compiled.n_regs, WARPS, x.device)
+            except OutOfResources:
+                FITS[key] = 0
         if FITS[key] < min(programs_per_sm, numbers["P"] / num_sms(x.device)):
-            raise ValueError(f"programs_per_sm={programs_per_sm}, but an SM holds {FITS[key]} of these programs at "
+            raise DoesNotFit(f"programs_per_sm={programs_per_sm}, but an SM holds {FITS[key]} of these programs at "
                              "once, and the poll's fix-up waits for all of them: ask for fewer, or fixup=FIXUP_COUNTER")
     _w4_gemv_stream_kernel[(numbers["P"],)](*args, **constexprs, num_warps=WARPS, launch_pdl=pdl)
 

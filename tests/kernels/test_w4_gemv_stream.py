@@ -86,13 +86,13 @@ def test_stream_gemv_matches_ref(k, n, group, per_sm, stages, form):
             again = poisoned((1, n), torch.bfloat16)
             stream.w4_gemv_stream(x, qweight, scales, zeros, group, again, partials, counters,
                                   programs_per_sm=per_sm, stages=stages, fixup=fixup)
-            assert torch.equal(again, out), "the fix-up sums in program order: the same bits every run"
+            assert torch.equal(again, out), "the fix-up sums in an order the plan fixes: the same bits every run"
     assert counters_are_clean() and slots_are_empty(x.device)
 
 
 @needs_sm90
 def test_poll_fix_up_passes_nans_through_and_leaves_its_slots_empty():
-    """A NaN in x makes NaN partials: stored as the canonical NaN, never as EMPTY (which would leave the tile's
+    """A NaN in x makes NaN partials, which the poll must take as stored (not EMPTY, which would leave the tile's
     first program waiting for ever): y is NaN where the reference's is (everywhere: NaN times any weight)."""
     k, n = 4096, 11008
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=5)
@@ -189,37 +189,78 @@ def test_fused_forms_on_the_stream_kernel_match_the_split_k_kernel(monkeypatch, 
 
 
 @needs_sm90
-def test_w4a16_matmul_runs_the_plain_form_on_the_stream_kernel_where_asked(monkeypatch):
+@pytest.mark.parametrize("k,n", [(4096, 12288), (11008, 4096)])
+def test_w4a16_matmul_runs_the_plain_form_on_the_stream_kernel_where_asked(monkeypatch, k, n):
     """MINILLM_GEMV_STREAM=plain (``w4_gemv_hopper.STREAM``): a bf16 row's y = x W through ``w4a16_matmul`` comes from
-    the stream kernel (its poll slots get used), equal to the split-K kernel's to the fp32 sums' order."""
+    the stream kernel with ``choose_fixup``'s fix-up (Llama-2-7B's qkv_proj where norms are not folded: the poll, its
+    slots used; down_proj: the counter), equal to the split-K kernel's to the fp32 sums' order."""
     from minillm.kernels import w4_gemv_hopper as hopper
     from minillm.kernels.quant_matmul import w4a16_matmul
-    k, n = 4096, 12288  # Llama-2-7B's qkv_proj where norms are not folded
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=21)
     monkeypatch.setattr(hopper, "STREAM", ())
     split_k_y = w4a16_matmul(x, qweight, scales, zeros, 128)
     monkeypatch.setattr(hopper, "STREAM", ("plain",))
     monkeypatch.setattr(stream, "POLL_SLOTS", {})
+    launches = []
+    stream_launch = stream.w4_gemv_stream
+    monkeypatch.setattr(stream, "w4_gemv_stream", lambda *a, **kw: launches.append(kw["fixup"]) or stream_launch(
+        *a, **kw))
     stream_y = w4a16_matmul(x, qweight, scales, zeros, 128)
-    assert x.device in stream.POLL_SLOTS and slots_are_empty(x.device)
+    sms = stream.num_sms(x.device)
+    assert launches == [stream.choose_fixup(k, n, stream.choose_shape(k, n, sms)[0] * sms)]
+    assert (x.device in stream.POLL_SLOTS) == (launches[0] == stream.FIXUP_POLL) and slots_are_empty(x.device)
+    assert counters_are_clean()
     torch.testing.assert_close(stream_y.float(), split_k_y.float(), rtol=0,
                                atol=1e-2 * split_k_y.float().abs().max().item())
     assert_matches(stream_y, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
 
 
-@pytest.mark.parametrize("value,forms", [("0", ()), ("1", ("plain", "add", "gated", "normed")),
-                                         ("plain", ("plain",)), ("plain,add", ("plain", "add")), ("bogus", None)])
+@pytest.mark.parametrize("value,forms", [("0", ()), ("off", ()), ("1", ("plain", "add", "gated", "normed")),
+                                         ("", ("plain",)), ("plain", ("plain",)), (" Plain , add ", ("plain", "add")),
+                                         ("plain,", ("plain",)), ("bogus", None), (",", None)])
 def test_the_switch_names_forms_and_refuses_others(value, forms):
-    """MINILLM_GEMV_STREAM, read at import (in a fresh interpreter): 0, 1 or forms by name; anything else says what is
-    valid."""
+    """MINILLM_GEMV_STREAM: 0, 1 (and their words), empty for the default, or forms by name; anything else says
+    what is valid."""
+    from minillm.kernels import w4_gemv_hopper as hopper
+    if forms is None:
+        with pytest.raises(ValueError, match="must be 0, 1 or forms among plain, add, gated, normed"):
+            hopper.stream_forms(value)
+    else:
+        assert hopper.stream_forms(value) == forms
+
+
+def test_a_bad_switch_stops_the_import_with_the_reason():
     import os
     import subprocess
     import sys
-    code = "from minillm.kernels import w4_gemv_hopper as h; print(','.join(h.STREAM))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "MINILLM_GEMV_STREAM": value})
-    if forms is None:
-        assert done.returncode != 0 and "must be 0, 1 or forms among plain, add, gated, normed" in done.stderr
-    else:
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == ",".join(forms)
+    done = subprocess.run([sys.executable, "-c", "import minillm.kernels.w4_gemv_hopper"], capture_output=True,
+                          text=True, env={**os.environ, "MINILLM_GEMV_STREAM": "plan"})
+    assert done.returncode != 0 and "got 'plan'" in done.stderr
+
+
+@pytest.mark.parametrize("k,n,programs,fixup", [(4096, 11008, 396, stream.FIXUP_POLL),  # 9-10 programs a tile
+                                                (4096, 12288, 396, stream.FIXUP_POLL),
+                                                (11008, 4096, 396, stream.FIXUP_COUNTER),  # ~25
+                                                (4096, 4096, 264, stream.FIXUP_COUNTER)])  # 16-17
+def test_choose_fixup_polls_only_where_few_programs_share_a_tile(k, n, programs, fixup):
+    assert stream.choose_fixup(k, n, programs) == fixup
+    assert (stream.plan(k, n, programs)["MAX_SLOTS"] <= 16) == (fixup == stream.FIXUP_POLL)
+
+
+@needs_sm90
+def test_gemv_takes_the_split_k_kernel_where_the_poll_would_not_fit(monkeypatch):
+    """``w4_gemv_hopper.gemv``: a stream launch refused for residency (``DoesNotFit``, before any launch) runs the
+    split-K kernel instead, not an error."""
+    from minillm.kernels import w4_gemv_hopper as hopper
+    from minillm.kernels.quant_matmul import w4a16_matmul
+    k, n = 4096, 12288
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=22)
+    monkeypatch.setattr(hopper, "STREAM", ("plain",))
+    monkeypatch.setattr(stream, "FITS", {})
+    monkeypatch.setattr(stream, "programs_that_fit", lambda *args: 0)
+    launches = []
+    split_k_launch = hopper.w4_gemv
+    monkeypatch.setattr(hopper, "w4_gemv", lambda *a, **kw: launches.append(1) or split_k_launch(*a, **kw))
+    y = w4a16_matmul(x, qweight, scales, zeros, 128)
+    assert launches == [1]
+    assert_matches(y, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
