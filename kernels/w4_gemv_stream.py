@@ -54,6 +54,8 @@ for sm_90 on the CPU by tests/test_w4_gemv_stream_sass.py.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
@@ -166,28 +168,33 @@ if GLUON_USABLE:
                 warps_barrier()  # every thread's partial stored before the arrival
                 if gl.atomic_add(Counters + c, 1, sem="acq_rel") == count - 1:
                     gl.store(Counters + c, 0)
-                    fix_l: gl.constexpr = gl.BlockedLayout([MAX_SLOTS, 2], [1, 32], [1, WARPS_], [1, 0])
-                    slots = gl.arange(0, MAX_SLOTS, layout=gl.SliceLayout(1, fix_l))[:, None]
-                    fcols = gl.arange(0, _BLOCK_N_S, layout=gl.SliceLayout(0, fix_l))[None, :]
+                    slots, fcols = _slot_grid(MAX_SLOTS, WARPS_)
                     parts = gl.load(tile + slots * _BLOCK_N_S + fcols, mask=(slots < count) & (fcols < _BLOCK_N_S),
                                     other=0.0, cache_modifier=".cg")
                     y = gl.convert_layout(gl.sum(parts, axis=0), cols_l)
                     gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
 
     @gluon.jit
+    def _slot_grid(MAX_SLOTS: gl.constexpr, WARPS_: gl.constexpr):
+        """A column tile's slots [MAX_SLOTS, 1] and columns [1, BLOCK_N], laid out for the fix-ups: a thread's two
+        columns in every slot, so that the sum over slots stays in its registers."""
+        fix_l: gl.constexpr = gl.BlockedLayout([MAX_SLOTS, 2], [1, 32], [1, WARPS_], [1, 0])
+        slots = gl.arange(0, MAX_SLOTS, layout=gl.SliceLayout(1, fix_l))[:, None]
+        fcols = gl.arange(0, _BLOCK_N_S, layout=gl.SliceLayout(0, fix_l))[None, :]
+        return slots, fcols
+
+    @gluon.jit
     def _sum_when_stored(own, words, count, MAX_SLOTS: gl.constexpr, WARPS_: gl.constexpr):
         """own (slot 0's partial, this program's) plus the sum of slots 1 .. count - 1, read from L2 until none is
         EMPTY (their programs store them as they finish: no fence, no counter), in a fixed order; the slots are left
         EMPTY again for the next launch."""
-        fix_l: gl.constexpr = gl.BlockedLayout([MAX_SLOTS, 2], [1, 32], [1, WARPS_], [1, 0])
-        slots = gl.arange(0, MAX_SLOTS, layout=gl.SliceLayout(1, fix_l))[:, None]
-        fcols = gl.arange(0, _BLOCK_N_S, layout=gl.SliceLayout(0, fix_l))[None, :]
+        slots, fcols = _slot_grid(MAX_SLOTS, WARPS_)
         ptrs = words + slots * _BLOCK_N_S + fcols
         peers = (slots >= 1) & (slots < count) & (fcols < _BLOCK_N_S)
         bits = gl.load(ptrs, mask=peers, other=0, volatile=True)
         while gl.max(gl.max(gl.where(bits == _EMPTY_S, 1, 0), axis=1), axis=0) > 0:  # (a REDUX a slot: no spill)
             bits = gl.load(ptrs, mask=peers, other=0, volatile=True)
-        gl.store(ptrs, gl.full([MAX_SLOTS, _BLOCK_N_S], _EMPTY_S, gl.int32, fix_l), mask=peers)
+        gl.store(ptrs, gl.full([MAX_SLOTS, _BLOCK_N_S], _EMPTY_S, gl.int32, slots.type.layout), mask=peers)
         return own + gl.convert_layout(gl.sum(bits.to(gl.float32, bitcast=True), axis=0), own.type.layout)
 
     @gluon.jit
@@ -281,10 +288,12 @@ def choose_fixup(k: int, n: int, programs: int) -> int:
     return FIXUP_POLL if plan(k, n, programs)["MAX_SLOTS"] <= 16 else FIXUP_COUNTER
 
 
+@functools.lru_cache(maxsize=None)
 def plan(k: int, n: int, programs: int) -> dict:
     """The launch's numbers for a K x N weight over ``programs`` programs: units U, units a column tile KT, the
     programs P (at most U), UNITS (a power of two at least the longest run) and MAX_SLOTS (a power of two at least the
-    most programs sharing a column tile)."""
+    most programs sharing a column tile). Cached (an eager call asks up to four times, and the search over column
+    tiles is a Python loop): read it, never change it."""
     kt = -(-k // (8 * TILE_ROWS))
     u = kt * -(-n // BLOCK_N)
     p = min(programs, u)

@@ -4,7 +4,8 @@ Variants (VARIANTS, comma-separated, picks some): RTN INT4 as it ships (norms fo
 ``model/norm_folding.py``), with the GEMVs that add to a row on the stream-K kernel (int4_stream, as
 MINILLM_GEMV_STREAM=1; int4_stream_o / _normed / _down: only those; _2x3: all, two programs an SM of three slots;
 _late: the next kernel let start at the end; _deep: one program an SM of 12 slots, most of a run in flight; and
-int4_head_stream_plain / int4_norm_kernels_stream_plain: the plain form, y = x W in bf16, on it), with the LM head quantized too (rtn-int4-head), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with gate_up_proj applying its norm's
+int4_head_stream_plain / int4_norm_kernels_stream_plain: the plain form, y = x W in bf16, on it), with the LM head
+quantized too (rtn-int4-head), with the norm kernels (MINILLM_NORM_IN_GEMV=0), with gate_up_proj applying its norm's
 1 / rms itself (MINILLM_DEFER_MLP_NORM=0), qkv_proj (MINILLM_DEFER_ATTENTION_NORM=0) or neither, with the decode
 attention's splits merged by their last program instead of a merge kernel (``paged_attention.DEFAULT_MERGE``), with 1, 2, 4 or 8 tiles a W4A16
 GEMV program in every projection (2 won on cold standalone calls), or other counts for some of a layer's four
@@ -53,7 +54,8 @@ DEFAULTS = {norm_folding: {"ENABLED": True, "DEFER_MLP_NORM": True, "DEFER_ATTEN
 
 def stream_only(*forms, shape=None, start=0):
     """The stream GEMV for these forms ("add": o_proj, "normed": qkv_proj and gate_up_proj, "gated": down_proj,
-    "plain": a bf16 y, where norms are not folded, and an INT4 head) only, the split-K kernel for the others; ``shape``: (programs an SM, slots) for all; ``start``: its START."""
+    "plain": a bf16 y, where norms are not folded, and an INT4 head) only, the split-K kernel for the others;
+    ``shape``: (programs an SM, slots) for all; ``start``: its START."""
     stream = {"START": start} | ({"choose_shape": lambda k, n, sms: shape} if shape else {})
     return {w4_gemv_hopper: {"stream_takes": lambda k, n, form: form in forms}, w4_gemv_stream: stream}
 
