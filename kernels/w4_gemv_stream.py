@@ -42,9 +42,12 @@ The plain form (a bf16 y) with the poll (figures/h200/sweeps/w4a16_gemv_stream_p
 share a tile (11008 x 4096) the counter wins, hence ``choose_fixup``. At 4096 x 4096 (2 x 3) the counter takes
 5.03-5.04 against split-K's 5.52-5.56, not yet measured in a decode graph, so ``poll_pays`` keeps such shapes on
 split-K. Summing a tile in one of its programs with a shorter run, which is done (and polls) earlier, was slower still
-(10.09 and 11.77 us, w4a16_gemv_stream_short.json). In the batch-1 decode graph with nothing folded (the norm
-kernels, as under tensor parallelism) qkv_proj and gate_up_proj on this kernel make a token 1.8073 ms against 1.8966
-(decode_graph_stream_plain.json), so ``gemv`` runs the plain form there by default.
+(10.09 and 11.77 us, w4a16_gemv_stream_short.json). Programs that own their columns over all of K need no fix-up,
+but at 32 columns each their 128-byte rows copy slower (7.58 and 11.20 us against this kernel's 6.13 and 6.01):
+11.63 and 14.09 us (commit d11bda5, reverted; w4a16_gemv_columns.json, w4a16_gemv_columns_probe.json). In the
+batch-1 decode graph with nothing folded (the norm kernels, as under tensor parallelism) qkv_proj and gate_up_proj on
+this kernel make a token 1.8073 ms against 1.8966 (decode_graph_stream_plain.json), so ``gemv`` runs the plain form
+there by default.
 
 What it takes (``unsupported``): one bf16 row (fp32 for the normed and scaled forms), K a multiple of 128, N of 32,
 group 64 or 128; the gated and normed forms only with ADD. Not under Triton's interpreter (Gluon has none): tested on
