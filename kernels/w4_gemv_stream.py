@@ -16,7 +16,8 @@ The work: units of 16 packed rows (128 inputs) x 256 columns, numbered column ti
 program p takes units [p U / P, (p + 1) U / P) (stream-K's contiguous split: Osama, Merrill, Cecka, Garland, Rennich,
 "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on the GPU", 2023,
 https://arxiv.org/abs/2301.03598). A column tile whose units one program holds whole is written by it; otherwise its
-other programs store their partials as they finish, and its first program (whose run ends in it) reads them
+other programs store their partials as they finish (``st.relaxed.gpu``: strong, as the PTX memory model wants of
+stores that loads read while they are written), and its first program (whose run ends in it) reads them
 from L2 until none is EMPTY, sums them in a fixed order (the same bits every run) and writes y, leaving the slots
 EMPTY for the next launch (FIXUP_POLL: no fence and no counter, one L2 round trip after the last partial lands, where
 ``split_k.py``'s last-arrival fix-up, FIXUP_COUNTER here, takes three). The poll waits for other programs, so all P
@@ -164,7 +165,7 @@ if GLUON_USABLE:
                 gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
             else:  # a NaN's bits made canonical, so that no partial reads as "not stored yet"
                 bits = out.to(gl.int32, bitcast=True)
-                gl.store(words + (p - first) * _BLOCK_N_S + cols, gl.where(bits == _EMPTY_S, _NAN_S, bits))
+                _store_relaxed(words + (p - first) * _BLOCK_N_S + cols, gl.where(bits == _EMPTY_S, _NAN_S, bits))
         else:
             gl.store(tile + (p - first) * _BLOCK_N_S + cols, out)
             if FIXUP == _FIXUP_COUNTER_S:
@@ -176,6 +177,14 @@ if GLUON_USABLE:
                                     other=0.0, cache_modifier=".cg")
                     y = gl.convert_layout(gl.sum(parts, axis=0), cols_l)
                     gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
+
+    @gluon.jit
+    def _store_relaxed(ptrs, bits):
+        """A partial's words stored with ``st.relaxed.gpu``: the poll's volatile loads (relaxed, system scope) read them
+        while they are written, which the PTX memory model allows between strong operations only (a plain store is
+        weak: a data race, however aligned)."""
+        gl.inline_asm_elementwise("st.relaxed.gpu.global.b32 [$1], $2; // $0 unused", "=r,l,r", [ptrs, bits],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _slot_grid(MAX_SLOTS: gl.constexpr, WARPS_: gl.constexpr):

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent('''
     from minillm.bench.sass import compile_gluon_sm90, whole_kernel
     from minillm.kernels import w4_gemv_hopper_kernel as wh, w4_gemv_stream as ws
 
-    def counts(stages, units, fixup=ws.FIXUP_POLL, add=False, gated=False, normed=False, scaled=False):
+    def counts(stages, units, fixup=ws.FIXUP_POLL, add=False, gated=False, normed=False, scaled=False, slots=16):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
         groups = wh.TILE_ROWS * 8 // 128
         types = {"XW": "*fp32" if normed or scaled else "*i32", "WP": "*i32",
@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent('''
                  "z_desc": f"tensordesc<i8[{groups},{wh.BLOCK_N // 2}],{layout(8)!r}>",
                  "Y": "*fp32" if add else "*bf16", "Partials": "*fp32", "Counters": "*i32", "NormW": "*i32",
                  "eps": "fp32", "Squares": "*fp32"}
-        consts = dict(STAGES=stages, UNITS=units, GROUP_ROWS=16, MAX_SLOTS=16, PDL=True, L2_TILES=0, COMPUTE=True,
+        consts = dict(STAGES=stages, UNITS=units, GROUP_ROWS=16, MAX_SLOTS=slots, PDL=True, L2_TILES=0, COMPUTE=True,
                       FIXUP=fixup, START=0, ADD=add, GATED=gated, NORMED=normed, SCALED=scaled, SQUARE_SLOTS=32)
         fn = ws._w4_gemv_stream_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
@@ -38,12 +38,14 @@ SCRIPT = textwrap.dedent('''
         return dict(span, opcodes=dict(span["opcodes"]))
 
     cases = {"3x2 poll": counts(2, 8), "2x3 poll": counts(3, 8), "3x2 counter": counts(2, 8, ws.FIXUP_COUNTER),
+             "3x2 counter 32 slots": counts(2, 8, ws.FIXUP_COUNTER, slots=32),
              "3x2 add": counts(2, 8, add=True), "3x2 gated add": counts(2, 8, add=True, gated=True),
              "3x2 normed add": counts(2, 8, add=True, normed=True),
              "3x2 gated scaled add": counts(2, 8, add=True, gated=True, scaled=True)}
     print(json.dumps(cases))
 ''')
-CASES = ["3x2 poll", "2x3 poll", "3x2 counter", "3x2 add", "3x2 gated add", "3x2 normed add", "3x2 gated scaled add"]
+CASES = ["3x2 poll", "2x3 poll", "3x2 counter", "3x2 counter 32 slots", "3x2 add", "3x2 gated add", "3x2 normed add",
+         "3x2 gated scaled add"]
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +80,17 @@ def test_copies_body_and_resources(compiled, case):
 
 
 def test_each_fix_up_has_its_own_instructions(compiled):
-    """The poll: volatile loads (LDG.STRONG.SYS, from L2) and stores, no atomic and no fence beyond the ones every form
-    has (the ring's barriers); the counter: its atomic after a fence; the add form: a RED for each of a thread's two
-    columns."""
+    """The poll: volatile loads (LDG.STRONG.SYS, from L2), a partial's two words a thread stored with st.relaxed.gpu
+    (STG.STRONG.GPU: strong, as the loads that read them while they are written must meet), no atomic and no fence
+    beyond the ones every form has (the ring's barriers); the counter: its atomic after a fence, at 16 and 32 slots;
+    the add form: a RED for each of a thread's two columns."""
     poll, counter, add = (compiled[c] for c in ("3x2 poll", "3x2 counter", "3x2 add"))
     fences = add["opcodes"].get("MEMBAR", 0)
     assert "ATOMG" not in poll["opcodes"] and "REDG" not in poll["opcodes"], poll["opcodes"]
     assert poll["opcodes"].get("MEMBAR", 0) == fences, poll["opcodes"]
     assert any(op.startswith("LDG.E.STRONG.SYS") for op in poll["memory_opcodes"]), poll["memory_opcodes"]
-    assert counter["opcodes"].get("ATOMG") == 1 and counter["opcodes"].get("MEMBAR", 0) > fences, counter["opcodes"]
+    assert poll["memory_opcodes"].get("STG.E.STRONG.GPU") == 2, poll["memory_opcodes"]
+    for counter in (counter, compiled["3x2 counter 32 slots"]):
+        assert counter["opcodes"].get("ATOMG") == 1 and counter["opcodes"].get("MEMBAR", 0) > fences, counter["opcodes"]
+        assert "STG.E.STRONG.GPU" not in counter["memory_opcodes"], counter["memory_opcodes"]
     assert add["opcodes"].get("REDG") == 2 and "ATOMG" not in add["opcodes"], add["opcodes"]
