@@ -33,18 +33,20 @@ tour: install
 	$(BIN)/minillm bench throughput --workload mixed --scale cpu --num-requests 16 --peers hf_static
 
 # Kernels run under Triton's CPU interpreter; it must be switched on before triton is imported.
+# pytest, not `python -m pytest`: the latter puts the repository root on sys.path, where kernels/ (the source of
+# minillm.kernels) would shadow Hugging Face's `kernels` package, which transformers >= 5.25 imports.
 test: dev test-unit test-exercises test-notebooks
 
 test-unit: dev
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+	TRITON_INTERPRET=1 $(BIN)/pytest -q tests
 
 test-exercises: dev
 	$(BIN)/python exercises/make_stubs.py --check
-	$(BIN)/python -m pytest -q exercises/tests --impl=solutions
-	$(BIN)/python -m pytest -q exercises/tests --impl=exercises
+	$(BIN)/pytest -q exercises/tests --impl=solutions
+	$(BIN)/pytest -q exercises/tests --impl=exercises
 
 test-notebooks: dev
-	MINILLM_CI=1 MINILLM_FIGURES=$${TMPDIR:-/tmp}/minillm-figures $(BIN)/python -m pytest -q --nbval-lax --nbval-current-env \
+	MINILLM_CI=1 MINILLM_FIGURES=$${TMPDIR:-/tmp}/minillm-figures $(BIN)/pytest -q --nbval-lax --nbval-current-env \
 		--nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider notebooks
 
 lab: dev
