@@ -5,7 +5,8 @@ tests/kernels/test_w4_gemv_stream.py).
 What is checked: the TMA copies (weights, scales, zero points) at the ring's first fill, slot by slot, and at its
 refill, the split-K kernel's HFMA2 body (``add_tile``), no spills, resources that let the programs an SM its launch
 asks for be resident together (``programs_that_fit``'s arithmetic: the poll's fix-up waits for every program), and
-each fix-up's instructions: the poll has neither fence nor atomic, the counter its one atomic, the add form REDs."""
+each fix-up's instructions: the poll has neither fence nor atomic and strong (st.relaxed.gpu) stores, the counter its
+one fenced atomic (at 16 and 32 slots), the add form REDs."""
 
 import textwrap
 
