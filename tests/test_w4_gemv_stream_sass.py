@@ -85,13 +85,13 @@ def test_each_fix_up_has_its_own_instructions(compiled):
     (STG.STRONG.GPU: strong, as the loads that read them while they are written must meet), no atomic and no fence
     beyond the ones every form has (the ring's barriers); the counter: its atomic after a fence, at 16 and 32 slots;
     the add form: a RED for each of a thread's two columns."""
-    poll, counter, add = (compiled[c] for c in ("3x2 poll", "3x2 counter", "3x2 add"))
+    poll, add = compiled["3x2 poll"], compiled["3x2 add"]
     fences = add["opcodes"].get("MEMBAR", 0)
     assert "ATOMG" not in poll["opcodes"] and "REDG" not in poll["opcodes"], poll["opcodes"]
     assert poll["opcodes"].get("MEMBAR", 0) == fences, poll["opcodes"]
     assert any(op.startswith("LDG.E.STRONG.SYS") for op in poll["memory_opcodes"]), poll["memory_opcodes"]
     assert poll["memory_opcodes"].get("STG.E.STRONG.GPU") == 2, poll["memory_opcodes"]
-    for counter in (counter, compiled["3x2 counter 32 slots"]):
+    for counter in (compiled["3x2 counter"], compiled["3x2 counter 32 slots"]):
         assert counter["opcodes"].get("ATOMG") == 1 and counter["opcodes"].get("MEMBAR", 0) > fences, counter["opcodes"]
         assert "STG.E.STRONG.GPU" not in counter["memory_opcodes"], counter["memory_opcodes"]
     assert add["opcodes"].get("REDG") == 2 and "ATOMG" not in add["opcodes"], add["opcodes"]
