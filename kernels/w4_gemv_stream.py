@@ -190,7 +190,7 @@ if GLUON_USABLE:
     def _slot_grid(MAX_SLOTS: gl.constexpr, WARPS_: gl.constexpr):
         """A column tile's slots [MAX_SLOTS, 1] and columns [1, BLOCK_N], laid out for the fix-ups: a thread's two
         columns in every slot, so that the sum over slots stays in its registers."""
-        fix_l: gl.constexpr = gl.BlockedLayout([MAX_SLOTS, _BLOCK_N_S // (32 * WARPS_)], [1, 32], [1, WARPS_], [1, 0])
+        fix_l: gl.constexpr = gl.BlockedLayout([MAX_SLOTS, 2], [1, 32], [1, WARPS_], [1, 0])
         slots = gl.arange(0, MAX_SLOTS, layout=gl.SliceLayout(1, fix_l))[:, None]
         fcols = gl.arange(0, _BLOCK_N_S, layout=gl.SliceLayout(0, fix_l))[None, :]
         return slots, fcols
@@ -251,9 +251,7 @@ if GLUON_USABLE:
                 gl.store(Squares + p, squares)
         warps_barrier()  # the tables are written
 
-        # A thread's columns: two at 4 warps, one at 8 (BLOCK_N = 256 over the warps' lanes).
-        tile_l: gl.constexpr = gl.BlockedLayout([_SUB_ROWS_S // _RUN_S, _BLOCK_N_S // (32 * WARPS_)], [1, 32],
-                                                [1, WARPS_], [1, 0])
+        tile_l: gl.constexpr = gl.BlockedLayout([_SUB_ROWS_S // _RUN_S, 2], [1, 32], [1, WARPS_], [1, 0])
         cols_l: gl.constexpr = gl.SliceLayout(0, tile_l)
         bytes_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS_], [1, 0])
         out = gl.zeros([_BLOCK_N_S], gl.float32, layout=cols_l)
@@ -367,7 +365,7 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    pdl: bool = True, programs_per_sm: int = 2, stages: int = 3, l2_tiles: int = 0,
                    compute: bool = True, fixup: int = FIXUP_POLL, start: int = 0, add: bool = False,
                    gated: bool = False, norm: Norm | None = None, squares: torch.Tensor | None = None,
-                   rms: Rms | None = None, warps: int = WARPS) -> None:
+                   rms: Rms | None = None) -> None:
     """y = x @ W into ``out`` [1, N] (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128). A bf16 y's
     column tiles that several programs share are summed by ``fixup``: FIXUP_POLL in the device's ``poll_slots``,
     FIXUP_COUNTER in ``partials`` (fp32, at least ``partials_needed``) with ``counters``
@@ -406,18 +404,18 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                       NORMED=norm is not None, SCALED=rms is not None,
                       SQUARE_SLOTS=triton.next_power_of_2(rms.squares.numel()) if rms else 1)
     if not add and fixup == FIXUP_POLL:
-        key = (x.device, k, n, warps, tuple(sorted(constexprs.items())))  # (k, n: the compiler specialises on them)
+        key = (x.device, k, n, tuple(sorted(constexprs.items())))  # (k, n: the compiler specialises on them)
         if key not in FITS:
-            compiled = _w4_gemv_stream_kernel.warmup(*args, grid=(1,), **constexprs, num_warps=warps, launch_pdl=pdl)
+            compiled = _w4_gemv_stream_kernel.warmup(*args, grid=(1,), **constexprs, num_warps=WARPS, launch_pdl=pdl)
             try:
                 compiled._init_handles()  # (loading the binary gives its registers)
-                FITS[key] = programs_that_fit(compiled.metadata.shared, compiled.n_regs, warps, x.device)
+                FITS[key] = programs_that_fit(compiled.metadata.shared, compiled.n_regs, WARPS, x.device)
             except OutOfResources:
                 FITS[key] = 0
         if FITS[key] < min(programs_per_sm, numbers["P"] / num_sms(x.device)):
             raise DoesNotFit(f"programs_per_sm={programs_per_sm}, but an SM holds {FITS[key]} of these programs at "
                              "once, and the poll's fix-up waits for all of them: ask for fewer, or fixup=FIXUP_COUNTER")
-    _w4_gemv_stream_kernel[(numbers["P"],)](*args, **constexprs, num_warps=warps, launch_pdl=pdl)
+    _w4_gemv_stream_kernel[(numbers["P"],)](*args, **constexprs, num_warps=WARPS, launch_pdl=pdl)
 
 
 def unsupported(k: int, n: int, group: int, dtype: torch.dtype, rows: int, add: bool = False, gated: bool = False,

@@ -47,15 +47,6 @@ ALL_VARIANTS = {
     "stream 3x2 add start 1": dict(programs_per_sm=3, stages=2, add=True, start=1),
     "probe 3x2 no fix-up": dict(programs_per_sm=3, stages=2, fixup=NONE),
     "probe 3x2 copies only": dict(programs_per_sm=3, stages=2, compute=False, fixup=NONE),
-    # Session 33: eight warps a program, a column a thread, so that one program an SM has the issue slots three of
-    # four warps had, and its last unit's math, after the stream, is one unit's, not three's.
-    **{f"stream {p}x{s} w8 {f}": dict(programs_per_sm=p, stages=s, warps=8, fixup=fixup)
-       for p, s in ((1, 4), (1, 6), (1, 8), (2, 2), (2, 3)) for f, fixup in (("poll", POLL), ("counter", COUNTER))},
-    **{f"stream {p}x{s} w8 add": dict(programs_per_sm=p, stages=s, warps=8, add=True) for p, s in ((1, 6), (2, 3))},
-    **{f"probe {p}x{s} w8 no fix-up": dict(programs_per_sm=p, stages=s, warps=8, fixup=NONE)
-       for p, s in ((1, 6), (2, 3))},
-    **{f"probe {p}x{s} w8 copies only": dict(programs_per_sm=p, stages=s, warps=8, compute=False, fixup=NONE)
-       for p, s in ((1, 4), (1, 6), (1, 8), (2, 3))},
 }
 DEFAULT_VARIANTS = ("stream 3x2 poll", "stream 2x3 poll", "stream 2x2 poll", "stream 3x2 counter", "stream 2x3 counter",
                     "stream 3x2 add", "stream 2x3 add", "probe 3x2 no fix-up", "probe 3x2 copies only")
