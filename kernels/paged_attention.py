@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check_runnable, num_sms, switched_on
+from minillm.kernels.checks import FLOAT_DTYPES, check_runnable, num_sms
 from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode,
                                         per_token_codes, per_token_query, per_token_rows, per_token_scales,
                                         reads_int8_words, scale_heads, scale_strides, tile_channels)
@@ -118,21 +118,6 @@ DEFAULT_MERGE = "kernel"
 # The Triton kernel's launch on a GPU where the call names none of block_n, num_warps, num_stages: the defaults below
 # unless set here (a sweep's variants do: figures/h200/sweeps/decode_graph_timeline.py).
 GPU_LAUNCH: dict = {}
-# The launch where the caller promises no context longer than SHORT_CONTEXT (``longest``) and the cache is not
-# quantized: 32-token tiles in one stage. At batch 1 over 9 splits of a 4096-token table, 256 tokens take 5.5 us
-# against 7.0 with the 64-token tiles, and 1024 tokens 9.9 against 9.3 (H200,
-# figures/h200/sweeps/decode_attention_tiles.json); the decode graphs keep a second graph a batch size for such
-# steps (``cuda_graphs.py``). MINILLM_SHORT_ATTENTION_TILES=0 turns it off.
-SHORT_CONTEXT = 512
-SHORT_LAUNCH = {"block_n": 32, "num_warps": 4, "num_stages": 1}
-SHORT_TILES = switched_on("MINILLM_SHORT_ATTENTION_TILES")
-
-
-def takes_short_tiles(k_scale: torch.Tensor | None, device: torch.device, longest: int | None) -> bool:
-    """Whether ``paged_decode_attention`` on an unquantized cache (``k_scale`` None) on ``device`` launches
-    SHORT_LAUNCH for a call whose contexts are at most ``longest`` tokens (None: unknown)."""
-    return (SHORT_TILES and not GPU_LAUNCH and device.type == "cuda" and k_scale is None and longest is not None
-            and longest <= SHORT_CONTEXT)
 
 
 # Arguments that change with the batch (table width, split count, workspace strides) are not
@@ -333,7 +318,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            workspace: PagedAttentionWorkspace | None = None, merge: str | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, hopper: bool | None = None,
-                           new_kv: tuple | None = None, rms=None, longest: int | None = None) -> torch.Tensor:
+                           new_kv: tuple | None = None, rms=None) -> torch.Tensor:
     """softmax(q K^T * scale) V for one new token per sequence over the paged cache -> out [B, H, D].
 
     ``scale`` defaults to head_dim ** -0.5; ``num_splits`` to ``choose_num_splits`` on this GPU.
@@ -363,9 +348,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``rms`` (with ``new_kv``; a ``w4_gemv_norms.Rms``: sums of squares, width, eps): q, k and v are fp32 views of
     qkv_proj's output before its norm's 1 / rms, which the kernel forms from the sums and applies as it loads them,
     rounding to the cache's dtype (``out``'s), as the GEMV would have (``rope_in_decode.py``).
-
-    ``longest``: no context in this call (or, under a CUDA graph, in any replay of it) is longer; where it is at
-    most SHORT_CONTEXT and the cache is not quantized, a GPU launch that names no tiles takes SHORT_LAUNCH's.
     """
     if rms is not None:
         check_pending_rms(q, k_cache, new_kv, rms)
@@ -378,9 +360,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
     on_gpu = q.device.type == "cuda"
-    tiles = SHORT_LAUNCH if takes_short_tiles(k_scale, q.device, longest) and not gluon else GPU_LAUNCH
     # Under the interpreter every tile costs Python time: small tiles keep the tests fast.
-    block_n = block_n or (tiles.get("block_n", 64) if on_gpu else 16)
+    block_n = block_n or (GPU_LAUNCH.get("block_n", 64) if on_gpu else 16)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's minimum), got {block_n}")
     if num_splits is None:
@@ -420,8 +401,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # cache's tiles are converted in registers before the dot, and 2 warps with a 4-deep pipeline
     # read it at 50 % of copy bandwidth where the 4 warps / 3 stages kept for bf16 got 31 %.
     warps, stages = (2, 4) if quant == PER_TOKEN else (4, 3)
-    launch = dict(num_warps=num_warps or tiles.get("num_warps", warps),
-                  num_stages=num_stages or tiles.get("num_stages", stages)) if on_gpu else {}
+    launch = dict(num_warps=num_warps or GPU_LAUNCH.get("num_warps", warps),
+                  num_stages=num_stages or GPU_LAUNCH.get("num_stages", stages)) if on_gpu else {}
     # Without scales the cache stands in for them: never read (KV_QUANT=NO_QUANT compiles no load).
     k_scales, v_scales = (k_cache, v_cache) if k_scale is None else (k_scale, v_scale)
     mode = NO_MERGE if num_splits == 1 else MERGES[merge]

@@ -14,11 +14,7 @@ A graph replays fixed kernels on fixed addresses with fixed shapes, so:
 - padding rows (batch 5 in the graph of 8) get token 0 at position 0, one token of context, and
   the cache's scratch block, so they write and read only memory that no request owns;
 - the attention kernels' launch grids depend on shapes only, never on the context lengths, which
-  change every step (see ``kernels/paged_attention.py``);
-- the decode attention's tiles do depend on the longest context a graph promises to see: where short contexts
-  take smaller tiles (``paged_attention.takes_short_tiles``: an unquantized cache on a GPU), batch sizes up to
-  SHORT_GRAPH_BATCH get a second graph, captured for contexts of at most ``paged_attention.SHORT_CONTEXT``
-  tokens, and a step whose contexts all fit replays it.
+  change every step (see ``kernels/paged_attention.py``).
 Only pure decode steps (every sequence brings one token) are captured; prefills run eagerly.
 With ``cpu_offload_gb`` the graphs also hold the offloader's copies (``minillm/offload.py``): they
 read its pinned host buffers and write its staging buffers, which live as long as the engine.
@@ -28,12 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kernels.paged_attention import SHORT_CONTEXT, takes_short_tiles
 from minillm.kv.paged import PagedKVCache, PagedStep
 from minillm.model.llama import LlamaForCausalLM
-
-# The largest batch size that gets a graph for short contexts as well (the module docstring).
-SHORT_GRAPH_BATCH = 8
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -74,14 +66,8 @@ class DecodeGraphs:
         self.cu_prefill_lens = torch.zeros(1, dtype=torch.int32, device=device)
         self._copied = torch.cuda.Event()  # the last step's copies have read the host buffers
         self.num_replays = 0  # decode steps served from a graph (the benchmarks report it)
-        self.num_short_replays = 0  # of which from a short-context graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        # Graphs for steps whose contexts are all at most SHORT_CONTEXT tokens, where their tiles differ.
-        self.short_sizes = [s for s in self.sizes if s <= SHORT_GRAPH_BATCH] if (
-            max_model_len > SHORT_CONTEXT and takes_short_tiles(cache.k_scale, device, SHORT_CONTEXT)) else []
-        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.short_logits: dict[int, torch.Tensor] = {}
         try:
             self._capture_all()
         except BaseException:
@@ -101,15 +87,15 @@ class DecodeGraphs:
         one of its collectives is gone (``commDestroySync`` in NCCL's init.cc; pytorch/pytorch#115388),
         so a live graph makes ``destroy_process_group`` wait forever."""
         torch.cuda.synchronize(self.device)
-        for graph in (*self.graphs.values(), *self.short_graphs.values()):
+        for graph in self.graphs.values():
             graph.reset()
-        for held in (self.graphs, self.logits, self.short_graphs, self.short_logits):
-            held.clear()
+        self.graphs.clear()
+        self.logits.clear()
 
-    def _forward(self, size: int, longest: int) -> torch.Tensor:
+    def _forward(self, size: int) -> torch.Tensor:
         step = PagedStep(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size],
                          self.cu_prefill_lens, [1] * size,
-                         [longest] * size, num_decode=size)  # host lengths: the longest a replay may see
+                         [self.max_model_len] * size, num_decode=size)  # host lengths: the longest possible
         attn = self.make_attention(self.cache, step)
         hidden = self.model(self.input_ids[:, :size], self.positions[:, :size], attn)
         return self.model.compute_logits(hidden[0])
@@ -118,21 +104,19 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = None
         # Largest first: the smaller graphs then fit in the memory pool the largest one reserved.
-        captures = [(size, self.max_model_len, self.graphs, self.logits) for size in reversed(self.sizes)]
-        captures += [(size, SHORT_CONTEXT, self.short_graphs, self.short_logits) for size in reversed(self.short_sizes)]
-        for size, longest, graphs, logits in captures:
+        for size in reversed(self.sizes):
             # Warm up outside the graph: compiles the Triton kernels, picks cuBLAS algorithms.
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._forward(size, longest)
+                    self._forward(size)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits[size] = self._forward(size, longest)
+                self.logits[size] = self._forward(size)
             pool = graph.pool()
-            graphs[size] = graph
+            self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
 
     def run(self, ids: list[int] | torch.Tensor, positions: list[int], slots: list[int], tables: list[list[int]],
@@ -159,8 +143,6 @@ class DecodeGraphs:
         self._copied.record()
         if on_device:
             self.input_ids[0, :batch].copy_(ids)  # after the host rows' copy, in stream order
-        short = size in self.short_graphs and max(context_lens) <= SHORT_CONTEXT
-        (self.short_graphs if short else self.graphs)[size].replay()
+        self.graphs[size].replay()
         self.num_replays += 1
-        self.num_short_replays += short
-        return (self.short_logits if short else self.logits)[size][:batch]
+        return self.logits[size][:batch]

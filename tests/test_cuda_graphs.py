@@ -7,7 +7,6 @@ import torch
 
 from minillm import SamplingParams
 from minillm.cuda_graphs import capture_sizes
-from minillm.kernels.paged_attention import SHORT_CONTEXT, takes_short_tiles
 from test_continuous import tiny_engine  # tests/ is on sys.path (pytest's rootdir-less import)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -54,37 +53,6 @@ def test_graph_replay_gives_the_eager_tokens(kv_cache_dtype):
         assert (engine.runner.graphs is None) == eager
     assert engine.runner.graphs.num_replays > 10
     assert results[False] == results[True]
-
-
-def test_short_tiles_only_for_an_unquantized_cache_on_a_gpu_within_short_context():
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert takes_short_tiles(None, cuda, SHORT_CONTEXT) and takes_short_tiles(None, cuda, 1)
-    assert not takes_short_tiles(None, cuda, SHORT_CONTEXT + 1)
-    assert not takes_short_tiles(None, cuda, None)  # the longest context unknown
-    assert not takes_short_tiles(torch.ones(1), cuda, 1)  # a quantized cache keeps its own launch
-    assert not takes_short_tiles(None, cpu, 1)  # the interpreter's tiles stay small anyway
-
-
-@needs_cuda
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # int8: one graph a size
-def test_contexts_growing_past_short_context_switch_graphs_and_keep_the_eager_tokens(kv_cache_dtype):
-    """A batch whose longest context grows past SHORT_CONTEXT replays the short-context graphs, then the full ones;
-    the tokens are the eager steps' (which take the same tiles, from the host's lengths)."""
-    generator = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(2, 300, (SHORT_CONTEXT - 10,), generator=generator).tolist(),
-               torch.randint(2, 300, (7,), generator=generator).tolist()]
-    max_tokens = [30, 40]
-    results = {}
-    for eager in (True, False):
-        engine = tiny_engine(batching="continuous", device="cuda", enforce_eager=eager, max_model_len=1024,
-                             max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
-        results[eager] = run_staggered(engine, prompts, max_tokens)
-    graphs = engine.runner.graphs
-    if kv_cache_dtype == "auto":
-        assert graphs.short_graphs and 0 < graphs.num_short_replays < graphs.num_replays
-    else:
-        assert not graphs.short_graphs and graphs.num_short_replays == 0
-    assert results[False] == results[True] and len(results[True]) == len(prompts)
 
 
 @needs_cuda

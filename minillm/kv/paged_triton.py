@@ -63,10 +63,8 @@ class TritonPagedBatch:
         if n:
             # Split count from the table's width (a graph's tables are as wide as max_model_len),
             # never from the lengths in it: the launch grid must not change under a CUDA graph.
-            # The tiles from the longest context the host knows of (a graph's capture: the longest it will see).
             paged_decode_attention(q[:n], pools.k, pools.v, step.block_tables[:n], step.context_lens[:n],
-                                   out=out[:n], new_kv=new_kv, rms=rms, longest=max(step.context_lens_host[:n]),
-                                   **scales)
+                                   out=out[:n], new_kv=new_kv, rms=rms, **scales)
         if n < len(step.query_lens):
             paged_prefill_attention(q[n:], pools.k, pools.v, step.block_tables[n:], step.cu_prefill_lens,
                                     step.context_lens[n:], self.max_prefill_len, out=out[n:], **scales)

@@ -281,28 +281,6 @@ def test_bf16_and_cuda_graph_replay_on_gpu():
             assert _counters_clean(q.device)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the short-context tiles are a GPU launch")
-@pytest.mark.parametrize("splits", [1, 9])
-def test_short_context_tiles_match_ref_in_a_cuda_graph(splits):
-    """``longest`` at most SHORT_CONTEXT: the 32-token tiles in one stage, captured and replayed at new lengths."""
-    lens = [1, 100, pa.SHORT_CONTEXT - 1, pa.SHORT_CONTEXT]
-    q, k, v, tables, ctx = make_inputs(lens, 32, 32, 128, 16, torch.bfloat16)
-    tables = torch.cat([tables, tables[:, :1].expand(-1, 4096 // 16 - tables.shape[1])], dim=1).contiguous()
-    assert pa.takes_short_tiles(None, q.device, pa.SHORT_CONTEXT)
-    out, ws = poisoned(q, (len(lens), splits))
-    args = dict(num_splits=splits, out=out, workspace=ws, longest=pa.SHORT_CONTEXT)
-    paged_decode_attention(q, k, v, tables, ctx, **args)
-    torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.bfloat16])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_attention(q, k, v, tables, ctx, **args)
-    for new_lens in ([pa.SHORT_CONTEXT, 3, 64, 1], [33, 1, 500, 257]):
-        ctx.copy_(torch.tensor(new_lens, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables, ctx), **TOL[torch.bfloat16])
-
-
 @pytest.mark.parametrize("lens,heads,kv_heads,dim,splits,merge", [
     ([5, 33, 17], 4, 2, 16, 1, "kernel"), ([40, 9], 4, 2, 32, 3, "kernel"), ([70], 2, 2, 16, 4, "last_split"),
     ([1, 24], 6, 3, 16, 2, "kernel")])

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Whether the number of decode graphs an engine captures moves its batch-1 decode: `minillm bench latency` on
 # llama2-7b (dummy weights), one process a run, with the default max_num_seqs (256: 35 capture sizes) and with
-# --max-num-seqs 1 (one), with and without the short-context attention graphs (MINILLM_SHORT_ATTENTION_TILES).
+# --max-num-seqs 1 (one), with and without the short-context attention graphs (MINILLM_SHORT_ATTENTION_TILES, at
+# commit 4cb8cd7 only: reverted after this sweep, latency_graph_count.json).
 # CONFIGS: label=quantization:max_num_seqs:switches (switches KEY=VALUE joined by +; quantization bf16 for none).
 # Writes latency_graph_count.json to $OUT. Run from the repository root on an H200:
 # bash figures/h200/sweeps/latency_graph_count.sh
