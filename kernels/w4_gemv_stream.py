@@ -59,6 +59,7 @@ for sm_90 on the CPU by tests/test_w4_gemv_stream_sass.py.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -86,8 +87,11 @@ WARPS = 4
 FIXUP_NONE, FIXUP_COUNTER, FIXUP_POLL = 0, 1, 2
 EMPTY = -1  # an unstored partial's bits in the poll's slots: a NaN (0xFFFFFFFF) that GPU arithmetic does not return
 # (its NaNs are 0x7FFFFFFF); a partial with these bits is stored as 0x7FFFFFFF all the same
-# When ``w4_gemv_hopper.gemv``'s launches let the next kernel start (the kernel's START; a sweep may change it).
-START = 0
+# When ``w4_gemv_hopper.gemv``'s launches let the next kernel start (the kernel's START; a sweep may change it, or
+# MINILLM_GEMV_STREAM_START: 0, 1 or 2).
+START = int(os.environ.get("MINILLM_GEMV_STREAM_START", "0"))
+if START not in (0, 1, 2):
+    raise ValueError(f"MINILLM_GEMV_STREAM_START must be 0, 1 or 2 (the kernel's START), got {START}")
 
 if GLUON_USABLE:
     _TILE_ROWS_S, _BLOCK_N_S = gl.constexpr(TILE_ROWS), gl.constexpr(BLOCK_N)
