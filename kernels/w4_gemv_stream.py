@@ -45,10 +45,14 @@ share a tile (11008 x 4096) the counter wins, hence ``choose_fixup``. At 4096 x 
 split-K. Summing a tile in one of its programs with a shorter run, which is done (and polls) earlier, was slower still
 (10.09 and 11.77 us, w4a16_gemv_stream_short.json). Programs that own their columns over all of K need no fix-up,
 but at 32 columns each their 128-byte rows copy slower (7.58 and 11.20 us against this kernel's 6.13 and 6.01):
-11.63 and 14.09 us (commit d11bda5, reverted; w4a16_gemv_columns.json, w4a16_gemv_columns_probe.json). In the
-batch-1 decode graph with nothing folded (the norm kernels, as under tensor parallelism) qkv_proj and gate_up_proj on
-this kernel make a token 1.8073 ms against 1.8966 (decode_graph_stream_plain.json), so ``gemv`` runs the plain form
-there by default.
+11.63 and 14.09 us (commit d11bda5, reverted; w4a16_gemv_columns.json, w4a16_gemv_columns_probe.json). Eight warps a
+program, a column a thread, one program an SM (its last unit's math after the stream one unit's, not three's), could
+not keep its math up with its copies: 9.53 and 9.39 us without any fix-up against 3 x 2's 7.38 and 7.30 (commit
+9f2e921, reverted; w4a16_gemv_stream_w8.json). In the batch-1 decode graph with nothing folded (the norm kernels,
+as under tensor parallelism) qkv_proj and gate_up_proj on this kernel make a token 1.8073 ms against 1.8966
+(decode_graph_stream_plain.json), so ``gemv`` runs the plain form there by default. With the norms folded (every
+GEMV an add form) each placement of the add forms on it was slower in ``minillm bench latency``, one process a run
+(latency_stream_placement.json; MINILLM_GEMV_STREAM_START sets START for such sweeps).
 
 What it takes (``unsupported``): one bf16 row (fp32 for the normed and scaled forms), K a multiple of 128, N of 32,
 group 64 or 128; the gated and normed forms only with ADD. Not under Triton's interpreter (Gluon has none): tested on
@@ -87,11 +91,18 @@ WARPS = 4
 FIXUP_NONE, FIXUP_COUNTER, FIXUP_POLL = 0, 1, 2
 EMPTY = -1  # an unstored partial's bits in the poll's slots: a NaN (0xFFFFFFFF) that GPU arithmetic does not return
 # (its NaNs are 0x7FFFFFFF); a partial with these bits is stored as 0x7FFFFFFF all the same
-# When ``w4_gemv_hopper.gemv``'s launches let the next kernel start (the kernel's START; a sweep may change it, or
-# MINILLM_GEMV_STREAM_START: 0, 1 or 2).
-START = int(os.environ.get("MINILLM_GEMV_STREAM_START", "0"))
-if START not in (0, 1, 2):
-    raise ValueError(f"MINILLM_GEMV_STREAM_START must be 0, 1 or 2 (the kernel's START), got {START}")
+
+
+def start_switch(value: str) -> int:
+    """MINILLM_GEMV_STREAM_START's value as the kernel's START (0, 1 or 2); a ValueError names what is valid."""
+    if value.strip() not in ("0", "1", "2"):
+        raise ValueError(f"MINILLM_GEMV_STREAM_START must be 0, 1 or 2 (the kernel's START), got {value!r}")
+    return int(value)
+
+
+# When ``w4_gemv_hopper.gemv``'s launches let the next kernel start (the kernel's START; a sweep may change it, or set
+# MINILLM_GEMV_STREAM_START).
+START = start_switch(os.environ.get("MINILLM_GEMV_STREAM_START", "0"))
 
 if GLUON_USABLE:
     _TILE_ROWS_S, _BLOCK_N_S = gl.constexpr(TILE_ROWS), gl.constexpr(BLOCK_N)

@@ -238,6 +238,16 @@ def test_a_bad_switch_stops_the_import_with_the_reason():
     assert done.returncode != 0 and "got 'plan'" in done.stderr
 
 
+@pytest.mark.parametrize("value, start", [("0", 0), ("2", 2), (" 1 ", 1), ("3", None), ("late", None), ("", None)])
+def test_the_start_switch_takes_0_1_or_2(value, start):
+    """MINILLM_GEMV_STREAM_START (a sweep's START for ``gemv``'s launches)."""
+    if start is None:
+        with pytest.raises(ValueError, match=f"must be 0, 1 or 2 .*got {value!r}"):
+            stream.start_switch(value)
+    else:
+        assert stream.start_switch(value) == start
+
+
 @pytest.mark.parametrize("k,n,programs,fixup", [(4096, 11008, 396, stream.FIXUP_POLL),  # 9-10 programs a tile
                                                 (4096, 12288, 396, stream.FIXUP_POLL),
                                                 (11008, 4096, 396, stream.FIXUP_COUNTER),  # ~25
