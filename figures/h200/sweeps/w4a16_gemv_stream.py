@@ -5,7 +5,8 @@ Timing as w4a16_gemv_gluon.py: 20 calls in a CUDA graph, each on another copy of
 so no call finds its weight in L2), PDL on where the kernel has it. Variants (ALL_VARIANTS; VARIANTS picks): programs
 an SM x ring slots, the bf16 y's fix-up (poll: the tile's first program reads the others' partials until all are
 stored; counter: the last to arrive sums them), tiles asked into L2 before the wait (l2), when the next kernel may
-start (start 0 / 1 / 2), the add form (y added to an fp32 row: no fix-up), and two probes: the copies alone (no
+start (start 0 / 1 / 2), the add form (y added to an fp32 row: no fix-up), the column kernel
+(kernels/w4_gemv_columns.py: warps x ring slots), and two probes: the copies alone (no
 math, no fix-up: its answer is wrong) and no fix-up (partials stored, not summed). Every variant that computes y is
 checked against ``w4a16_matmul_ref`` (y poisoned first), run twice for bit-equal answers, the split-K counters
 checked back at zero and the poll's slots back at EMPTY; odd shapes (a ragged column tile, group 64, one unit a
@@ -25,7 +26,7 @@ from launch_sweep import save_result  # noqa: E402
 from minillm.bench.kernels import time_interleaved  # noqa: E402
 from minillm.bench.quant_kernels import QuantShape, _copies, bytes_moved  # noqa: E402
 from minillm.bench.roofline import measure_bandwidth  # noqa: E402
-from minillm.kernels import w4_gemv_hopper, w4_gemv_stream  # noqa: E402
+from minillm.kernels import w4_gemv_columns, w4_gemv_hopper, w4_gemv_stream  # noqa: E402
 from minillm.kernels.checks import num_sms  # noqa: E402
 from minillm.kernels.quant_matmul import pack_int4, pack_int4_along_n, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 from minillm.kernels.split_k import tile_counters  # noqa: E402
@@ -47,6 +48,16 @@ ALL_VARIANTS = {
     "stream 3x2 add start 1": dict(programs_per_sm=3, stages=2, add=True, start=1),
     "probe 3x2 no fix-up": dict(programs_per_sm=3, stages=2, fixup=NONE),
     "probe 3x2 copies only": dict(programs_per_sm=3, stages=2, compute=False, fixup=NONE),
+    # The column kernel (kernels/w4_gemv_columns.py: a program 32 columns over all of K, no fix-up): warps x slots.
+    "columns w8 s2": dict(columns=True, warps=8, stages=2),
+    "columns w8 s4": dict(columns=True, warps=8, stages=4),
+    "columns w4 s2": dict(columns=True, warps=4, stages=2),
+    "columns w4 s4": dict(columns=True, warps=4, stages=4),
+    "columns w16 s2": dict(columns=True, warps=16, stages=2),
+    "columns w8 s8": dict(columns=True, warps=8, stages=8),
+    "probe columns w8 s4 copies only": dict(columns=True, warps=8, stages=4, compute=False),
+    "probe columns w8 s8 copies only": dict(columns=True, warps=8, stages=8, compute=False),
+    "probe columns w4 s8 copies only": dict(columns=True, warps=4, stages=8, compute=False),
 }
 DEFAULT_VARIANTS = ("stream 3x2 poll", "stream 2x3 poll", "stream 2x2 poll", "stream 3x2 counter", "stream 2x3 counter",
                     "stream 3x2 add", "stream 2x3 add", "probe 3x2 no fix-up", "probe 3x2 copies only")
@@ -60,6 +71,15 @@ def pinned_split_k(call):
         return call()
     finally:
         w4_gemv_hopper.STREAM = saved
+
+
+def run_variant(x, w, group, out, partials, counters, kw):
+    """One call of a variant: the column kernel's (``columns``) or the stream kernel's."""
+    if kw.get("columns"):
+        w4_gemv_columns.w4_gemv_columns(x, *w, group, out, warps=kw["warps"], stages=kw["stages"],
+                                        compute=kw.get("compute", True))
+    else:
+        w4_gemv_stream.w4_gemv_stream(x, *w, group, out, partials, counters, **kw)
 
 
 def weights(k, n, group, dev, gen):
@@ -82,7 +102,7 @@ def check(k, n, group, kw, dev, gen):
             out = torch.zeros((1, n), dtype=torch.float32, device=dev)
         else:
             out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=dev)
-        w4_gemv_stream.w4_gemv_stream(x, *w, group, out, partials, counters, **kw)
+        run_variant(x, w, group, out, partials, counters, kw)
         answers.append(out)
     torch.cuda.synchronize()
     return {"max_rel_error_vs_ref": ((answers[0].float() - want).abs().max() / want.abs().max()).item(),
@@ -127,8 +147,7 @@ def main():
                  "gluon gemv": (cycled(split_k_only, sets), w4_bytes)}
         for name, kw in VARIANTS.items():
             def call(w, kw=kw):
-                w4_gemv_stream.w4_gemv_stream(x, *w, group, out32 if kw.get("add") else out, partials, counters,
-                                              **kw)
+                run_variant(x, w, group, out32 if kw.get("add") else out, partials, counters, kw)
             calls[name] = (cycled(call, sets), w4_bytes)
         times = time_interleaved({name: call for name, (call, _) in calls.items()}, dev)
         row = {"k": k, "n": n, "group": group, "weight_copies": copies,

@@ -1,0 +1,242 @@
+"""A W4A16 GEMV (M = 1) for Hopper (sm_90), in Gluon, with no split-K fix-up: each program owns 32 columns of y and
+streams all of K for them through a ring of TMA slots; its warps share out K, and their sums meet in shared memory.
+
+Why it exists: the split-K and stream-K GEMVs (``w4_gemv_hopper_kernel.py``, ``w4_gemv_stream.py``) cut K among
+programs, so a bf16 y needs a fix-up after the last math: partials through L2 and a fence and counter, or a poll,
+1.2-2 us of a 7-9 us kernel at Llama-2-7B's shapes (figures/h200/sweeps/w4a16_gemv_stream_poll.json: the stream
+kernel 8.61 / 9.16 us with its poll, 7.40 / 7.15 with the fix-up left out). Here a program's columns are its own from
+the first input to the last, so y is written where it is summed. Columns are what there are many of: 32 a program
+gives 344 programs at N = 11008 and 128 at N = 4096, enough to fill the H200's 132 SMs, where split-K's 256-column
+tiles give 43 and 16.
+
+The work: a program takes column tile c (32 columns: 128-byte rows of packed weights) and all of K in bands of
+16 WARPS packed rows (128 WARPS inputs), STAGES bands in flight, a band one TMA copy of [16 WARPS, 32] (16 KB at 8
+warps). A band is 2 WARPS blocks of 8 packed rows (64 inputs: a group of 64, half a group of 128); warp w computes
+blocks 2w and 2w + 1, a half-warp each, two columns a thread, with the split-K kernel's HFMA2 body
+(``w4_gemv_hopper_kernel``'s docstring): rows r and r + 4 of a block share their 16-bit sums (RUN = 2). A thread
+reads its rows of both halves of its blocks from the landed band in one load, the band's rows seen as [r, w, h,
+column, i] (band row 16 w + 8 h + 4 i + r), and ``split`` parts the halves in its registers. Each thread keeps its
+blocks' sums, scaled per group, until the last band; then one sum over the program's threads (in shared memory)
+makes its 32 columns of y.
+
+History (H200; 20 calls in a CUDA graph, L2-cold). Session 32's first form (commit d11bda5) fetched a band in eight
+copies of [16, 32] boxes of the weight viewed as [K / 64, 8 N], one per row of a block, so that each thread's loads
+of rows r and r + 4 were alike. It was slower where it was meant to win: 11.63 / 14.09 us at 4096 x 11008 /
+11008 x 4096 against the stream kernel's 8.62 / 9.27 (figures/h200/sweeps/w4a16_gemv_columns.json); its copies alone
+7.58 / 11.20 against 6.13 / 6.01 (w4a16_gemv_columns_probe.json). Session 33 found the boxes to blame, not the layout:
+32-column strips copied a program a strip take 6.95 / 11.18 us in 16-row boxes but 6.53 / 6.64 in boxes of 128 rows
+through 4 slots (w4a16_strip_copies.json), hence one box a band here. This form has been compiled for sm_90
+(tests/test_w4_gemv_columns_sass.py) but not yet run on a GPU: its tests (tests/kernels/test_w4_gemv_columns.py) and
+its speed (figures/h200/sweeps/w4a16_gemv_stream.py's "columns" variants) are the next H200 session's. Nothing calls it
+but those: ``w4_gemv_hopper.gemv`` does not route to it.
+
+What it takes (``unsupported``): one bf16 row, K a multiple of 64, N of 32, group 64 or 128. Not under Triton's
+interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_w4_gemv_columns.py); compiled for sm_90 on
+the CPU by tests/test_w4_gemv_columns_sass.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from minillm.kernels.flash_attention_hopper import GLUON_USABLE, gluon
+
+if GLUON_USABLE:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
+    from minillm.kernels.w4_gemv_hopper_kernel import _fma2, _let_next_start, _wait_for_previous, _word_sum, x_pairs
+
+COLS = 32  # columns a program: 128-byte rows of packed weights
+BLOCK_ROWS = 8  # packed rows a block (64 inputs): a group of 64, half a group of 128
+WARPS = 8
+STAGES = 4
+
+if GLUON_USABLE:
+    _COLS = gl.constexpr(COLS)
+    _TWO_POW_32 = gl.constexpr(4294967296.0)
+
+    @gluon.jit
+    def _band_tables(XW, K_ROWS, BANDS: gl.constexpr, WARPS_: gl.constexpr):
+        """x as the bands want it, in shared memory: pairs[j] [2 BANDS, 4, WARPS, 2] (int32), index i BANDS + band
+        holding rows 4 i .. 4 i + 3 of the band's blocks (block 2 w + h at [:, w, h]), pair j of each as
+        ``w4_gemv_hopper_kernel.x_pairs`` makes it; and sums [2 BANDS, WARPS, 2], those rows' sums of x. Rows past
+        K_ROWS are zeros."""
+        tab_l: gl.constexpr = gl.BlockedLayout([1, 4, 1, 1], [16, 1, 1, 2], [1, 1, WARPS_, 1], [3, 2, 1, 0])
+        q = gl.arange(0, 2 * BANDS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, tab_l))))
+        rr = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, tab_l))))
+        w = gl.arange(0, WARPS_, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, tab_l))))
+        h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, tab_l))))
+        block = (q % BANDS)[:, None, None, None] * (2 * WARPS_) + 2 * w[None, None, :, None] + h[None, None, None, :]
+        r = block * 8 + 4 * (q // BANDS)[:, None, None, None] + rr[None, :, None, None]
+        pairs, total, _ = x_pairs(XW, r, r < K_ROWS, K_ROWS, XW, 1.0, False, False, False)
+        sums = _shared(gl.sum(total, axis=1))
+        return (_shared(pairs[0]), _shared(pairs[1]), _shared(pairs[2]), _shared(pairs[3])), sums
+
+    @gluon.jit
+    def _shared(values):
+        """values (rank 3 or 4) in a shared-memory buffer of their own, viewed with a layout of one rank less: what
+        .index() leaves."""
+        if len(values.shape) == 4:
+            table = gl.allocate_shared_memory(values.dtype, values.shape,
+                                              gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
+            table.store(values)
+            return reinterpret(table, values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        else:
+            table = gl.allocate_shared_memory(values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+            table.store(values)
+            return reinterpret(table, values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+    @gluon.jit
+    def _load_band(band, c, w_desc, s_desc, z_desc, bar, w_slot, s_slot, z_slot, WARPS_: gl.constexpr,
+                   GROUP_BLOCKS: gl.constexpr):
+        """Band ``band`` of column tile c onto ``bar``: its 16 WARPS packed rows in one box (16 KB at 8 warps), and
+        its scales and zero points."""
+        mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
+        tma_load(w_desc, [band * (16 * WARPS_), c * _COLS], bar, w_slot)
+        tma_load(s_desc, [band * (2 * WARPS_ // GROUP_BLOCKS), c * _COLS], bar, s_slot)
+        tma_load(z_desc, [band * (2 * WARPS_ // GROUP_BLOCKS), c * (_COLS // 2)], bar, z_slot)
+
+    @gluon.jit
+    def _band_halves(w_slot, band_l: gl.constexpr, WARPS_: gl.constexpr):
+        """A landed band's rows 0-3 and 4-7 of every block, each [4, WARPS, 2, 32] in band_l: row 4 i + r of block
+        2 w + h at [r, w, h] of half i. The box's rows are row-major [w, h, i, r] (band row 16 w + 8 h + 4 i + r),
+        read here as [r, w, h, column, i], so that a thread holds both halves of its rows and split parts them."""
+        rows_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 0, 4, 2, 1])
+        rows = reinterpret(w_slot, gl.int32, [4, WARPS_, 2, _COLS, 2], rows_l)
+        both_l: gl.constexpr = gl.BlockedLayout([4, 1, 1, 2, 2], [1, 1, 2, 16, 1], [1, WARPS_, 1, 1, 1],
+                                                [4, 3, 2, 1, 0])
+        low, high = gl.split(rows.load(both_l))
+        return gl.convert_layout(low, band_l, assert_trivial=True), gl.convert_layout(high, band_l, assert_trivial=True)
+
+    @gluon.jit
+    def _add_band(out, w_slot, s_slot, z_slot, pairs, sums, band, BANDS: gl.constexpr, band_l: gl.constexpr,
+                  GROUP_BLOCKS: gl.constexpr):
+        """out ([WARPS, 2, 32] fp32: a block's column sums so far, each thread its own) plus a landed band's
+        products with x, scaled and less the zero points' share: sum_k x (q - z) s = (2**32 s) sum x q 2**-32 -
+        (z s) sum x, per block (both blocks of a group of 128 take its scale and zero point)."""
+        WARPS_: gl.constexpr = gl.num_warps()
+        x_l: gl.constexpr = gl.SliceLayout(3, band_l)
+        blocks_l: gl.constexpr = gl.SliceLayout(0, band_l)
+        acc2 = gl.zeros([4, WARPS_, 2, _COLS], gl.int32, layout=band_l)  # +0.0 in both halves
+        halves = _band_halves(w_slot, band_l, WARPS_)
+        for i in gl.static_range(2):  # rows 0-3, then 4-7, of every block: row r's sums shared with row r + 4
+            packed = halves[i]
+            shifted = packed >> 8  # nibbles 2, 3, 6, 7 to where 0, 1, 4, 5 were
+            for j in gl.static_range(4):
+                x_j = pairs[j].index(i * BANDS + band).load(x_l)[:, :, :, None]
+                src = packed if j < 2 else shifted
+                acc2 = _fma2(gl.broadcast(x_j, acc2)[0], src & (0x000F000F if j % 2 == 0 else 0x00F000F0), acc2)
+        part = gl.sum(_word_sum(acc2), axis=0)  # [WARPS, 2, 32]: sum x q 2**-32 per block and column
+        sums_l: gl.constexpr = gl.SliceLayout(2, blocks_l)
+        x_sum = (sums.index(band).load(sums_l) + sums.index(BANDS + band).load(sums_l))[:, :, None]
+        if GROUP_BLOCKS == 1:  # a group a block: scales [2 WARPS, 32] seen as [WARPS, 2, 32]
+            scale = s_slot.reshape([WARPS_, 2, _COLS]).load(blocks_l).to(gl.float32)
+            bytes_l: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 2, 16], [WARPS_, 1, 1], [2, 1, 0])
+            z_byte = z_slot.reshape([WARPS_, 2, _COLS // 2]).load(bytes_l).to(gl.int32) & 255
+            z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [WARPS_, 2, _COLS]), blocks_l)
+        else:  # a group two blocks: a warp's pair (scales [WARPS, 32]), the group's row for both
+            group_l: gl.constexpr = gl.SliceLayout(1, blocks_l)
+            scale = s_slot.load(group_l).to(gl.float32)[:, None, :]
+            bytes_l: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [WARPS_, 1], [1, 0])
+            z_byte = z_slot.load(bytes_l).to(gl.int32) & 255
+            z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [WARPS_, _COLS]), group_l)[:, None, :]
+        return out + part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
+
+    @gluon.jit
+    def _w4_gemv_columns_kernel(XW, w_desc, s_desc, z_desc, Y, N, K_ROWS, n_bands, STAGES: gl.constexpr,
+                                BANDS: gl.constexpr, GROUP_BLOCKS: gl.constexpr, PDL: gl.constexpr,
+                                COMPUTE: gl.constexpr = True):
+        """Program c: y[32 c : 32 c + 32] over all of K, n_bands bands through a ring of STAGES slots (the module
+        docstring). BANDS: a power of two at least n_bands; GROUP_BLOCKS: blocks a group (1 or 2). COMPUTE off: a probe
+        (the copies alone; y is wrong)."""
+        WARPS_: gl.constexpr = gl.num_warps()
+        GROUPS: gl.constexpr = 2 * WARPS_ // GROUP_BLOCKS  # scale rows a band
+        c = gl.program_id(0)
+
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 16 * WARPS_, _COLS], w_desc.layout)  # a band a slot
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, GROUPS, _COLS], s_desc.layout)
+        # (TMA writes to 128-byte aligned shared memory: a slot of zero points is 8 rows of 16 bytes at least)
+        Z_ROWS: gl.constexpr = GROUPS if GROUPS >= 8 else 8
+        z_smem = gl.allocate_shared_memory(gl.int8, [STAGES, Z_ROWS, _COLS // 2], z_desc.layout)
+        landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for first in gl.static_range(STAGES):
+            mbarrier.init(landed.index(first), count=1)
+        fence_async_shared()
+        for first in gl.static_range(STAGES):
+            if first < n_bands:
+                _load_band(first, c, w_desc, s_desc, z_desc, landed.index(first), w_smem.index(first),
+                           s_smem.index(first), z_smem.index(first).slice(0, GROUPS), WARPS_, GROUP_BLOCKS)
+        _let_next_start(PDL)  # (the copies read weights only; x, which the kernel ahead writes, comes after the wait)
+        _wait_for_previous(PDL)
+        pairs, sums = _band_tables(XW, K_ROWS, BANDS, WARPS_)
+        warps_barrier()  # the tables are written
+
+        band_l: gl.constexpr = gl.BlockedLayout([4, 1, 1, 2], [1, 1, 2, 16], [1, WARPS_, 1, 1], [3, 2, 1, 0])
+        out = gl.zeros([WARPS_, 2, _COLS], gl.float32, layout=gl.SliceLayout(0, band_l))
+        for band in range(n_bands):
+            s = band % STAGES
+            mbarrier.wait(landed.index(s), (band // STAGES) & 1)
+            if COMPUTE:
+                out = _add_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs, sums,
+                                band, BANDS, band_l, GROUP_BLOCKS)
+            warps_barrier()  # every warp done with slot s
+            if band + STAGES < n_bands:
+                _load_band(band + STAGES, c, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
+                           s_smem.index(s), z_smem.index(s).slice(0, GROUPS), WARPS_, GROUP_BLOCKS)
+        y = gl.sum(gl.sum(out, axis=1), axis=0)  # the warps' blocks meet (through shared memory)
+        n = c * _COLS + gl.arange(0, _COLS, layout=y.type.layout)
+        gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
+
+
+def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, warps: int):
+    """TMA descriptors: the packed weight [K / 8, N] (boxes of a band, [16 warps, 32]), the scales [groups, N] and the
+    zero points as bytes [groups, N / 2] (boxes of a band's groups)."""
+    groups = 2 * warps * BLOCK_ROWS * 8 // group
+    boxes = ((qweight, [2 * warps * BLOCK_ROWS, COLS], gl.int32),
+             (scales, [groups, COLS], gl.bfloat16), (zeros.view(torch.int8), [groups, COLS // 2], gl.int8))
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), box,
+                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.primitive_bitwidth,
+                                                  rank=2))
+            for t, box, dtype in boxes]
+
+
+def plan(k: int, warps: int) -> dict:
+    """A K-long column's bands: n_bands (of 16 ``warps`` packed rows) and BANDS, a power of two at least that."""
+    n_bands = -(-k // (8 * 2 * warps * BLOCK_ROWS))
+    return {"n_bands": n_bands, "BANDS": triton.next_power_of_2(n_bands)}
+
+
+def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                    out: torch.Tensor, pdl: bool = True, warps: int = WARPS, stages: int = STAGES,
+                    compute: bool = True) -> None:
+    """y = x @ W into ``out`` [1, N] bf16 (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128): a program
+    a 32-column tile, ``warps`` warps sharing out K in bands of 128 ``warps`` inputs, ``stages`` bands in flight.
+    ``compute`` off: a probe, the copies alone (y is wrong)."""
+    k, n = 8 * qweight.shape[0], qweight.shape[1]
+    reason = unsupported(k, n, group, x.dtype, x.shape[0])
+    if reason:
+        raise ValueError(f"the column GEMV cannot run these inputs: {reason}")
+    if warps not in (2, 4, 8, 16) or stages not in (1, 2, 4, 8):  # (shared memory views want powers of two)
+        raise ValueError(f"warps and stages must be 2, 4, 8 or 16 and 1, 2, 4 or 8; got warps={warps}, "
+                         f"stages={stages}")
+    if out.dtype != torch.bfloat16 or out.shape != (1, n):
+        raise ValueError(f"out must be [1, {n}] bf16, got {list(out.shape)} {out.dtype}")
+    numbers = plan(k, warps)
+    _w4_gemv_columns_kernel[(n // COLS,)](x.view(torch.int32), *_descriptors(qweight, scales, zeros, group, warps),
+                                          out, n, k // 8, numbers["n_bands"], STAGES=stages, BANDS=numbers["BANDS"],
+                                          GROUP_BLOCKS=group // 64, PDL=pdl, COMPUTE=compute, num_warps=warps,
+                                          launch_pdl=pdl)
+
+
+def unsupported(k: int, n: int, group: int, dtype: torch.dtype, rows: int) -> str | None:
+    """Why the column GEMV cannot take a K x N weight at ``group`` with x of ``dtype`` and ``rows`` rows, or None if
+    it can (``w4_gemv_hopper.unsupported`` checks the rest: the device, alignment, Gluon)."""
+    if dtype != torch.bfloat16 or rows != 1:
+        return f"it takes one bf16 row, not {rows} of {dtype}"
+    if k % 64 or k == 0 or n % COLS or n == 0 or group not in (64, 128):
+        return f"it takes K a multiple of 64, N of 32 and group 64 or 128; got K = {k}, N = {n}, group {group}"
+    return None

@@ -1,0 +1,101 @@
+"""The column W4A16 GEMV (kernels/w4_gemv_columns.py: a program 32 columns over all of K, no fix-up) against
+``w4a16_matmul_ref``: Llama-2-7B's shapes, a ragged last band, groups of 64 and 128, one program, fewer bands than
+slots, each warp count and ring depth it takes, bit-equal reruns, and a CUDA graph.
+
+Gluon has no interpreter: the numerical tests need an sm_90 GPU. On the CPU, ``plan`` and the refusals are tested,
+and the kernel is compiled for sm_90 (tests/test_w4_gemv_columns_sass.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.kernels import w4_gemv_columns as columns
+from minillm.kernels.quant_matmul import w4a16_matmul_ref
+
+from test_quant_matmul import assert_matches, int4_problem, poisoned
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and columns.GLUON_USABLE
+needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm_90 GPUs only (no interpreter)")
+
+CASES = [  # k, n, group, warps, stages
+    (4096, 11008, 128, 8, 2),  # Llama-2-7B's gate/up: 344 programs
+    (4096, 11008, 64, 4, 4),
+    (11008, 4096, 128, 8, 4),  # its down_proj: 10.75 bands of 1024 inputs, the last ragged
+    (11008, 4096, 64, 16, 2),
+    (4096, 4128, 128, 4, 2),  # 4 groups of 128 a band: zero points' slots padded to TMA's 128-byte alignment
+    (4160, 96, 128, 8, 4),  # K = 65 blocks: half a group of 128 at the end, and past the scales' last row
+    (1024, 32, 64, 8, 8),  # one program, one band, more slots than bands
+    (512, 64, 128, 2, 1),  # one slot: every band waits for its own copies
+]
+
+
+@pytest.mark.parametrize("k,warps", [(4096, 8), (11008, 8), (11008, 4), (64, 2)])
+def test_plan_counts_the_bands_of_a_column(k, warps):
+    numbers = columns.plan(k, warps)
+    band = 128 * warps  # inputs a band
+    assert (numbers["n_bands"] - 1) * band < k <= numbers["n_bands"] * band
+    assert numbers["BANDS"] >= numbers["n_bands"] and numbers["BANDS"] & (numbers["BANDS"] - 1) == 0
+
+
+@pytest.mark.parametrize("k,n,group,dtype,rows,words", [
+    (4096, 1000, 128, torch.bfloat16, 1, "N of 32.*N = 1000"), (4104, 1024, 128, torch.bfloat16, 1, "K = 4104"),
+    (4096, 1024, 32, torch.bfloat16, 1, "group 32"), (4096, 1024, 128, torch.float16, 1, "torch.float16"),
+    (4096, 1024, 128, torch.bfloat16, 2, "not 2 of")])
+def test_it_refuses_what_it_cannot_run_and_says_why(k, n, group, dtype, rows, words):
+    x = torch.zeros(rows, k, dtype=dtype)
+    qweight = torch.zeros(k // 8, n, dtype=torch.int32)
+    with pytest.raises(ValueError, match=words):
+        columns.w4_gemv_columns(x, qweight, None, None, group, None)
+
+
+@needs_sm90
+@pytest.mark.parametrize("warps,stages", [(3, 2), (8, 3), (8, 16)])
+def test_it_refuses_warps_and_stages_it_has_no_views_for(warps, stages):
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 1024, 64, 128, torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match=f"warps={warps}, stages={stages}"):
+        columns.w4_gemv_columns(x, qweight, scales, zeros, 128, poisoned((1, 64), torch.bfloat16), warps=warps,
+                                stages=stages)
+
+
+@needs_sm90
+@pytest.mark.parametrize("k,n,group,warps,stages", CASES)
+def test_column_gemv_matches_ref_and_repeats_its_bits(k, n, group, warps, stages):
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + group + warps)
+    want = w4a16_matmul_ref(x, qweight, scales, zeros, group)
+    out = poisoned((1, n), torch.bfloat16)
+    columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, warps=warps, stages=stages)
+    assert_matches(out, want, torch.bfloat16)
+    again = poisoned((1, n), torch.bfloat16)
+    columns.w4_gemv_columns(x, qweight, scales, zeros, group, again, warps=warps, stages=stages)
+    assert torch.equal(again, out), "no atomics, sums in a fixed order: the same bits every run"
+
+
+@needs_sm90
+def test_column_gemv_passes_nans_through():
+    x, qweight, scales, zeros, _, _ = int4_problem(1, 4096, 1024, 128, torch.bfloat16, seed=5)
+    x[0, 3000] = float("nan")
+    out = poisoned((1, 1024), torch.bfloat16)
+    columns.w4_gemv_columns(x, qweight, scales, zeros, 128, out)
+    want = w4a16_matmul_ref(x, qweight, scales, zeros, 128)
+    assert torch.equal(out.isnan(), want.isnan()) and out.isnan().all()
+
+
+@needs_sm90
+def test_column_gemv_replays_in_a_cuda_graph():
+    k, n = 4096, 11008
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=12)
+    out = torch.empty(1, n, dtype=torch.bfloat16, device=x.device)
+
+    def run():
+        columns.w4_gemv_columns(x, qweight, scales, zeros, 128, out)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed in range(3):
+        x.copy_(int4_problem(1, k, 8, 128, torch.bfloat16, seed=40 + seed)[0])
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_matches(out, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)

@@ -1,0 +1,57 @@
+"""The column W4A16 GEMV (kernels/w4_gemv_columns.py) compiled for sm_90 on the CPU at the warps, ring slots and
+groups it takes (Gluon has no interpreter; its numbers are tested on an H200, tests/kernels/test_w4_gemv_columns.py).
+
+What is checked: a band is three TMA copies (its weights in one box, its scales, its zero points), issued slot by slot
+at the ring's first fill and once more at each refill; the HFMA2 body covers every packed word a thread holds of a
+band; no spills, no stack, and shared memory within an SM's. (That parting a band's halves in registers moves no
+data is the kernel's own check: its ``convert_layout(assert_trivial=True)`` would not compile otherwise.)"""
+
+import textwrap
+
+import pytest
+
+from minillm.bench.sass import run_compile_script
+
+pytest.importorskip("triton.experimental.gluon")
+
+SCRIPT = textwrap.dedent('''
+    import json
+    from triton.experimental.gluon import language as gl
+    from minillm.bench.sass import compile_gluon_sm90, whole_kernel
+    from minillm.kernels import w4_gemv_columns as wc
+
+    def counts(warps, stages, group_blocks):
+        layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
+        groups = 2 * warps // group_blocks
+        types = {"XW": "*i32", "w_desc": f"tensordesc<i32[{16 * warps},{wc.COLS}],{layout(32)!r}>",
+                 "s_desc": f"tensordesc<bf16[{groups},{wc.COLS}],{layout(16)!r}>",
+                 "z_desc": f"tensordesc<i8[{groups},{wc.COLS // 2}],{layout(8)!r}>", "Y": "*bf16"}
+        consts = dict(STAGES=stages, BANDS=16, GROUP_BLOCKS=group_blocks, PDL=True, COMPUTE=True)
+        fn = wc._w4_gemv_columns_kernel
+        signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
+        span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=warps))
+        return dict(span, opcodes=dict(span["opcodes"]))
+
+    print(json.dumps({f"{w}x{s} g{64 * g}": counts(w, s, g) for w, s, g in ((8, 4, 2), (8, 2, 1), (4, 8, 2),
+                                                                           (16, 2, 2))}))
+''')
+CASES = ["8x4 g128", "8x2 g64", "4x8 g128", "16x2 g128"]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return run_compile_script(SCRIPT, tmp_path_factory.mktemp("w4_gemv_columns_sass"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_copies_body_and_resources(compiled, case):
+    from minillm.kernels import w4_gemv_columns as wc
+    kernel = compiled[case]
+    ops = kernel["opcodes"]
+    warps, stages = (int(v) for v in case.split()[0].split("x"))
+    assert ops.get("UTMALDG") == 3 * (stages + 1), ops  # (session 32's form: ten copies a band)
+    packed_a_thread = 16 * warps * wc.COLS // (32 * warps)  # int32s of 8 weights a band
+    assert ops.get("HFMA2", 0) >= 4 * packed_a_thread, ops
+    assert not any(op.startswith(("LDL", "STL")) for op in kernel["memory_opcodes"]), kernel["memory_opcodes"]
+    assert kernel["stack"] == 0, kernel
+    assert kernel["shared_bytes"] <= 227 * 1024, kernel["shared_bytes"]
