@@ -43,9 +43,10 @@ The plain form (a bf16 y) with the poll (figures/h200/sweeps/w4a16_gemv_stream_p
 share a tile (11008 x 4096) the counter wins, hence ``choose_fixup``. At 4096 x 4096 (2 x 3) the counter takes
 5.03-5.04 against split-K's 5.52-5.56, not yet measured in a decode graph, so ``poll_pays`` keeps such shapes on
 split-K. Summing a tile in one of its programs with a shorter run, which is done (and polls) earlier, was slower still
-(10.09 and 11.77 us, w4a16_gemv_stream_short.json). Programs that own their columns over all of K need no fix-up,
-but at 32 columns each their 128-byte rows copy slower (7.58 and 11.20 us against this kernel's 6.13 and 6.01):
-11.63 and 14.09 us (commit d11bda5, reverted; w4a16_gemv_columns.json, w4a16_gemv_columns_probe.json). Eight warps a
+(10.09 and 11.77 us, w4a16_gemv_stream_short.json). Programs that own their columns over all of K need no fix-up;
+session 32's, fetching 32 columns in 2 KB boxes, copied slower (7.58 and 11.20 us against this kernel's 6.13 and
+6.01): 11.63 and 14.09 us (commit d11bda5; w4a16_gemv_columns.json, w4a16_gemv_columns_probe.json). In 16 KB boxes
+such strips copy in 6.53 and 6.64 (w4a16_strip_copies.json): ``w4_gemv_columns.py`` now takes them. Eight warps a
 program, a column a thread, one program an SM (its last unit's math after the stream one unit's, not three's), could
 not keep its math up with its copies: 9.53 and 9.39 us without any fix-up against 3 x 2's 7.38 and 7.30 (commit
 9f2e921, reverted; w4a16_gemv_stream_w8.json). In the batch-1 decode graph with nothing folded (the norm kernels,
