@@ -54,6 +54,7 @@ COLS = 32  # columns a program: 128-byte rows of packed weights
 BLOCK_ROWS = 8  # packed rows a block (64 inputs): a group of 64, half a group of 128
 WARPS = 8
 STAGES = 4
+RING_BYTES = 128 * 1024  # the most the ring's weights may take of an SM's shared memory
 
 if GLUON_USABLE:
     _COLS = gl.constexpr(COLS)
@@ -223,6 +224,9 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if warps not in (2, 4, 8, 16) or stages not in (1, 2, 4, 8):  # (shared memory views want powers of two)
         raise ValueError(f"warps and stages must be 2, 4, 8 or 16 and 1, 2, 4 or 8; got warps={warps}, "
                          f"stages={stages}")
+    if stages * 16 * warps * COLS * 4 > RING_BYTES:  # (the x tables and the scales need the rest of an SM's 227 KB)
+        raise ValueError(f"warps={warps} x stages={stages} would hold {stages * 16 * warps * COLS * 4 // 1024} KB of "
+                         f"weights in flight, more than the {RING_BYTES // 1024} KB the ring may take: fewer of either")
     if out.dtype != torch.bfloat16 or out.shape != (1, n):
         raise ValueError(f"out must be [1, {n}] bf16, got {list(out.shape)} {out.dtype}")
     numbers = plan(k, warps)

@@ -50,6 +50,18 @@ def test_it_refuses_what_it_cannot_run_and_says_why(k, n, group, dtype, rows, wo
         columns.w4_gemv_columns(x, qweight, None, None, group, None)
 
 
+@pytest.mark.parametrize("warps,stages,refused", [(16, 8, True), (16, 4, False), (8, 8, False)])
+def test_it_refuses_a_ring_larger_than_shared_memory_allows(warps, stages, refused):
+    """16 warps x 8 slots would be 256 KB of weights in flight; 128 KB rings pass this check (and, on the CPU, fail
+    the next one: no scales were given)."""
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    qweight = torch.zeros(512, 64, dtype=torch.int32)
+    with pytest.raises((ValueError, AttributeError, TypeError)) as error:
+        columns.w4_gemv_columns(x, qweight, None, None, 128, torch.zeros(1, 64, dtype=torch.bfloat16), warps=warps,
+                                stages=stages)
+    assert (f"warps={warps} x stages={stages} would hold 256 KB" in str(error.value)) == refused, error.value
+
+
 @needs_sm90
 @pytest.mark.parametrize("warps,stages", [(3, 2), (8, 3), (8, 16)])
 def test_it_refuses_warps_and_stages_it_has_no_views_for(warps, stages):
