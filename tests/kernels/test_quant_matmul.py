@@ -53,6 +53,20 @@ def poisoned(shape, dtype) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
+def assert_replays_in_a_graph(run, x, qweight, scales, zeros, group) -> None:
+    """``run()`` (a GEMV of row x into its ``out``, which it returns) captured in a CUDA graph, then replayed on three
+    new rows of x, each answer against ``w4a16_matmul_ref``."""
+    run()  # (compiles outside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in range(3):
+        x.copy_(int4_problem(1, x.shape[1], 8, group, x.dtype, seed=40 + seed)[0])
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_matches(out, w4a16_matmul_ref(x, qweight, scales, zeros, group), x.dtype)
+
+
 def counters_are_clean() -> bool:
     """Split-K launches must leave their arrival counters at zero, or the next launch (or graph replay) breaks."""
     return all(int(c.abs().sum()) == 0 for c in split_k.COUNTERS.values())

@@ -15,7 +15,8 @@ import torch
 from minillm.kernels import split_k, w4_gemv_stream as stream
 from minillm.kernels.quant_matmul import w4a16_matmul_ref
 
-from test_quant_matmul import assert_matches, counters_are_clean, int4_problem, poisoned
+from test_quant_matmul import (assert_matches, assert_replays_in_a_graph, counters_are_clean, int4_problem,
+                               poisoned)
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and stream.GLUON_USABLE
 needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm_90 GPUs only (no interpreter)")
@@ -133,15 +134,8 @@ def test_stream_gemv_replays_in_a_cuda_graph(fixup):
     def run():
         stream.w4_gemv_stream(x, qweight, scales, zeros, 128, out, partials, counters, programs_per_sm=3, stages=2,
                               fixup=fixup)
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for seed in range(3):
-        x.copy_(int4_problem(1, k, 8, 128, torch.bfloat16, seed=40 + seed)[0])
-        out.fill_(float("nan"))
-        graph.replay()
-        assert_matches(out, w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
+        return out
+    assert_replays_in_a_graph(run, x, qweight, scales, zeros, 128)
     assert counters_are_clean() and slots_are_empty(x.device)
 
 
