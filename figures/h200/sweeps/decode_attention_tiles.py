@@ -4,7 +4,7 @@ of BLOCK_N tokens with its warps and stages, at the latency workload's contexts 
 ``choose_num_splits`` gives the decode graph's 4096-token table. decode_graph_timeline.py measures the tiles inside
 the decode step; this says what they cost where the context is long.
 
-Session 33 (paged_attention.SHORT_LAUNCH, SHORT_CONTEXT): CONTEXTS=256,384,... and BATCHES=1,4,... choose the
+Session 33 (the short-context tiles of commit 4cb8cd7, reverted): CONTEXTS=256,384,... and BATCHES=1,4,... choose the
 problems (batch B at ``choose_num_splits``'s splits for the 4096-token table, 9 at B = 1), LAUNCHES=64_4_3,32_4_1 the
 launches, NAME the JSON.
 
