@@ -1,5 +1,7 @@
 """A W4A16 GEMV (M = 1) for Hopper (sm_90), in Gluon, with no split-K fix-up: each program owns 32 columns of y and
 streams all of K for them through a ring of TMA slots; its warps share out K, and their sums meet in shared memory.
+ADD: y is added to an fp32 row (the residual stream) instead, a plain load and store, since no other program
+writes those columns.
 
 Why it exists: the split-K and stream-K GEMVs (``w4_gemv_hopper_kernel.py``, ``w4_gemv_stream.py``) cut K among
 programs, so a bf16 y needs a fix-up after the last math: partials through L2 and a fence and counter, or a poll,
@@ -25,10 +27,24 @@ of rows r and r + 4 were alike. It was slower where it was meant to win: 11.63 /
 11008 x 4096 against the stream kernel's 8.62 / 9.27 (figures/h200/sweeps/w4a16_gemv_columns.json); its copies alone
 7.58 / 11.20 against 6.13 / 6.01 (w4a16_gemv_columns_probe.json). Session 33 found the boxes to blame, not the layout:
 32-column strips copied a program a strip take 6.95 / 11.18 us in 16-row boxes but 6.53 / 6.64 in boxes of 128 rows
-through 4 slots (w4a16_strip_copies.json), hence one box a band here. This form has been compiled for sm_90
-(tests/test_w4_gemv_columns_sass.py) but not yet run on a GPU: its tests (tests/kernels/test_w4_gemv_columns.py) and
-its speed (figures/h200/sweeps/w4a16_gemv_stream.py's "columns" variants) are the next H200 session's. Nothing calls it
-but those: ``w4_gemv_hopper.gemv`` does not route to it.
+through 4 slots (w4a16_strip_copies.json), hence one box a band here. Session 34 ran it (its GPU tests pass):
+
+| us, 4096 x 11008 / 11008 x 4096 / 4096 x 4096 | kernel, 8 warps x 4 slots | its copies alone |
+|---|---:|---:|
+| x's tables read in their own order (w4a16_gemv_columns_boxes.json) | 11.30 / 17.20 / 5.70 | 8.08 / 15.78 / 4.42 |
+| x read in row order, 16 bytes a load (w4a16_gemv_columns_coalesced.json) | 9.67 / 11.64 / 4.88 | 6.06 / 7.71 / 3.04 |
+| zero points read where they are used (w4a16_gemv_columns_direct_z.json) | 9.49 / 10.89 / 4.54 | 6.09 / 7.67 / 2.97 |
+
+(each row's stream kernel, bf16 y: 8.62-8.66 / 9.22-9.27 / 6.29-6.43 with its poll, 8.97-9.06 at 11008 x 4096 with
+its counter; torch's bf16 matmul 24.1-24.7 / 24.7-25.3 / 12.2-12.4). Every program reads all of x, and read in the
+tables' order (a warp's words 2 KB apart) the loads took 3-6 us with the ring full and idle
+(w4a16_gemv_columns_probes.json: the copies alone 5.94 / 9.27 us with the tables built of zeros). Now the copies
+alone are near the strips', but the math does not keep up with them: at 11008 x 4096 a program an SM, 8 warps, has
+about 0.8 us of math a 16 KB band where the copies bring one every 0.6 (8 x 8 slots: 9.86 us); at 4096 x 11008 two
+programs an SM fit (104 KB of shared memory each), so 80 of the 344 wait for a second wave. It wins at 4096 x 4096
+only (4.51-4.54 us against split-K's 5.50), but with Llama-2-7B's o_proj on it (the add form, y added to the
+residual row) the decode was no faster: 650.1-650.3 tok/s against 650.8-651.4 (latency_columns_add.json). So
+``w4_gemv_hopper.gemv`` runs it only for the forms MINILLM_GEMV_COLUMNS names ("plain", "add"; none by default).
 
 What it takes (``unsupported``): one bf16 row, K a multiple of 64, N of 32, group 64 or 128. Not under Triton's
 interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_w4_gemv_columns.py); compiled for sm_90 on
@@ -36,6 +52,8 @@ the CPU by tests/test_w4_gemv_columns_sass.py.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -48,13 +66,41 @@ if GLUON_USABLE:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
-    from minillm.kernels.w4_gemv_hopper_kernel import _fma2, _let_next_start, _wait_for_previous, _word_sum, x_pairs
+    from minillm.kernels.w4_gemv_hopper_kernel import (_fma2, _let_next_start, _wait_for_previous, _word_sum,
+                                                       word_pairs)
 
 COLS = 32  # columns a program: 128-byte rows of packed weights
 BLOCK_ROWS = 8  # packed rows a block (64 inputs): a group of 64, half a group of 128
 WARPS = 8
 STAGES = 4
 RING_BYTES = 128 * 1024  # the most the ring's weights may take of an SM's shared memory
+
+
+def shape_switch(value: str) -> tuple[int, int] | None:
+    """MINILLM_GEMV_COLUMNS_SHAPE ("8x4": warps x ring slots; empty: ``choose_shape``'s) as (warps, stages); a
+    ValueError names what is valid."""
+    if not value.strip():
+        return None
+    try:
+        warps, stages = (int(part) for part in value.lower().split("x"))
+    except ValueError:
+        warps = stages = 0
+    if warps not in (2, 4, 8, 16) or stages not in (1, 2, 4, 8) or stages * 16 * warps * COLS * 4 > RING_BYTES:
+        raise ValueError(f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots (warps 2, 4, 8 or 16; slots 1, 2, 4 or "
+                         f"8; at most {RING_BYTES // 1024} KB of ring, 16 KB a slot at 8 warps), e.g. 8x4; got "
+                         f"{value!r}")
+    return warps, stages
+
+
+# (warps, ring slots) that ``w4_gemv_hopper.gemv`` launches, if set; for sweeps
+SHAPE = shape_switch(os.environ.get("MINILLM_GEMV_COLUMNS_SHAPE", ""))
+
+
+def choose_shape(k: int) -> tuple[int, int]:
+    """(warps, ring slots) for a K-long column: 8 warps, as many slots as bands up to 8 (H200, 4096 x 4096: 8 x 4
+    4.54 us, 8 x 8 4.51; 11008 x 4096: 8 x 4 10.89, 8 x 8 9.86; w4a16_gemv_columns_direct_z.json)."""
+    return WARPS, min(8, triton.next_power_of_2(plan(k, WARPS)["n_bands"]))
+
 
 if GLUON_USABLE:
     _COLS = gl.constexpr(COLS)
@@ -64,42 +110,65 @@ if GLUON_USABLE:
     def _band_tables(XW, K_ROWS, BANDS: gl.constexpr, WARPS_: gl.constexpr):
         """x as the bands want it, in shared memory: pairs[j] [2 BANDS, 4, WARPS, 2] (int32), index i BANDS + band
         holding rows 4 i .. 4 i + 3 of the band's blocks (block 2 w + h at [:, w, h]), pair j of each as
-        ``w4_gemv_hopper_kernel.x_pairs`` makes it; and sums [2 BANDS, WARPS, 2], those rows' sums of x. Rows past
-        K_ROWS are zeros."""
-        tab_l: gl.constexpr = gl.BlockedLayout([1, 4, 1, 1], [16, 1, 1, 2], [1, 1, WARPS_, 1], [3, 2, 1, 0])
-        q = gl.arange(0, 2 * BANDS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, tab_l))))
-        rr = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, tab_l))))
-        w = gl.arange(0, WARPS_, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, tab_l))))
-        h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, tab_l))))
-        block = (q % BANDS)[:, None, None, None] * (2 * WARPS_) + 2 * w[None, None, :, None] + h[None, None, None, :]
-        r = block * 8 + 4 * (q // BANDS)[:, None, None, None] + rr[None, :, None, None]
-        pairs, total, _ = x_pairs(XW, r, r < K_ROWS, K_ROWS, XW, 1.0, False, False, False)
-        sums = _shared(gl.sum(total, axis=1))
-        return (_shared(pairs[0]), _shared(pairs[1]), _shared(pairs[2]), _shared(pairs[3])), sums
+        ``w4_gemv_hopper_kernel.word_pairs`` makes it; and sums [2 BANDS, WARPS, 2], those rows' sums of x. Rows past
+        K_ROWS are zeros. x is read in row order, a packed row's four words (16 bytes) a thread, a warp 512
+        contiguous bytes: each program reads all of x, and read in the tables' order (a warp's words 2 KB apart, one
+        sector each) it took 3-6 us of a 9-15 us kernel, its ring full and idle meanwhile
+        (figures/h200/sweeps/w4a16_gemv_columns_probes.json)."""
+        # x's packed rows as [band, w, h, i, r, word]: row 16 WARPS band + 16 w + 8 h + 4 i + r, its words 4 row ..
+        words_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, 4], [1, 2, 2, 2, 4, 1], [2, WARPS_ // 2, 1, 1, 1, 1],
+                                                 [5, 4, 3, 2, 1, 0])
+        row_l: gl.constexpr = gl.SliceLayout(5, words_l)
+        # (each index's 1-D layout: the other four dimensions sliced away)
+        band = gl.arange(0, BANDS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
+            4, row_l)))))
+        w = gl.arange(0, WARPS_, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
+            4, row_l)))))
+        h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, row_l)))))
+        i = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, row_l)))))
+        rr = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, row_l)))))
+        r = (((band[:, None, None, None, None] * WARPS_ + w[None, :, None, None, None]) * 2
+              + h[None, None, :, None, None]) * 2 + i[None, None, None, :, None]) * 4 + rr[None, None, None, None, :]
+        word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+            3, gl.SliceLayout(4, words_l))))))
+        at = 4 * r[:, :, :, :, :, None] + word[None, None, None, None, None, :]
+        words = gl.load(XW + at, mask=at < 4 * K_ROWS, other=0)
+        even, odd = gl.split(gl.reshape(words, [BANDS, WARPS_, 2, 2, 4, 2, 2]))  # words 0, 2 and 1, 3
+        w0, w2 = gl.split(even)
+        w1, w3 = gl.split(odd)
+        pairs, total = word_pairs(w0, w1, w2, w3)
+        # to the bands' order [i, band, r, w, h] (and [i, band, w, h] for the sums), i BANDS + band leading
+        sums = _shared(gl.permute(gl.sum(total, axis=4), [3, 0, 1, 2]))
+        return (_shared(gl.permute(pairs[0], [3, 0, 4, 1, 2])), _shared(gl.permute(pairs[1], [3, 0, 4, 1, 2])),
+                _shared(gl.permute(pairs[2], [3, 0, 4, 1, 2])), _shared(gl.permute(pairs[3], [3, 0, 4, 1, 2]))), sums
 
     @gluon.jit
     def _shared(values):
-        """values (rank 3 or 4) in a shared-memory buffer of their own, viewed with a layout of one rank less: what
-        .index() leaves."""
-        if len(values.shape) == 4:
-            table = gl.allocate_shared_memory(values.dtype, values.shape,
-                                              gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
-            table.store(values)
-            return reinterpret(table, values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        """values [2, BANDS, ...] (rank 4 or 5) in a shared-memory buffer of their own, seen as [2 BANDS, ...] with a
+        layout of one rank less than that: what .index() leaves."""
+        order: gl.constexpr = [4, 3, 2, 1, 0] if len(values.shape) == 5 else [3, 2, 1, 0]
+        table = gl.allocate_shared_memory(values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, order))
+        table.store(values)
+        if len(values.shape) == 5:
+            return reinterpret(table, values.dtype, [2 * values.shape[1], values.shape[2], values.shape[3],
+                                                     values.shape[4]], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         else:
-            table = gl.allocate_shared_memory(values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-            table.store(values)
-            return reinterpret(table, values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            return reinterpret(table, values.dtype, [2 * values.shape[1], values.shape[2], values.shape[3]],
+                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     @gluon.jit
     def _load_band(band, c, w_desc, s_desc, z_desc, bar, w_slot, s_slot, z_slot, WARPS_: gl.constexpr,
-                   GROUP_BLOCKS: gl.constexpr):
+                   GROUP_BLOCKS: gl.constexpr, SCALES: gl.constexpr = True):
         """Band ``band`` of column tile c onto ``bar``: its 16 WARPS packed rows in one box (16 KB at 8 warps), and
-        its scales and zero points."""
-        mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
+        its scales and zero points (SCALES off: a probe's, the weights only)."""
+        if SCALES:
+            mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(bar, w_desc.block_type.nbytes)
         tma_load(w_desc, [band * (16 * WARPS_), c * _COLS], bar, w_slot)
-        tma_load(s_desc, [band * (2 * WARPS_ // GROUP_BLOCKS), c * _COLS], bar, s_slot)
-        tma_load(z_desc, [band * (2 * WARPS_ // GROUP_BLOCKS), c * (_COLS // 2)], bar, z_slot)
+        if SCALES:
+            tma_load(s_desc, [band * (2 * WARPS_ // GROUP_BLOCKS), c * _COLS], bar, s_slot)
+            tma_load(z_desc, [band * (2 * WARPS_ // GROUP_BLOCKS), c * (_COLS // 2)], bar, z_slot)
 
     @gluon.jit
     def _band_halves(w_slot, band_l: gl.constexpr, WARPS_: gl.constexpr):
@@ -138,22 +207,28 @@ if GLUON_USABLE:
             scale = s_slot.reshape([WARPS_, 2, _COLS]).load(blocks_l).to(gl.float32)
             bytes_l: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 2, 16], [WARPS_, 1, 1], [2, 1, 0])
             z_byte = z_slot.reshape([WARPS_, 2, _COLS // 2]).load(bytes_l).to(gl.int32) & 255
-            z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [WARPS_, 2, _COLS]), blocks_l)
+            z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [WARPS_, 2, _COLS]), blocks_l,
+                                  assert_trivial=True)
         else:  # a group two blocks: a warp's pair (scales [WARPS, 32]), the group's row for both
             group_l: gl.constexpr = gl.SliceLayout(1, blocks_l)
             scale = s_slot.load(group_l).to(gl.float32)[:, None, :]
-            bytes_l: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [WARPS_, 1], [1, 0])
+            # (a group's bytes where its columns' scales are: each half-warp's pair of threads, h = 0 and 1, reads
+            # the same byte, so the nibbles land where they are used, with no exchange through shared memory)
+            bytes_l: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1, 1], [1, 2, 16], [WARPS_, 1, 1],
+                                                                       [2, 1, 0]))
             z_byte = z_slot.load(bytes_l).to(gl.int32) & 255
-            z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [WARPS_, _COLS]), group_l)[:, None, :]
+            z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [WARPS_, _COLS]), group_l,
+                                  assert_trivial=True)[:, None, :]
         return out + part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
     @gluon.jit
     def _w4_gemv_columns_kernel(XW, w_desc, s_desc, z_desc, Y, N, K_ROWS, n_bands, STAGES: gl.constexpr,
                                 BANDS: gl.constexpr, GROUP_BLOCKS: gl.constexpr, PDL: gl.constexpr,
-                                COMPUTE: gl.constexpr = True):
+                                COMPUTE: gl.constexpr = True, ADD: gl.constexpr = False, SCALES: gl.constexpr = True):
         """Program c: y[32 c : 32 c + 32] over all of K, n_bands bands through a ring of STAGES slots (the module
         docstring). BANDS: a power of two at least n_bands; GROUP_BLOCKS: blocks a group (1 or 2). COMPUTE off: a probe
-        (the copies alone; y is wrong)."""
+        (the copies alone; y is wrong), and with it SCALES off (the weights' copies alone). ADD: Y is an fp32 row
+        that y is added to (the program owns its columns: a plain load and store, no atomics)."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = 2 * WARPS_ // GROUP_BLOCKS  # scale rows a band
         c = gl.program_id(0)
@@ -170,7 +245,7 @@ if GLUON_USABLE:
         for first in gl.static_range(STAGES):
             if first < n_bands:
                 _load_band(first, c, w_desc, s_desc, z_desc, landed.index(first), w_smem.index(first),
-                           s_smem.index(first), z_smem.index(first).slice(0, GROUPS), WARPS_, GROUP_BLOCKS)
+                           s_smem.index(first), z_smem.index(first).slice(0, GROUPS), WARPS_, GROUP_BLOCKS, SCALES)
         _let_next_start(PDL)  # (the copies read weights only; x, which the kernel ahead writes, comes after the wait)
         _wait_for_previous(PDL)
         pairs, sums = _band_tables(XW, K_ROWS, BANDS, WARPS_)
@@ -187,9 +262,11 @@ if GLUON_USABLE:
             warps_barrier()  # every warp done with slot s
             if band + STAGES < n_bands:
                 _load_band(band + STAGES, c, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
-                           s_smem.index(s), z_smem.index(s).slice(0, GROUPS), WARPS_, GROUP_BLOCKS)
+                           s_smem.index(s), z_smem.index(s).slice(0, GROUPS), WARPS_, GROUP_BLOCKS, SCALES)
         y = gl.sum(gl.sum(out, axis=1), axis=0)  # the warps' blocks meet (through shared memory)
         n = c * _COLS + gl.arange(0, _COLS, layout=y.type.layout)
+        if ADD:
+            y = y + gl.load(Y + n, mask=n < N, other=0.0)
         gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
 
 
@@ -213,10 +290,14 @@ def plan(k: int, warps: int) -> dict:
 
 def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                     out: torch.Tensor, pdl: bool = True, warps: int = WARPS, stages: int = STAGES,
-                    compute: bool = True) -> None:
+                    compute: bool = True, add: bool = False, probe: tuple[str, ...] = ()) -> None:
     """y = x @ W into ``out`` [1, N] bf16 (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128): a program
     a 32-column tile, ``warps`` warps sharing out K in bands of 128 ``warps`` inputs, ``stages`` bands in flight.
-    ``compute`` off: a probe, the copies alone (y is wrong)."""
+    ``add``: ``out`` is an fp32 row [1, N] and y is added to it. ``compute`` off: a probe, the copies alone (y is
+    wrong), with ``probe`` naming what else to leave out: "scales" (their copies), "tables" (x's loads: its tables
+    are built of zeros)."""
+    if probe and (compute or set(probe) - {"scales", "tables"}):
+        raise ValueError(f"probe leaves out 'scales' or 'tables' from a copies-only run (compute=False), got {probe}")
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     reason = unsupported(k, n, group, x.dtype, x.shape[0])
     if reason:
@@ -227,12 +308,16 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if stages * 16 * warps * COLS * 4 > RING_BYTES:  # (the x tables and the scales need the rest of an SM's 227 KB)
         raise ValueError(f"warps={warps} x stages={stages} would hold {stages * 16 * warps * COLS * 4 // 1024} KB of "
                          f"weights in flight, more than the {RING_BYTES // 1024} KB the ring may take: fewer of either")
-    if out.dtype != torch.bfloat16 or out.shape != (1, n):
-        raise ValueError(f"out must be [1, {n}] bf16, got {list(out.shape)} {out.dtype}")
+    want = torch.float32 if add else torch.bfloat16
+    if out.dtype != want or out.shape != (1, n) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [1, {n}] {want} row{' (add=True: y is added to it)' * add}, got "
+                         f"{list(out.shape)} {out.dtype}")
     numbers = plan(k, warps)
+    x_rows = 0 if "tables" in probe else k // 8  # (the tables' rows of x: none read in that probe)
     _w4_gemv_columns_kernel[(n // COLS,)](x.view(torch.int32), *_descriptors(qweight, scales, zeros, group, warps),
-                                          out, n, k // 8, numbers["n_bands"], STAGES=stages, BANDS=numbers["BANDS"],
-                                          GROUP_BLOCKS=group // 64, PDL=pdl, COMPUTE=compute, num_warps=warps,
+                                          out, n, x_rows, numbers["n_bands"], STAGES=stages, BANDS=numbers["BANDS"],
+                                          GROUP_BLOCKS=group // 64, PDL=pdl, COMPUTE=compute, ADD=add,
+                                          SCALES="scales" not in probe, num_warps=warps,
                                           launch_pdl=pdl)
 
 

@@ -21,6 +21,7 @@ from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON
 from minillm.kernels.flash_attention_tma import TMA_ALIGN
 from minillm.kernels.pdl import supported as pdl_supported
 from minillm.kernels import w4_gemv_hopper_kernel as kernel  # (its kernel exists where GLUON_USABLE)
+from minillm.kernels import w4_gemv_columns as columns
 from minillm.kernels import w4_gemv_stream as stream
 from minillm.kernels.split_k import MAX_TILES, tile_counters
 from minillm.kernels.w4_gemv_hopper_kernel import BLOCK_N, RUN, TILE_ROWS, WARPS
@@ -46,22 +47,30 @@ MIN_PROGRAMS_PER_SM = 2
 STREAM_FORMS = ("plain", "add", "gated", "normed")
 
 
-def stream_forms(switch: str) -> tuple[str, ...]:
-    """MINILLM_GEMV_STREAM's forms: 0 / off / false / no none, 1 / on / true / yes all, empty the default ("plain"),
-    else forms by name, comma-separated; a ValueError names what is valid."""
+def forms_switch(variable: str, switch: str, valid: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
+    """The forms an environment switch (``variable``, e.g. MINILLM_GEMV_STREAM) names: 0 / off / false / no none,
+    1 / on / true / yes all of ``valid``, empty ``default``, else forms by name, comma-separated; a ValueError names
+    what is valid."""
     value = switch.strip().lower()
     if value in ("0", "off", "false", "no"):
         return ()
     if value in ("1", "on", "true", "yes"):
-        return STREAM_FORMS
-    forms = tuple(form.strip() for form in (value or "plain").split(",") if form.strip())
-    if not forms or set(forms) - set(STREAM_FORMS):
-        raise ValueError(f"MINILLM_GEMV_STREAM must be 0, 1 or forms among {', '.join(STREAM_FORMS)}, comma-separated; "
-                         f"got {switch!r}")
+        return valid
+    if not value:
+        return default
+    forms = tuple(form.strip() for form in value.split(",") if form.strip())
+    if not forms or set(forms) - set(valid):
+        raise ValueError(f"{variable} must be 0, 1 or forms among {', '.join(valid)}, comma-separated; got {switch!r}")
     return forms
 
 
-STREAM = stream_forms(os.environ.get("MINILLM_GEMV_STREAM", "plain"))
+STREAM = forms_switch("MINILLM_GEMV_STREAM", os.environ.get("MINILLM_GEMV_STREAM", ""), STREAM_FORMS, ("plain",))
+# The forms that run the column kernel (w4_gemv_columns.py: no split of K, so no fix-up) where it takes them, ahead of
+# the stream kernel; MINILLM_GEMV_COLUMNS as MINILLM_GEMV_STREAM, none by default (not yet faster in the decode graph;
+# alone at 4096 x 4096 it takes 4.51-4.54 us against split-K's 5.50, but 9.49 and 9.86 at 4096 x 11008 and
+# 11008 x 4096 against the stream kernel's 8.62 and 8.97: figures/h200/sweeps/w4a16_gemv_columns_direct_z.json).
+COLUMNS_FORMS = ("plain", "add")
+COLUMNS = forms_switch("MINILLM_GEMV_COLUMNS", os.environ.get("MINILLM_GEMV_COLUMNS", ""), COLUMNS_FORMS, ())
 
 
 def stream_takes(k: int, n: int, form: str) -> bool:
@@ -181,9 +190,15 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
     where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run. A form runs the stream-K
     kernel instead (``w4_gemv_stream.py``) where it takes it if ``stream_takes`` says so (the plain form only where
-    ``poll_pays``)."""
+    ``poll_pays``), and the forms COLUMNS names the column kernel (``w4_gemv_columns.py``) ahead of either."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     form = "gated" if gated else "normed" if norm is not None else "add" if add else "plain"
+    if form in COLUMNS and out.dtype == (torch.float32 if add else torch.bfloat16) and not columns.unsupported(
+            k, n, group, x.dtype, x.shape[0]):
+        warps, stages = columns.SHAPE or columns.choose_shape(k)
+        columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, pdl=pdl_supported(x.device), warps=warps,
+                                stages=stages, add=add)
+        return
     sms = num_sms(x.device)
     if out.dtype == (torch.float32 if add else torch.bfloat16) and stream_takes(k, n, form) and not stream.unsupported(
             k, n, group, x.dtype, x.shape[0], add, gated, norm is not None, rms is not None) and (

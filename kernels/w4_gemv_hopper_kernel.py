@@ -147,12 +147,19 @@ if GLUON_USABLE:
             w2 = _x_words(XW, 4 * r + 2, ok, 4 * K_ROWS, inv, GATED, SCALED)
             w3 = _x_words(XW, 4 * r + 3, ok, 4 * K_ROWS, inv, GATED, SCALED)
             squares = 0.0
+        pairs, total = word_pairs(w0, w1, w2, w3)
+        return pairs, total, squares
+
+    @gluon.jit
+    def word_pairs(w0, w1, w2, w3):
+        """A packed row's four int32 words of x (inputs 8r .. 8r + 7, two bf16 a word) as the four pairs the products
+        want (``_x_tables``), and the row's sum of x."""
         # Nibble pair j of a packed int32 is (q_j, q_j+4) at 2**-133, or 16 times that for odd j: see _tile_sum.
         pairs = (_fma2(_prmt(w0, w2, 0x5410), 0x72007200, 0), _fma2(_prmt(w0, w2, 0x7632), 0x70007000, 0),
                  _fma2(_prmt(w1, w3, 0x5410), 0x72007200, 0), _fma2(_prmt(w1, w3, 0x7632), 0x70007000, 0))
         # Exact: a bf16 is an fp32 with its low 16 bits zero.
         total = _word_sum(w0) + _word_sum(w1) + _word_sum(w2) + _word_sum(w3)
-        return pairs, total, squares
+        return pairs, total
 
     @gluon.jit
     def _x_words(XW, word, ok, UP_WORDS, inv, GATED: gl.constexpr, SCALED: gl.constexpr):

@@ -2,7 +2,7 @@
 groups it takes (Gluon has no interpreter; its numbers are tested on an H200, tests/kernels/test_w4_gemv_columns.py).
 
 What is checked: a band is three TMA copies (its weights in one box, its scales, its zero points), issued slot by slot
-at the ring's first fill and once more at each refill; the HFMA2 body covers every packed word a thread holds of a
+at the ring's first fill and once more at each refill; x is read in 16-byte loads; the HFMA2 body covers every packed word a thread holds of a
 band; no spills, no stack, and shared memory within an SM's. (That parting a band's halves in registers moves no
 data is the kernel's own check: its ``convert_layout(assert_trivial=True)`` would not compile otherwise.)"""
 
@@ -26,10 +26,11 @@ SCRIPT = textwrap.dedent('''
         types = {"XW": "*i32", "w_desc": f"tensordesc<i32[{16 * warps},{wc.COLS}],{layout(32)!r}>",
                  "s_desc": f"tensordesc<bf16[{groups},{wc.COLS}],{layout(16)!r}>",
                  "z_desc": f"tensordesc<i8[{groups},{wc.COLS // 2}],{layout(8)!r}>", "Y": "*bf16"}
-        consts = dict(STAGES=stages, BANDS=16, GROUP_BLOCKS=group_blocks, PDL=True, COMPUTE=True)
+        consts = dict(STAGES=stages, BANDS=16, GROUP_BLOCKS=group_blocks, PDL=True, COMPUTE=True, ADD=False,
+                      SCALES=True)
         fn = wc._w4_gemv_columns_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
-        span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=warps))
+        span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=warps, aligned=("XW",)))
         return dict(span, opcodes=dict(span["opcodes"]))
 
     print(json.dumps({f"{w}x{s} g{64 * g}": counts(w, s, g) for w, s, g in ((8, 4, 2), (8, 2, 1), (4, 8, 2),
@@ -53,5 +54,8 @@ def test_copies_body_and_resources(compiled, case):
     packed_a_thread = 16 * warps * wc.COLS // (32 * warps)  # int32s of 8 weights a band
     assert ops.get("HFMA2", 0) >= 4 * packed_a_thread, ops
     assert not any(op.startswith(("LDL", "STL")) for op in kernel["memory_opcodes"]), kernel["memory_opcodes"]
+    # x read in row order, 16 bytes a load: 16 bands of 16 ``warps`` packed rows over 32 ``warps`` threads
+    global_loads = {op: count for op, count in kernel["memory_opcodes"].items() if op.startswith("LDG")}
+    assert global_loads == {"LDG.E.128": 16 * 16 // 32}, kernel["memory_opcodes"]
     assert kernel["stack"] == 0, kernel
     assert kernel["shared_bytes"] <= 227 * 1024, kernel["shared_bytes"]

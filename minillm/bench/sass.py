@@ -192,17 +192,20 @@ def wgmma_loops(kernel) -> list[dict]:
     return loops
 
 
-def compile_gluon_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int, maxnreg: int | None = None):
-    """``compile_sm90`` for a @gluon.jit kernel (layouts are explicit: no stages, no alignment hints). A tensor
-    descriptor's type is "tensordesc<bf16[64,128],NVMMASharedLayout(...)>": dtype, block shape, layout repr.
-    ``maxnreg``: registers per thread at launch, as the kernel's launch passes it."""
+def compile_gluon_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int, maxnreg: int | None = None,
+                       aligned: tuple[str, ...] = ()):
+    """``compile_sm90`` for a @gluon.jit kernel (layouts are explicit: no stages). A tensor descriptor's type is
+    "tensordesc<bf16[64,128],NVMMASharedLayout(...)>": dtype, block shape, layout repr. ``maxnreg``: registers per
+    thread at launch, as the kernel's launch passes it. ``aligned``: pointer arguments known 16-byte aligned, as
+    Triton's launcher finds torch's allocations (what lets loads be vectorized)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 is set: unset it before importing triton to compile SASS")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps,
                                                                                "maxnreg": maxnreg})
 

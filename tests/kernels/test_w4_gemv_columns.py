@@ -85,6 +85,19 @@ def test_column_gemv_matches_ref_and_repeats_its_bits(k, n, group, warps, stages
 
 
 @needs_sm90
+@pytest.mark.parametrize("k,n,group,warps,stages", [CASES[0], CASES[3], CASES[5]])
+def test_column_gemv_adds_y_to_an_fp32_row(k, n, group, warps, stages):
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + 7)
+    row = torch.randn(1, n, dtype=torch.float32, device=x.device)
+    want = row + w4a16_matmul_ref(x, qweight, scales, zeros, group).float()
+    out = row.clone()
+    columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, warps=warps, stages=stages, add=True)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    with pytest.raises(ValueError, match="float32 row"):
+        columns.w4_gemv_columns(x, qweight, scales, zeros, group, poisoned((1, n), torch.bfloat16), add=True)
+
+
+@needs_sm90
 def test_column_gemv_passes_nans_through():
     x, qweight, scales, zeros, _, _ = int4_problem(1, 4096, 1024, 128, torch.bfloat16, seed=5)
     x[0, 3000] = float("nan")
@@ -104,3 +117,53 @@ def test_column_gemv_replays_in_a_cuda_graph():
         columns.w4_gemv_columns(x, qweight, scales, zeros, 128, out)
         return out
     assert_replays_in_a_graph(run, x, qweight, scales, zeros, 128)
+
+
+@pytest.mark.parametrize("value,forms", [("", ()), ("0", ()), ("add", ("add",)), ("1", ("plain", "add")),
+                                         ("plain, add", ("plain", "add")), ("gated", None)])
+def test_the_routing_switch_takes_the_forms_the_kernel_has(value, forms):
+    """MINILLM_GEMV_COLUMNS: forms by name among the two this kernel computes (plain and add); none by default."""
+    from minillm.kernels import w4_gemv_hopper as hopper
+    if forms is None:
+        with pytest.raises(ValueError, match="MINILLM_GEMV_COLUMNS must be 0, 1 or forms among plain, add, comma"):
+            hopper.forms_switch("MINILLM_GEMV_COLUMNS", value, hopper.COLUMNS_FORMS, ())
+    else:
+        assert hopper.forms_switch("MINILLM_GEMV_COLUMNS", value, hopper.COLUMNS_FORMS, ()) == forms
+
+
+@pytest.mark.parametrize("value,shape", [("", None), ("8x4", (8, 4)), (" 16X4 ", (16, 4)), ("8x16", "8x16"),
+                                         ("16x8", "16x8"), ("3x2", "3x2"), ("eight", "eight")])
+def test_the_shape_switch_takes_warps_by_slots_that_fit(value, shape):
+    if isinstance(shape, str):
+        with pytest.raises(ValueError, match=f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots.*got {value!r}"):
+            columns.shape_switch(value)
+    else:
+        assert columns.shape_switch(value) == shape
+
+
+@pytest.mark.parametrize("k,slots", [(1024, 1), (4096, 4), (8192, 8), (11008, 8)])
+def test_the_chosen_ring_holds_a_columns_bands_up_to_eight(k, slots):
+    assert columns.choose_shape(k) == (8, slots)
+
+
+@needs_sm90
+@pytest.mark.parametrize("form", ["plain", "add"])
+def test_gemv_runs_the_forms_the_switch_names_on_the_column_kernel(monkeypatch, form):
+    """``w4_gemv_hopper.gemv`` with COLUMNS naming the form: the column kernel's bits (it is called, and the answer is
+    what it gives alone); with COLUMNS empty, the same answer within rounding from the other kernels."""
+    from minillm.kernels import w4_gemv_hopper as hopper
+    k, n = 4096, 4096
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=21)
+    dtype = torch.float32 if form == "add" else torch.bfloat16
+    start = torch.randn(1, n, device=x.device) if form == "add" else None
+    answers = {}
+    for routed in (True, False):
+        monkeypatch.setattr(hopper, "COLUMNS", (form,) if routed else ())
+        out = start.clone() if form == "add" else poisoned((1, n), dtype)
+        hopper.gemv(x, qweight, scales, zeros, 128, out, add=form == "add")
+        answers[routed] = out
+    alone = start.clone() if form == "add" else poisoned((1, n), dtype)
+    columns.w4_gemv_columns(x, qweight, scales, zeros, 128, alone, warps=8, stages=4, add=form == "add")
+    assert torch.equal(answers[True], alone)
+    scale = answers[False].abs().max().item()
+    torch.testing.assert_close(answers[True], answers[False], rtol=0, atol=2e-2 * scale)

@@ -217,10 +217,11 @@ def test_the_switch_names_forms_and_refuses_others(value, forms):
     what is valid."""
     from minillm.kernels import w4_gemv_hopper as hopper
     if forms is None:
-        with pytest.raises(ValueError, match="must be 0, 1 or forms among plain, add, gated, normed"):
-            hopper.stream_forms(value)
+        with pytest.raises(ValueError, match="MINILLM_GEMV_STREAM must be 0, 1 or forms among plain, add, gated, "
+                                             "normed"):
+            hopper.forms_switch("MINILLM_GEMV_STREAM", value, hopper.STREAM_FORMS, ("plain",))
     else:
-        assert hopper.stream_forms(value) == forms
+        assert hopper.forms_switch("MINILLM_GEMV_STREAM", value, hopper.STREAM_FORMS, ("plain",)) == forms
 
 
 def test_a_bad_switch_stops_the_import_with_the_reason():

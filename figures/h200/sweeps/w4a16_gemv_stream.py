@@ -54,8 +54,23 @@ ALL_VARIANTS = {
     "columns w4 s2": dict(columns=True, warps=4, stages=2),
     "columns w4 s4": dict(columns=True, warps=4, stages=4),
     "columns w16 s2": dict(columns=True, warps=16, stages=2),
+    "columns w16 s4": dict(columns=True, warps=16, stages=4),
+    "columns w16 s4 add": dict(columns=True, warps=16, stages=4, add=True),
+    "columns w8 s8 add": dict(columns=True, warps=8, stages=8, add=True),
     "columns w8 s8": dict(columns=True, warps=8, stages=8),
+    "columns w8 s4 add": dict(columns=True, warps=8, stages=4, add=True),
+    "columns w8 s2 add": dict(columns=True, warps=8, stages=2, add=True),
+    "columns w4 s4 add": dict(columns=True, warps=4, stages=4, add=True),
+    "columns w8 s4 no pdl": dict(columns=True, warps=8, stages=4, pdl=False),
+    "columns w8 s8 no pdl": dict(columns=True, warps=8, stages=8, pdl=False),
     "probe columns w8 s4 copies only": dict(columns=True, warps=8, stages=4, compute=False),
+    "probe columns w8 s4 copies only no pdl": dict(columns=True, warps=8, stages=4, compute=False, pdl=False),
+    "probe columns w8 s4 weights only": dict(columns=True, warps=8, stages=4, compute=False, probe=("scales",)),
+    "probe columns w8 s4 copies only no tables": dict(columns=True, warps=8, stages=4, compute=False,
+                                                      probe=("tables",)),
+    "probe columns w8 s4 weights only no tables no pdl": dict(columns=True, warps=8, stages=4, compute=False,
+                                                              probe=("scales", "tables"), pdl=False),
+    "probe columns w16 s4 copies only": dict(columns=True, warps=16, stages=4, compute=False),
     "probe columns w8 s8 copies only": dict(columns=True, warps=8, stages=8, compute=False),
     "probe columns w4 s8 copies only": dict(columns=True, warps=4, stages=8, compute=False),
 }
@@ -77,7 +92,8 @@ def run_variant(x, w, group, out, partials, counters, kw):
     """One call of a variant: the column kernel's (``columns``) or the stream kernel's."""
     if kw.get("columns"):
         w4_gemv_columns.w4_gemv_columns(x, *w, group, out, warps=kw["warps"], stages=kw["stages"],
-                                        compute=kw.get("compute", True))
+                                        compute=kw.get("compute", True), add=kw.get("add", False),
+                                        pdl=kw.get("pdl", True), probe=kw.get("probe", ()))
     else:
         w4_gemv_stream.w4_gemv_stream(x, *w, group, out, partials, counters, **kw)
 
