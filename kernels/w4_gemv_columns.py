@@ -12,12 +12,12 @@ gives 344 programs at N = 11008 and 128 at N = 4096, enough to fill the H200's 1
 tiles give 43 and 16.
 
 The work: a program takes column tile c (32 columns: 128-byte rows of packed weights) and all of K in bands of
-16 WARPS packed rows (128 WARPS inputs), STAGES bands in flight, a band one TMA copy of [16 WARPS, 32] (16 KB at 8
-warps). A band is 2 WARPS blocks of 8 packed rows (64 inputs: a group of 64, half a group of 128); warp w computes
-blocks 2w and 2w + 1, a half-warp each, two columns a thread, with the split-K kernel's HFMA2 body
-(``w4_gemv_hopper_kernel``'s docstring): rows r and r + 4 of a block share their 16-bit sums (RUN = 2). A thread
+8 H WARPS packed rows (64 H WARPS inputs), STAGES bands in flight, a band one TMA copy of [8 H WARPS, 32] (32 KB at 8
+warps and H = 4). A band is H WARPS blocks of 8 packed rows (64 inputs: a group of 64, half a group of 128); warp w
+computes blocks H w .. H w + H - 1, a half-warp H / 2 of them, two columns a thread, with the split-K kernel's HFMA2
+body (``w4_gemv_hopper_kernel``'s docstring): rows r and r + 4 of a block share their 16-bit sums (RUN = 2). A thread
 reads its rows of both halves of its blocks from the landed band in one load, the band's rows seen as [r, w, h,
-column, i] (band row 16 w + 8 h + 4 i + r), and ``split`` parts the halves in its registers. Each thread keeps its
+column, i] (band row 8 H w + 8 h + 4 i + r), and ``split`` parts the halves in its registers. Each thread keeps its
 blocks' sums, scaled per group, until the last band; then one sum over the program's threads (in shared memory)
 makes its 32 columns of y.
 
@@ -29,7 +29,7 @@ of rows r and r + 4 were alike. It was slower where it was meant to win: 11.63 /
 32-column strips copied a program a strip take 6.95 / 11.18 us in 16-row boxes but 6.53 / 6.64 in boxes of 128 rows
 through 4 slots (w4a16_strip_copies.json), hence one box a band here. Session 34 ran it (its GPU tests pass):
 
-| us, 4096 x 11008 / 11008 x 4096 / 4096 x 4096 | kernel, 8 warps x 4 slots | its copies alone |
+| us, 4096 x 11008 / 11008 x 4096 / 4096 x 4096 | kernel, 8 warps x 4 slots, H = 2 | its copies alone |
 |---|---:|---:|
 | x's tables read in their own order (w4a16_gemv_columns_boxes.json) | 11.30 / 17.20 / 5.70 | 8.08 / 15.78 / 4.42 |
 | x read in row order, 16 bytes a load (w4a16_gemv_columns_coalesced.json) | 9.67 / 11.64 / 4.88 | 6.06 / 7.71 / 3.04 |
@@ -41,9 +41,12 @@ tables' order (a warp's words 2 KB apart) the loads took 3-6 us with the ring fu
 (w4a16_gemv_columns_probes.json: the copies alone 5.94 / 9.27 us with the tables built of zeros). Now the copies
 alone are near the strips', but the math does not keep up with them: at 11008 x 4096 a program an SM, 8 warps, has
 about 0.8 us of math a 16 KB band where the copies bring one every 0.6 (8 x 8 slots: 9.86 us); at 4096 x 11008 two
-programs an SM fit (104 KB of shared memory each), so 80 of the 344 wait for a second wave. It wins at 4096 x 4096
-only (4.51-4.54 us against split-K's 5.50), but with Llama-2-7B's o_proj on it (the add form, y added to the
-residual row) the decode was no faster: 650.1-650.3 tok/s against 650.8-651.4 (latency_columns_add.json). So
+programs an SM fit (104 KB of shared memory each), so 80 of the 344 wait for a second wave. Four blocks a warp a
+band (H = 4: twice a thread's words a band, half the bands' barriers and copies) helped a little, on a slower
+machine: 9.43 / 9.81 / 4.44 us against H = 2's best 9.78 / 10.00 / 4.58, the stream kernel 8.94 poll / 9.20 counter
+(w4a16_gemv_columns_blocks.json; 2.67x and 2.56x torch, where issue 6 asks 3x). It wins at 4096 x 4096 only
+(4.44-4.54 us against split-K's 5.50-5.64), but with Llama-2-7B's o_proj on it (the add form, y added to the
+residual row; H = 2) the decode was no faster: 650.1-650.3 tok/s against 650.8-651.4 (latency_columns_add.json). So
 ``w4_gemv_hopper.gemv`` runs it only for the forms MINILLM_GEMV_COLUMNS names ("plain", "add"; none by default).
 
 What it takes (``unsupported``): one bf16 row, K a multiple of 64, N of 32, group 64 or 128. Not under Triton's
@@ -73,33 +76,35 @@ COLS = 32  # columns a program: 128-byte rows of packed weights
 BLOCK_ROWS = 8  # packed rows a block (64 inputs): a group of 64, half a group of 128
 WARPS = 8
 STAGES = 4
+BLOCKS = 2  # blocks a warp computes of each band
 RING_BYTES = 128 * 1024  # the most the ring's weights may take of an SM's shared memory
 
 
-def shape_switch(value: str) -> tuple[int, int] | None:
-    """MINILLM_GEMV_COLUMNS_SHAPE ("8x4": warps x ring slots; empty: ``choose_shape``'s) as (warps, stages); a
-    ValueError names what is valid."""
+def shape_switch(value: str) -> tuple[int, int, int] | None:
+    """MINILLM_GEMV_COLUMNS_SHAPE ("8x4x2": warps x ring slots x blocks a warp; empty: ``choose_shape``'s) as
+    (warps, stages, blocks); a ValueError names what is valid."""
     if not value.strip():
         return None
     try:
-        warps, stages = (int(part) for part in value.lower().split("x"))
+        warps, stages, blocks = (int(part) for part in value.lower().split("x"))
     except ValueError:
-        warps = stages = 0
-    if warps not in (2, 4, 8, 16) or stages not in (1, 2, 4, 8) or stages * 16 * warps * COLS * 4 > RING_BYTES:
-        raise ValueError(f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots (warps 2, 4, 8 or 16; slots 1, 2, 4 or "
-                         f"8; at most {RING_BYTES // 1024} KB of ring, 16 KB a slot at 8 warps), e.g. 8x4; got "
+        warps = stages = blocks = 0
+    reason = shape_unsupported(warps, stages, blocks)
+    if reason:
+        raise ValueError(f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots x blocks, e.g. 8x4x2 ({reason}); got "
                          f"{value!r}")
-    return warps, stages
+    return warps, stages, blocks
 
 
-# (warps, ring slots) that ``w4_gemv_hopper.gemv`` launches, if set; for sweeps
+# (warps, ring slots, blocks a warp) that ``w4_gemv_hopper.gemv`` launches, if set; for sweeps
 SHAPE = shape_switch(os.environ.get("MINILLM_GEMV_COLUMNS_SHAPE", ""))
 
 
-def choose_shape(k: int) -> tuple[int, int]:
-    """(warps, ring slots) for a K-long column: 8 warps, as many slots as bands up to 8 (H200, 4096 x 4096: 8 x 4
-    4.54 us, 8 x 8 4.51; 11008 x 4096: 8 x 4 10.89, 8 x 8 9.86; w4a16_gemv_columns_direct_z.json)."""
-    return WARPS, min(8, triton.next_power_of_2(plan(k, WARPS)["n_bands"]))
+def choose_shape(k: int) -> tuple[int, int, int]:
+    """(warps, ring slots, blocks a warp) for a K-long column: 8 warps, 4 blocks a warp (32 KB bands), as many slots
+    as bands up to 4 (128 KB). H200: 4096 x 11008 8 x 2 x 4 9.43 us (8 x 4 x 2 9.78); 11008 x 4096 8 x 4 x 4 9.81
+    (8 x 8 x 2 10.00); 4096 x 4096 8 x 4 x 4 4.44, 8 x 2 x 4 4.53 (8 x 4 x 2 4.78): w4a16_gemv_columns_blocks.json."""
+    return WARPS, min(4, triton.next_power_of_2(plan(k, WARPS, 4)["n_bands"])), 4
 
 
 if GLUON_USABLE:
@@ -107,33 +112,35 @@ if GLUON_USABLE:
     _TWO_POW_32 = gl.constexpr(4294967296.0)
 
     @gluon.jit
-    def _band_tables(XW, K_ROWS, BANDS: gl.constexpr, WARPS_: gl.constexpr):
-        """x as the bands want it, in shared memory: pairs[j] [2 BANDS, 4, WARPS, 2] (int32), index i BANDS + band
-        holding rows 4 i .. 4 i + 3 of the band's blocks (block 2 w + h at [:, w, h]), pair j of each as
-        ``w4_gemv_hopper_kernel.word_pairs`` makes it; and sums [2 BANDS, WARPS, 2], those rows' sums of x. Rows past
+    def _band_tables(XW, K_ROWS, BANDS: gl.constexpr, WARPS_: gl.constexpr, H: gl.constexpr):
+        """x as the bands want it, in shared memory: pairs[j] [2 BANDS, 4, WARPS, H] (int32), index i BANDS + band
+        holding rows 4 i .. 4 i + 3 of the band's blocks (block H w + h at [:, w, h]), pair j of each as
+        ``w4_gemv_hopper_kernel.word_pairs`` makes it; and sums [2 BANDS, WARPS, H], those rows' sums of x. Rows past
         K_ROWS are zeros. x is read in row order, a packed row's four words (16 bytes) a thread, a warp 512
         contiguous bytes: each program reads all of x, and read in the tables' order (a warp's words 2 KB apart, one
         sector each) it took 3-6 us of a 9-15 us kernel, its ring full and idle meanwhile
         (figures/h200/sweeps/w4a16_gemv_columns_probes.json)."""
-        # x's packed rows as [band, w, h, i, r, word]: row 16 WARPS band + 16 w + 8 h + 4 i + r, its words 4 row ..
-        words_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, 4], [1, 2, 2, 2, 4, 1], [2, WARPS_ // 2, 1, 1, 1, 1],
-                                                 [5, 4, 3, 2, 1, 0])
+        # x's packed rows as [band, w, h, i, r, word]: row 8 H WARPS band + 8 H w + 8 h + 4 i + r, its words 4 row ..;
+        # a warp's 32 threads take 32 consecutive rows (H = 2: of two warps' blocks; H = 4: of one warp's)
+        TW: gl.constexpr = 4 // H
+        words_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, 4], [1, TW, H, 2, 4, 1],
+                                                 [TW, WARPS_ // TW, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0])
         row_l: gl.constexpr = gl.SliceLayout(5, words_l)
         # (each index's 1-D layout: the other four dimensions sliced away)
         band = gl.arange(0, BANDS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
             4, row_l)))))
         w = gl.arange(0, WARPS_, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
             4, row_l)))))
-        h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, row_l)))))
+        h = gl.arange(0, H, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, row_l)))))
         i = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, row_l)))))
         rr = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, row_l)))))
-        r = (((band[:, None, None, None, None] * WARPS_ + w[None, :, None, None, None]) * 2
+        r = (((band[:, None, None, None, None] * WARPS_ + w[None, :, None, None, None]) * H
               + h[None, None, :, None, None]) * 2 + i[None, None, None, :, None]) * 4 + rr[None, None, None, None, :]
         word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
             3, gl.SliceLayout(4, words_l))))))
         at = 4 * r[:, :, :, :, :, None] + word[None, None, None, None, None, :]
         words = gl.load(XW + at, mask=at < 4 * K_ROWS, other=0)
-        even, odd = gl.split(gl.reshape(words, [BANDS, WARPS_, 2, 2, 4, 2, 2]))  # words 0, 2 and 1, 3
+        even, odd = gl.split(gl.reshape(words, [BANDS, WARPS_, H, 2, 4, 2, 2]))  # words 0, 2 and 1, 3
         w0, w2 = gl.split(even)
         w1, w3 = gl.split(odd)
         pairs, total = word_pairs(w0, w1, w2, w3)
@@ -157,42 +164,51 @@ if GLUON_USABLE:
                                gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     @gluon.jit
-    def _load_band(band, c, w_desc, s_desc, z_desc, bar, w_slot, s_slot, z_slot, WARPS_: gl.constexpr,
-                   GROUP_BLOCKS: gl.constexpr, SCALES: gl.constexpr = True):
-        """Band ``band`` of column tile c onto ``bar``: its 16 WARPS packed rows in one box (16 KB at 8 warps), and
-        its scales and zero points (SCALES off: a probe's, the weights only)."""
+    def _load_band(band, c, w_desc, s_desc, z_desc, bar, w_slot, s_slot, z_slot, SCALES: gl.constexpr = True):
+        """Band ``band`` of column tile c onto ``bar``: its packed rows in one box (8 H WARPS rows: 16 KB at 8 warps
+        and H = 2), and its scales and zero points (SCALES off: a probe's, the weights only)."""
+        ROWS: gl.constexpr = w_desc.block_type.shape[0]
+        GROUPS: gl.constexpr = s_desc.block_type.shape[0]
         if SCALES:
             mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
         else:
             mbarrier.expect(bar, w_desc.block_type.nbytes)
-        tma_load(w_desc, [band * (16 * WARPS_), c * _COLS], bar, w_slot)
+        tma_load(w_desc, [band * ROWS, c * _COLS], bar, w_slot)
         if SCALES:
-            tma_load(s_desc, [band * (2 * WARPS_ // GROUP_BLOCKS), c * _COLS], bar, s_slot)
-            tma_load(z_desc, [band * (2 * WARPS_ // GROUP_BLOCKS), c * (_COLS // 2)], bar, z_slot)
+            tma_load(s_desc, [band * GROUPS, c * _COLS], bar, s_slot)
+            tma_load(z_desc, [band * GROUPS, c * (_COLS // 2)], bar, z_slot)
 
     @gluon.jit
-    def _band_halves(w_slot, band_l: gl.constexpr, WARPS_: gl.constexpr):
-        """A landed band's rows 0-3 and 4-7 of every block, each [4, WARPS, 2, 32] in band_l: row 4 i + r of block
-        2 w + h at [r, w, h] of half i. The box's rows are row-major [w, h, i, r] (band row 16 w + 8 h + 4 i + r),
+    def _band_halves(w_slot, band_l: gl.constexpr, WARPS_: gl.constexpr, H: gl.constexpr):
+        """A landed band's rows 0-3 and 4-7 of every block, each [4, WARPS, H, 32] in band_l: row 4 i + r of block
+        H w + h at [r, w, h] of half i. The box's rows are row-major [w, h, i, r] (band row 8 H w + 8 h + 4 i + r),
         read here as [r, w, h, column, i], so that a thread holds both halves of its rows and split parts them."""
         rows_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 0, 4, 2, 1])
-        rows = reinterpret(w_slot, gl.int32, [4, WARPS_, 2, _COLS, 2], rows_l)
-        both_l: gl.constexpr = gl.BlockedLayout([4, 1, 1, 2, 2], [1, 1, 2, 16, 1], [1, WARPS_, 1, 1, 1],
+        rows = reinterpret(w_slot, gl.int32, [4, WARPS_, H, _COLS, 2], rows_l)
+        both_l: gl.constexpr = gl.BlockedLayout([4, 1, H // 2, 2, 2], [1, 1, 2, 16, 1], [1, WARPS_, 1, 1, 1],
                                                 [4, 3, 2, 1, 0])
         low, high = gl.split(rows.load(both_l))
         return gl.convert_layout(low, band_l, assert_trivial=True), gl.convert_layout(high, band_l, assert_trivial=True)
 
     @gluon.jit
+    def _group_rows(values, wide_l: gl.constexpr, blocks_l: gl.constexpr):
+        """A band's per-group values [WARPS, H / 2, 32] (groups of two blocks, in SliceLayout(2, wide_l)) as per-block
+        [WARPS, H, 32] in blocks_l: block H w + h takes group row (H w + h) // 2."""
+        WARPS_: gl.constexpr = values.shape[0]
+        wide = values[:, :, None, :] + gl.zeros([WARPS_, values.shape[1], 2, _COLS], values.dtype, layout=wide_l)
+        return gl.convert_layout(gl.reshape(wide, [WARPS_, 2 * values.shape[1], _COLS]), blocks_l, assert_trivial=True)
+
+    @gluon.jit
     def _add_band(out, w_slot, s_slot, z_slot, pairs, sums, band, BANDS: gl.constexpr, band_l: gl.constexpr,
-                  GROUP_BLOCKS: gl.constexpr):
-        """out ([WARPS, 2, 32] fp32: a block's column sums so far, each thread its own) plus a landed band's
+                  GROUP_BLOCKS: gl.constexpr, H: gl.constexpr):
+        """out ([WARPS, H, 32] fp32: a block's column sums so far, each thread its own) plus a landed band's
         products with x, scaled and less the zero points' share: sum_k x (q - z) s = (2**32 s) sum x q 2**-32 -
         (z s) sum x, per block (both blocks of a group of 128 take its scale and zero point)."""
         WARPS_: gl.constexpr = gl.num_warps()
         x_l: gl.constexpr = gl.SliceLayout(3, band_l)
         blocks_l: gl.constexpr = gl.SliceLayout(0, band_l)
-        acc2 = gl.zeros([4, WARPS_, 2, _COLS], gl.int32, layout=band_l)  # +0.0 in both halves
-        halves = _band_halves(w_slot, band_l, WARPS_)
+        acc2 = gl.zeros([4, WARPS_, H, _COLS], gl.int32, layout=band_l)  # +0.0 in both halves
+        halves = _band_halves(w_slot, band_l, WARPS_, H)
         for i in gl.static_range(2):  # rows 0-3, then 4-7, of every block: row r's sums shared with row r + 4
             packed = halves[i]
             shifted = packed >> 8  # nibbles 2, 3, 6, 7 to where 0, 1, 4, 5 were
@@ -200,40 +216,51 @@ if GLUON_USABLE:
                 x_j = pairs[j].index(i * BANDS + band).load(x_l)[:, :, :, None]
                 src = packed if j < 2 else shifted
                 acc2 = _fma2(gl.broadcast(x_j, acc2)[0], src & (0x000F000F if j % 2 == 0 else 0x00F000F0), acc2)
-        part = gl.sum(_word_sum(acc2), axis=0)  # [WARPS, 2, 32]: sum x q 2**-32 per block and column
+        part = gl.sum(_word_sum(acc2), axis=0)  # [WARPS, H, 32]: sum x q 2**-32 per block and column
         sums_l: gl.constexpr = gl.SliceLayout(2, blocks_l)
         x_sum = (sums.index(band).load(sums_l) + sums.index(BANDS + band).load(sums_l))[:, :, None]
-        if GROUP_BLOCKS == 1:  # a group a block: scales [2 WARPS, 32] seen as [WARPS, 2, 32]
-            scale = s_slot.reshape([WARPS_, 2, _COLS]).load(blocks_l).to(gl.float32)
-            bytes_l: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 2, 16], [WARPS_, 1, 1], [2, 1, 0])
-            z_byte = z_slot.reshape([WARPS_, 2, _COLS // 2]).load(bytes_l).to(gl.int32) & 255
-            z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [WARPS_, 2, _COLS]), blocks_l,
+        # (zero points read where they are used, in bytes whose nibbles ``join`` parts in registers: no exchange
+        # through shared memory)
+        if GROUP_BLOCKS == 1:  # a group a block: scales [H WARPS, 32] seen as [WARPS, H, 32]
+            scale = s_slot.reshape([WARPS_, H, _COLS]).load(blocks_l).to(gl.float32)
+            bytes_l: gl.constexpr = gl.BlockedLayout([1, H // 2, 1], [1, 2, 16], [WARPS_, 1, 1], [2, 1, 0])
+            z_byte = z_slot.reshape([WARPS_, H, _COLS // 2]).load(bytes_l).to(gl.int32) & 255
+            z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [WARPS_, H, _COLS]), blocks_l,
                                   assert_trivial=True)
-        else:  # a group two blocks: a warp's pair (scales [WARPS, 32]), the group's row for both
-            group_l: gl.constexpr = gl.SliceLayout(1, blocks_l)
-            scale = s_slot.load(group_l).to(gl.float32)[:, None, :]
-            # (a group's bytes where its columns' scales are: each half-warp's pair of threads, h = 0 and 1, reads
-            # the same byte, so the nibbles land where they are used, with no exchange through shared memory)
-            bytes_l: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1, 1], [1, 2, 16], [WARPS_, 1, 1],
-                                                                       [2, 1, 0]))
-            z_byte = z_slot.load(bytes_l).to(gl.int32) & 255
-            z = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [WARPS_, _COLS]), group_l,
-                                  assert_trivial=True)[:, None, :]
+        else:  # a group two blocks: scales [H WARPS / 2, 32] seen as [WARPS, H / 2, 32], each row for its two blocks
+            # [WARPS, H / 2 (group), 2 (block of the group), 32] as blocks_l holds [WARPS, H, 32]: a warp's block h is
+            # its h-thread t's (t in 0, 1) register h - t H / 2, so a group (two blocks) is one thread's pair at H = 4
+            # and the two threads' one block each at H = 2
+            wide_l: gl.constexpr = gl.BlockedLayout([1, 1, H // 2, 2], [1, H // 2, 2 // (H // 2), 16],
+                                                    [WARPS_, 1, 1, 1], [3, 2, 1, 0])
+            group_l: gl.constexpr = gl.SliceLayout(2, wide_l)
+            scale = _group_rows(s_slot.reshape([WARPS_, H // 2, _COLS]).load(group_l).to(gl.float32), wide_l, blocks_l)
+            bytes_l: gl.constexpr = gl.SliceLayout(2, gl.BlockedLayout(
+                [1, 1, H // 2, 1], [1, H // 2, 2 // (H // 2), 16], [WARPS_, 1, 1, 1], [3, 2, 1, 0]))
+            if H == 2:  # a group a warp: z_slot may be a slice of a padded slot (fewer than 8 rows), not reshaped
+                z_byte = z_slot.load(gl.SliceLayout(1, bytes_l))[:, None, :].to(gl.int32) & 255
+            else:
+                z_byte = z_slot.reshape([WARPS_, H // 2, _COLS // 2]).load(bytes_l).to(gl.int32) & 255
+            z_group = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [WARPS_, H // 2, _COLS]),
+                                        group_l, assert_trivial=True)
+            z = _group_rows(z_group, wide_l, blocks_l)
         return out + part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
     @gluon.jit
     def _w4_gemv_columns_kernel(XW, w_desc, s_desc, z_desc, Y, N, K_ROWS, n_bands, STAGES: gl.constexpr,
                                 BANDS: gl.constexpr, GROUP_BLOCKS: gl.constexpr, PDL: gl.constexpr,
-                                COMPUTE: gl.constexpr = True, ADD: gl.constexpr = False, SCALES: gl.constexpr = True):
+                                COMPUTE: gl.constexpr = True, ADD: gl.constexpr = False, SCALES: gl.constexpr = True,
+                                H: gl.constexpr = 2):
         """Program c: y[32 c : 32 c + 32] over all of K, n_bands bands through a ring of STAGES slots (the module
-        docstring). BANDS: a power of two at least n_bands; GROUP_BLOCKS: blocks a group (1 or 2). COMPUTE off: a probe
-        (the copies alone; y is wrong), and with it SCALES off (the weights' copies alone). ADD: Y is an fp32 row
-        that y is added to (the program owns its columns: a plain load and store, no atomics)."""
+        docstring). BANDS: a power of two at least n_bands; GROUP_BLOCKS: blocks a group (1 or 2); H: blocks a warp
+        a band (2 or 4). COMPUTE off: a probe (the copies alone; y is wrong), and with it SCALES off (the weights'
+        copies alone). ADD: Y is an fp32 row that y is added to (the program owns its columns: a plain load and
+        store, no atomics)."""
         WARPS_: gl.constexpr = gl.num_warps()
-        GROUPS: gl.constexpr = 2 * WARPS_ // GROUP_BLOCKS  # scale rows a band
+        GROUPS: gl.constexpr = H * WARPS_ // GROUP_BLOCKS  # scale rows a band
         c = gl.program_id(0)
 
-        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 16 * WARPS_, _COLS], w_desc.layout)  # a band a slot
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 8 * H * WARPS_, _COLS], w_desc.layout)  # a band a slot
         s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, GROUPS, _COLS], s_desc.layout)
         # (TMA writes to 128-byte aligned shared memory: a slot of zero points is 8 rows of 16 bytes at least)
         Z_ROWS: gl.constexpr = GROUPS if GROUPS >= 8 else 8
@@ -245,24 +272,24 @@ if GLUON_USABLE:
         for first in gl.static_range(STAGES):
             if first < n_bands:
                 _load_band(first, c, w_desc, s_desc, z_desc, landed.index(first), w_smem.index(first),
-                           s_smem.index(first), z_smem.index(first).slice(0, GROUPS), WARPS_, GROUP_BLOCKS, SCALES)
+                           s_smem.index(first), z_smem.index(first).slice(0, GROUPS), SCALES)
         _let_next_start(PDL)  # (the copies read weights only; x, which the kernel ahead writes, comes after the wait)
         _wait_for_previous(PDL)
-        pairs, sums = _band_tables(XW, K_ROWS, BANDS, WARPS_)
+        pairs, sums = _band_tables(XW, K_ROWS, BANDS, WARPS_, H)
         warps_barrier()  # the tables are written
 
-        band_l: gl.constexpr = gl.BlockedLayout([4, 1, 1, 2], [1, 1, 2, 16], [1, WARPS_, 1, 1], [3, 2, 1, 0])
-        out = gl.zeros([WARPS_, 2, _COLS], gl.float32, layout=gl.SliceLayout(0, band_l))
+        band_l: gl.constexpr = gl.BlockedLayout([4, 1, H // 2, 2], [1, 1, 2, 16], [1, WARPS_, 1, 1], [3, 2, 1, 0])
+        out = gl.zeros([WARPS_, H, _COLS], gl.float32, layout=gl.SliceLayout(0, band_l))
         for band in range(n_bands):
             s = band % STAGES
             mbarrier.wait(landed.index(s), (band // STAGES) & 1)
             if COMPUTE:
                 out = _add_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs, sums,
-                                band, BANDS, band_l, GROUP_BLOCKS)
+                                band, BANDS, band_l, GROUP_BLOCKS, H)
             warps_barrier()  # every warp done with slot s
             if band + STAGES < n_bands:
                 _load_band(band + STAGES, c, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
-                           s_smem.index(s), z_smem.index(s).slice(0, GROUPS), WARPS_, GROUP_BLOCKS, SCALES)
+                           s_smem.index(s), z_smem.index(s).slice(0, GROUPS), SCALES)
         y = gl.sum(gl.sum(out, axis=1), axis=0)  # the warps' blocks meet (through shared memory)
         n = c * _COLS + gl.arange(0, _COLS, layout=y.type.layout)
         if ADD:
@@ -270,11 +297,12 @@ if GLUON_USABLE:
         gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
 
 
-def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, warps: int):
-    """TMA descriptors: the packed weight [K / 8, N] (boxes of a band, [16 warps, 32]), the scales [groups, N] and the
-    zero points as bytes [groups, N / 2] (boxes of a band's groups)."""
-    groups = 2 * warps * BLOCK_ROWS * 8 // group
-    boxes = ((qweight, [2 * warps * BLOCK_ROWS, COLS], gl.int32),
+def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, warps: int,
+                 blocks: int):
+    """TMA descriptors: the packed weight [K / 8, N] (boxes of a band, [8 ``blocks`` warps, 32]), the scales
+    [groups, N] and the zero points as bytes [groups, N / 2] (boxes of a band's groups)."""
+    groups = blocks * warps * BLOCK_ROWS * 8 // group
+    boxes = ((qweight, [blocks * warps * BLOCK_ROWS, COLS], gl.int32),
              (scales, [groups, COLS], gl.bfloat16), (zeros.view(torch.int8), [groups, COLS // 2], gl.int8))
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), box,
                              gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.primitive_bitwidth,
@@ -282,43 +310,62 @@ def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
             for t, box, dtype in boxes]
 
 
-def plan(k: int, warps: int) -> dict:
-    """A K-long column's bands: n_bands (of 16 ``warps`` packed rows) and BANDS, a power of two at least that."""
-    n_bands = -(-k // (8 * 2 * warps * BLOCK_ROWS))
+def plan(k: int, warps: int, blocks: int = BLOCKS) -> dict:
+    """A K-long column's bands: n_bands (of 8 ``blocks`` ``warps`` packed rows) and BANDS, a power of two at least
+    that."""
+    n_bands = -(-k // (8 * blocks * warps * BLOCK_ROWS))
     return {"n_bands": n_bands, "BANDS": triton.next_power_of_2(n_bands)}
+
+
+def ring_bytes(warps: int, stages: int, blocks: int) -> int:
+    """The bytes of weights a ring of ``stages`` bands holds."""
+    return stages * blocks * warps * BLOCK_ROWS * COLS * 4
 
 
 def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                     out: torch.Tensor, pdl: bool = True, warps: int = WARPS, stages: int = STAGES,
-                    compute: bool = True, add: bool = False, probe: tuple[str, ...] = ()) -> None:
+                    blocks: int = BLOCKS, compute: bool = True, add: bool = False,
+                    probe: tuple[str, ...] = ()) -> None:
     """y = x @ W into ``out`` [1, N] bf16 (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128): a program
-    a 32-column tile, ``warps`` warps sharing out K in bands of 128 ``warps`` inputs, ``stages`` bands in flight.
-    ``add``: ``out`` is an fp32 row [1, N] and y is added to it. ``compute`` off: a probe, the copies alone (y is
-    wrong), with ``probe`` naming what else to leave out: "scales" (their copies), "tables" (x's loads: its tables
-    are built of zeros)."""
+    a 32-column tile, ``warps`` warps sharing out K in bands of 64 ``blocks`` ``warps`` inputs (``blocks`` blocks of
+    64 a warp: 2 or 4), ``stages`` bands in flight. ``add``: ``out`` is an fp32 row [1, N] and y is added to it.
+    ``compute`` off: a probe, the copies alone (y is wrong), with ``probe`` naming what else to leave out: "scales"
+    (their copies), "tables" (x's loads: its tables are built of zeros)."""
     if probe and (compute or set(probe) - {"scales", "tables"}):
         raise ValueError(f"probe leaves out 'scales' or 'tables' from a copies-only run (compute=False), got {probe}")
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     reason = unsupported(k, n, group, x.dtype, x.shape[0])
     if reason:
         raise ValueError(f"the column GEMV cannot run these inputs: {reason}")
-    if warps not in (2, 4, 8, 16) or stages not in (1, 2, 4, 8):  # (shared memory views want powers of two)
-        raise ValueError(f"warps and stages must be 2, 4, 8 or 16 and 1, 2, 4 or 8; got warps={warps}, "
-                         f"stages={stages}")
-    if stages * 16 * warps * COLS * 4 > RING_BYTES:  # (the x tables and the scales need the rest of an SM's 227 KB)
-        raise ValueError(f"warps={warps} x stages={stages} would hold {stages * 16 * warps * COLS * 4 // 1024} KB of "
-                         f"weights in flight, more than the {RING_BYTES // 1024} KB the ring may take: fewer of either")
+    reason = shape_unsupported(warps, stages, blocks)
+    if reason:
+        raise ValueError(reason)
+    if blocks * warps * 64 // group < 8 and not (blocks == 2 and group == 128):
+        raise ValueError(f"warps={warps} x blocks={blocks} at group {group} makes {blocks * warps * 64 // group} "
+                         f"zero-point rows a band, too few to view (8 at least, or 2 blocks a warp at group 128)")
     want = torch.float32 if add else torch.bfloat16
     if out.dtype != want or out.shape != (1, n) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [1, {n}] {want} row{' (add=True: y is added to it)' * add}, got "
                          f"{list(out.shape)} {out.dtype}")
-    numbers = plan(k, warps)
+    numbers = plan(k, warps, blocks)
     x_rows = 0 if "tables" in probe else k // 8  # (the tables' rows of x: none read in that probe)
-    _w4_gemv_columns_kernel[(n // COLS,)](x.view(torch.int32), *_descriptors(qweight, scales, zeros, group, warps),
+    _w4_gemv_columns_kernel[(n // COLS,)](x.view(torch.int32),
+                                          *_descriptors(qweight, scales, zeros, group, warps, blocks),
                                           out, n, x_rows, numbers["n_bands"], STAGES=stages, BANDS=numbers["BANDS"],
                                           GROUP_BLOCKS=group // 64, PDL=pdl, COMPUTE=compute, ADD=add,
-                                          SCALES="scales" not in probe, num_warps=warps,
-                                          launch_pdl=pdl)
+                                          SCALES="scales" not in probe, H=blocks, num_warps=warps, launch_pdl=pdl)
+
+
+def shape_unsupported(warps: int, stages: int, blocks: int) -> str | None:
+    """Why the kernel cannot take ``warps`` x ``stages`` ring slots x ``blocks`` blocks a warp, or None if it can."""
+    if warps not in (2, 4, 8, 16) or stages not in (1, 2, 4, 8) or blocks not in (2, 4):
+        return (f"warps, stages and blocks must be 2, 4, 8 or 16; 1, 2, 4 or 8; and 2 or 4 (shared memory views want "
+                f"powers of two); got warps={warps}, stages={stages}, blocks={blocks}")
+    if ring_bytes(warps, stages, blocks) > RING_BYTES:  # (the x tables and the scales need the rest of an SM's 227 KB)
+        return (f"warps={warps} x stages={stages} x blocks={blocks} would hold "
+                f"{ring_bytes(warps, stages, blocks) // 1024} KB of weights in flight, more than the "
+                f"{RING_BYTES // 1024} KB the ring may take: fewer of one")
+    return None
 
 
 def unsupported(k: int, n: int, group: int, dtype: torch.dtype, rows: int) -> str | None:

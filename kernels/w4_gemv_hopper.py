@@ -67,8 +67,9 @@ def forms_switch(variable: str, switch: str, valid: tuple[str, ...], default: tu
 STREAM = forms_switch("MINILLM_GEMV_STREAM", os.environ.get("MINILLM_GEMV_STREAM", ""), STREAM_FORMS, ("plain",))
 # The forms that run the column kernel (w4_gemv_columns.py: no split of K, so no fix-up) where it takes them, ahead of
 # the stream kernel; MINILLM_GEMV_COLUMNS as MINILLM_GEMV_STREAM, none by default (not yet faster in the decode graph;
-# alone at 4096 x 4096 it takes 4.51-4.54 us against split-K's 5.50, but 9.49 and 9.86 at 4096 x 11008 and
-# 11008 x 4096 against the stream kernel's 8.62 and 8.97: figures/h200/sweeps/w4a16_gemv_columns_direct_z.json).
+# alone at 4096 x 4096 it takes 4.44 us against split-K's 5.64, but 9.43 and 9.81 at 4096 x 11008 and
+# 11008 x 4096 against the stream kernel's 8.94 and 9.20: figures/h200/sweeps/w4a16_gemv_columns_blocks.json;
+# o_proj on it, bench latency 650.1-650.3 tok/s against 650.8-651.4: latency_columns_add.json).
 COLUMNS_FORMS = ("plain", "add")
 COLUMNS = forms_switch("MINILLM_GEMV_COLUMNS", os.environ.get("MINILLM_GEMV_COLUMNS", ""), COLUMNS_FORMS, ())
 
@@ -195,9 +196,9 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     form = "gated" if gated else "normed" if norm is not None else "add" if add else "plain"
     if form in COLUMNS and out.dtype == (torch.float32 if add else torch.bfloat16) and not columns.unsupported(
             k, n, group, x.dtype, x.shape[0]):
-        warps, stages = columns.SHAPE or columns.choose_shape(k)
+        warps, stages, blocks = columns.SHAPE or columns.choose_shape(k)
         columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, pdl=pdl_supported(x.device), warps=warps,
-                                stages=stages, add=add)
+                                stages=stages, blocks=blocks, add=add)
         return
     sms = num_sms(x.device)
     if out.dtype == (torch.float32 if add else torch.bfloat16) and stream_takes(k, n, form) and not stream.unsupported(

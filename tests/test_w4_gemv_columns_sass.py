@@ -21,23 +21,23 @@ SCRIPT = textwrap.dedent('''
     from minillm.bench.sass import compile_gluon_sm90, whole_kernel
     from minillm.kernels import w4_gemv_columns as wc
 
-    def counts(warps, stages, group_blocks):
+    def counts(warps, stages, group_blocks, blocks):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
-        groups = 2 * warps // group_blocks
-        types = {"XW": "*i32", "w_desc": f"tensordesc<i32[{16 * warps},{wc.COLS}],{layout(32)!r}>",
+        groups = blocks * warps // group_blocks
+        types = {"XW": "*i32", "w_desc": f"tensordesc<i32[{8 * blocks * warps},{wc.COLS}],{layout(32)!r}>",
                  "s_desc": f"tensordesc<bf16[{groups},{wc.COLS}],{layout(16)!r}>",
                  "z_desc": f"tensordesc<i8[{groups},{wc.COLS // 2}],{layout(8)!r}>", "Y": "*bf16"}
-        consts = dict(STAGES=stages, BANDS=16, GROUP_BLOCKS=group_blocks, PDL=True, COMPUTE=True, ADD=False,
-                      SCALES=True)
+        consts = dict(STAGES=stages, BANDS=8, GROUP_BLOCKS=group_blocks, PDL=True, COMPUTE=True, ADD=False,
+                      SCALES=True, H=blocks)
         fn = wc._w4_gemv_columns_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=warps, aligned=("XW",)))
         return dict(span, opcodes=dict(span["opcodes"]))
 
-    print(json.dumps({f"{w}x{s} g{64 * g}": counts(w, s, g) for w, s, g in ((8, 4, 2), (8, 2, 1), (4, 8, 2),
-                                                                           (16, 2, 2))}))
+    print(json.dumps({f"{w}x{s}x{b} g{64 * g}": counts(w, s, g, b) for w, s, g, b in (
+        (8, 4, 2, 2), (8, 2, 1, 2), (4, 8, 2, 2), (16, 2, 2, 2), (8, 4, 2, 4), (8, 2, 1, 4), (2, 2, 1, 4))}))
 ''')
-CASES = ["8x4 g128", "8x2 g64", "4x8 g128", "16x2 g128"]
+CASES = ["8x4x2 g128", "8x2x2 g64", "4x8x2 g128", "16x2x2 g128", "8x4x4 g128", "8x2x4 g64", "2x2x4 g64"]
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +50,13 @@ def test_copies_body_and_resources(compiled, case):
     from minillm.kernels import w4_gemv_columns as wc
     kernel = compiled[case]
     ops = kernel["opcodes"]
-    warps, stages = (int(v) for v in case.split()[0].split("x"))
+    warps, stages, blocks = (int(v) for v in case.split()[0].split("x"))
     assert ops.get("UTMALDG") == 3 * (stages + 1), ops  # (session 32's form: ten copies a band)
-    packed_a_thread = 16 * warps * wc.COLS // (32 * warps)  # int32s of 8 weights a band
+    packed_a_thread = 8 * blocks * warps * wc.COLS // (32 * warps)  # int32s of 8 weights a band
     assert ops.get("HFMA2", 0) >= 4 * packed_a_thread, ops
     assert not any(op.startswith(("LDL", "STL")) for op in kernel["memory_opcodes"]), kernel["memory_opcodes"]
-    # x read in row order, 16 bytes a load: 16 bands of 16 ``warps`` packed rows over 32 ``warps`` threads
+    # x read in row order, 16 bytes a load: 8 bands of 8 ``blocks`` ``warps`` packed rows over 32 ``warps`` threads
     global_loads = {op: count for op, count in kernel["memory_opcodes"].items() if op.startswith("LDG")}
-    assert global_loads == {"LDG.E.128": 16 * 16 // 32}, kernel["memory_opcodes"]
+    assert global_loads == {"LDG.E.128": 8 * 8 * blocks // 32}, kernel["memory_opcodes"]
     assert kernel["stack"] == 0, kernel
     assert kernel["shared_bytes"] <= 227 * 1024, kernel["shared_bytes"]

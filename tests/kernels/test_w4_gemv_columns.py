@@ -19,22 +19,27 @@ from test_quant_matmul import assert_matches, assert_replays_in_a_graph, int4_pr
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and columns.GLUON_USABLE
 needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm_90 GPUs only (no interpreter)")
 
-CASES = [  # k, n, group, warps, stages
-    (4096, 11008, 128, 8, 2),  # Llama-2-7B's gate/up: 344 programs
-    (4096, 11008, 64, 4, 4),
-    (11008, 4096, 128, 8, 4),  # its down_proj: 10.75 bands of 1024 inputs, the last ragged
-    (11008, 4096, 64, 16, 2),
-    (4096, 4128, 128, 4, 2),  # 4 groups of 128 a band: zero points' slots padded to TMA's 128-byte alignment
-    (4160, 96, 128, 8, 4),  # K = 65 blocks: half a group of 128 at the end, and past the scales' last row
-    (1024, 32, 64, 8, 8),  # one program, one band, more slots than bands
-    (512, 64, 128, 2, 1),  # one slot: every band waits for its own copies
+CASES = [  # k, n, group, warps, stages, blocks a warp
+    (4096, 11008, 128, 8, 2, 2),  # Llama-2-7B's gate/up: 344 programs
+    (4096, 11008, 64, 4, 4, 2),
+    (11008, 4096, 128, 8, 4, 2),  # its down_proj: 10.75 bands of 1024 inputs, the last ragged
+    (11008, 4096, 64, 16, 2, 2),
+    (4096, 4128, 128, 4, 2, 2),  # 4 groups of 128 a band: zero points' slots padded to TMA's 128-byte alignment
+    (4160, 96, 128, 8, 4, 2),  # K = 65 blocks: half a group of 128 at the end, and past the scales' last row
+    (1024, 32, 64, 8, 8, 2),  # one program, one band, more slots than bands
+    (512, 64, 128, 2, 1, 2),  # one slot: every band waits for its own copies
+    (4096, 11008, 128, 8, 2, 4),  # four blocks a warp: two bands of 2048 inputs
+    (11008, 4096, 64, 8, 4, 4),  # 5.375 bands, the last ragged
+    (4160, 96, 128, 4, 4, 4),  # two groups of 128 a warp, half a group at the end
+    (1024, 32, 64, 2, 8, 4),  # two warps, eight zero-point rows a band
 ]
 
 
-@pytest.mark.parametrize("k,warps", [(4096, 8), (11008, 8), (11008, 4), (64, 2)])
-def test_plan_counts_the_bands_of_a_column(k, warps):
-    numbers = columns.plan(k, warps)
-    band = 128 * warps  # inputs a band
+@pytest.mark.parametrize("k,warps,blocks", [(4096, 8, 2), (11008, 8, 2), (11008, 4, 2), (64, 2, 2),
+                                            (11008, 8, 4), (4096, 16, 4)])
+def test_plan_counts_the_bands_of_a_column(k, warps, blocks):
+    numbers = columns.plan(k, warps, blocks)
+    band = 64 * blocks * warps  # inputs a band
     assert (numbers["n_bands"] - 1) * band < k <= numbers["n_bands"] * band
     assert numbers["BANDS"] >= numbers["n_bands"] and numbers["BANDS"] & (numbers["BANDS"] - 1) == 0
 
@@ -50,48 +55,62 @@ def test_it_refuses_what_it_cannot_run_and_says_why(k, n, group, dtype, rows, wo
         columns.w4_gemv_columns(x, qweight, None, None, group, None)
 
 
-@pytest.mark.parametrize("warps,stages,refused", [(16, 8, True), (16, 4, False), (8, 8, False)])
-def test_it_refuses_a_ring_larger_than_shared_memory_allows(warps, stages, refused):
-    """16 warps x 8 slots would be 256 KB of weights in flight; 128 KB rings pass this check (and, on the CPU, fail
-    the next one: no scales were given)."""
+@pytest.mark.parametrize("warps,stages,blocks,refused", [(16, 8, 2, True), (16, 4, 2, False), (8, 8, 2, False),
+                                                         (8, 8, 4, True), (8, 4, 4, False), (16, 4, 4, True)])
+def test_it_refuses_a_ring_larger_than_shared_memory_allows(warps, stages, blocks, refused):
+    """More than 128 KB of weights in flight is refused with the numbers; 128 KB rings pass this check (and, on the
+    CPU, fail the next one: no scales were given)."""
     x = torch.zeros(1, 4096, dtype=torch.bfloat16)
     qweight = torch.zeros(512, 64, dtype=torch.int32)
     with pytest.raises((ValueError, AttributeError, TypeError)) as error:
         columns.w4_gemv_columns(x, qweight, None, None, 128, torch.zeros(1, 64, dtype=torch.bfloat16), warps=warps,
-                                stages=stages)
-    assert (f"warps={warps} x stages={stages} would hold 256 KB" in str(error.value)) == refused, error.value
+                                stages=stages, blocks=blocks)
+    assert (f"warps={warps} x stages={stages} x blocks={blocks} would hold 256 KB" in str(error.value)) == refused, \
+        error.value
+
+
+@pytest.mark.parametrize("warps,blocks,group,refused", [(2, 4, 128, True), (2, 2, 64, True), (2, 2, 128, False),
+                                                        (4, 2, 64, False), (2, 4, 64, False)])
+def test_it_refuses_too_few_zero_point_rows_a_band(warps, blocks, group, refused):
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    qweight = torch.zeros(512, 64, dtype=torch.int32)
+    with pytest.raises((ValueError, AttributeError, TypeError)) as error:
+        columns.w4_gemv_columns(x, qweight, None, None, group, torch.zeros(1, 64, dtype=torch.bfloat16), warps=warps,
+                                stages=2, blocks=blocks)
+    assert ("zero-point rows a band, too few" in str(error.value)) == refused, error.value
+
+
+@pytest.mark.parametrize("warps,stages,blocks", [(3, 2, 2), (8, 3, 2), (8, 16, 2), (8, 2, 3)])
+def test_it_refuses_warps_stages_and_blocks_it_has_no_views_for(warps, stages, blocks):
+    x = torch.zeros(1, 1024, dtype=torch.bfloat16)
+    qweight = torch.zeros(128, 64, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"warps={warps}, stages={stages}, blocks={blocks}"):
+        columns.w4_gemv_columns(x, qweight, None, None, 128, torch.zeros(1, 64, dtype=torch.bfloat16), warps=warps,
+                                stages=stages, blocks=blocks)
 
 
 @needs_sm90
-@pytest.mark.parametrize("warps,stages", [(3, 2), (8, 3), (8, 16)])
-def test_it_refuses_warps_and_stages_it_has_no_views_for(warps, stages):
-    x, qweight, scales, zeros, _, _ = int4_problem(1, 1024, 64, 128, torch.bfloat16, seed=1)
-    with pytest.raises(ValueError, match=f"warps={warps}, stages={stages}"):
-        columns.w4_gemv_columns(x, qweight, scales, zeros, 128, poisoned((1, 64), torch.bfloat16), warps=warps,
-                                stages=stages)
-
-
-@needs_sm90
-@pytest.mark.parametrize("k,n,group,warps,stages", CASES)
-def test_column_gemv_matches_ref_and_repeats_its_bits(k, n, group, warps, stages):
+@pytest.mark.parametrize("k,n,group,warps,stages,blocks", CASES)
+def test_column_gemv_matches_ref_and_repeats_its_bits(k, n, group, warps, stages, blocks):
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + group + warps)
     want = w4a16_matmul_ref(x, qweight, scales, zeros, group)
     out = poisoned((1, n), torch.bfloat16)
-    columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, warps=warps, stages=stages)
+    columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, warps=warps, stages=stages, blocks=blocks)
     assert_matches(out, want, torch.bfloat16)
     again = poisoned((1, n), torch.bfloat16)
-    columns.w4_gemv_columns(x, qweight, scales, zeros, group, again, warps=warps, stages=stages)
+    columns.w4_gemv_columns(x, qweight, scales, zeros, group, again, warps=warps, stages=stages, blocks=blocks)
     assert torch.equal(again, out), "no atomics, sums in a fixed order: the same bits every run"
 
 
 @needs_sm90
-@pytest.mark.parametrize("k,n,group,warps,stages", [CASES[0], CASES[3], CASES[5]])
-def test_column_gemv_adds_y_to_an_fp32_row(k, n, group, warps, stages):
+@pytest.mark.parametrize("k,n,group,warps,stages,blocks", [CASES[0], CASES[3], CASES[5], CASES[9]])
+def test_column_gemv_adds_y_to_an_fp32_row(k, n, group, warps, stages, blocks):
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + 7)
     row = torch.randn(1, n, dtype=torch.float32, device=x.device)
     want = row + w4a16_matmul_ref(x, qweight, scales, zeros, group).float()
     out = row.clone()
-    columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, warps=warps, stages=stages, add=True)
+    columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, warps=warps, stages=stages, blocks=blocks,
+                            add=True)
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     with pytest.raises(ValueError, match="float32 row"):
         columns.w4_gemv_columns(x, qweight, scales, zeros, group, poisoned((1, n), torch.bfloat16), add=True)
@@ -131,19 +150,24 @@ def test_the_routing_switch_takes_the_forms_the_kernel_has(value, forms):
         assert hopper.forms_switch("MINILLM_GEMV_COLUMNS", value, hopper.COLUMNS_FORMS, ()) == forms
 
 
-@pytest.mark.parametrize("value,shape", [("", None), ("8x4", (8, 4)), (" 16X4 ", (16, 4)), ("8x16", "8x16"),
-                                         ("16x8", "16x8"), ("3x2", "3x2"), ("eight", "eight")])
-def test_the_shape_switch_takes_warps_by_slots_that_fit(value, shape):
+@pytest.mark.parametrize("value,shape", [("", None), ("8x4x2", (8, 4, 2)), (" 16X4x2 ", (16, 4, 2)),
+                                         ("8x4x4", (8, 4, 4)), ("8x4", "8x4"), ("8x16x2", "8x16x2"),
+                                         ("16x8x2", "16x8x2"), ("3x2x2", "3x2x2"), ("8x4x3", "8x4x3"),
+                                         ("eight", "eight")])
+def test_the_shape_switch_takes_warps_by_slots_by_blocks_that_fit(value, shape):
     if isinstance(shape, str):
-        with pytest.raises(ValueError, match=f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots.*got {value!r}"):
+        with pytest.raises(ValueError, match=f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots x blocks.*got "
+                                             f"{value!r}"):
             columns.shape_switch(value)
     else:
         assert columns.shape_switch(value) == shape
 
 
-@pytest.mark.parametrize("k,slots", [(1024, 1), (4096, 4), (8192, 8), (11008, 8)])
-def test_the_chosen_ring_holds_a_columns_bands_up_to_eight(k, slots):
-    assert columns.choose_shape(k) == (8, slots)
+@pytest.mark.parametrize("k,slots", [(1024, 1), (4096, 2), (8192, 4), (11008, 4)])
+def test_the_chosen_ring_holds_a_columns_bands_up_to_four(k, slots):
+    warps, stages, blocks = columns.choose_shape(k)
+    assert (warps, stages, blocks) == (8, slots, 4)
+    assert columns.shape_unsupported(warps, stages, blocks) is None
 
 
 @needs_sm90
@@ -163,7 +187,9 @@ def test_gemv_runs_the_forms_the_switch_names_on_the_column_kernel(monkeypatch, 
         hopper.gemv(x, qweight, scales, zeros, 128, out, add=form == "add")
         answers[routed] = out
     alone = start.clone() if form == "add" else poisoned((1, n), dtype)
-    columns.w4_gemv_columns(x, qweight, scales, zeros, 128, alone, warps=8, stages=4, add=form == "add")
+    warps, stages, blocks = columns.choose_shape(k)
+    columns.w4_gemv_columns(x, qweight, scales, zeros, 128, alone, warps=warps, stages=stages, blocks=blocks,
+                            add=form == "add")
     assert torch.equal(answers[True], alone)
     scale = answers[False].abs().max().item()
     torch.testing.assert_close(answers[True], answers[False], rtol=0, atol=2e-2 * scale)

@@ -6,7 +6,7 @@ so no call finds its weight in L2), PDL on where the kernel has it. Variants (AL
 an SM x ring slots, the bf16 y's fix-up (poll: the tile's first program reads the others' partials until all are
 stored; counter: the last to arrive sums them), tiles asked into L2 before the wait (l2), when the next kernel may
 start (start 0 / 1 / 2), the add form (y added to an fp32 row: no fix-up), the column kernel
-(kernels/w4_gemv_columns.py: warps x ring slots), and two probes: the copies alone (no
+(kernels/w4_gemv_columns.py: warps x ring slots, b4: four blocks a warp a band), and two probes: the copies alone (no
 math, no fix-up: its answer is wrong) and no fix-up (partials stored, not summed). Every variant that computes y is
 checked against ``w4a16_matmul_ref`` (y poisoned first), run twice for bit-equal answers, the split-K counters
 checked back at zero and the poll's slots back at EMPTY; odd shapes (a ragged column tile, group 64, one unit a
@@ -57,6 +57,16 @@ ALL_VARIANTS = {
     "columns w16 s4": dict(columns=True, warps=16, stages=4),
     "columns w16 s4 add": dict(columns=True, warps=16, stages=4, add=True),
     "columns w8 s8 add": dict(columns=True, warps=8, stages=8, add=True),
+    # four blocks a warp a band (b4): 32 KB bands at 8 warps, twice the words a thread a band
+    "columns w8 s2 b4": dict(columns=True, warps=8, stages=2, blocks=4),
+    "columns w8 s4 b4": dict(columns=True, warps=8, stages=4, blocks=4),
+    "columns w4 s4 b4": dict(columns=True, warps=4, stages=4, blocks=4),
+    "columns w4 s8 b4": dict(columns=True, warps=4, stages=8, blocks=4),
+    "columns w16 s2 b4": dict(columns=True, warps=16, stages=2, blocks=4),
+    "columns w8 s4 b4 add": dict(columns=True, warps=8, stages=4, blocks=4, add=True),
+    "columns w4 s8 b4 add": dict(columns=True, warps=4, stages=8, blocks=4, add=True),
+    "probe columns w8 s4 b4 copies only": dict(columns=True, warps=8, stages=4, blocks=4, compute=False),
+    "probe columns w4 s8 b4 copies only": dict(columns=True, warps=4, stages=8, blocks=4, compute=False),
     "columns w8 s8": dict(columns=True, warps=8, stages=8),
     "columns w8 s4 add": dict(columns=True, warps=8, stages=4, add=True),
     "columns w8 s2 add": dict(columns=True, warps=8, stages=2, add=True),
@@ -93,7 +103,8 @@ def run_variant(x, w, group, out, partials, counters, kw):
     if kw.get("columns"):
         w4_gemv_columns.w4_gemv_columns(x, *w, group, out, warps=kw["warps"], stages=kw["stages"],
                                         compute=kw.get("compute", True), add=kw.get("add", False),
-                                        pdl=kw.get("pdl", True), probe=kw.get("probe", ()))
+                                        pdl=kw.get("pdl", True), probe=kw.get("probe", ()),
+                                        blocks=kw.get("blocks", 2))
     else:
         w4_gemv_stream.w4_gemv_stream(x, *w, group, out, partials, counters, **kw)
 
