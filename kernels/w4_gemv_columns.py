@@ -76,7 +76,7 @@ COLS = 32  # columns a program: 128-byte rows of packed weights
 BLOCK_ROWS = 8  # packed rows a block (64 inputs): a group of 64, half a group of 128
 WARPS = 8
 STAGES = 4
-BLOCKS = 2  # blocks a warp computes of each band
+BLOCKS = 2  # blocks a warp computes of each band, unless told (``choose_shape``, what ``gemv`` launches, takes 4)
 RING_BYTES = 128 * 1024  # the most the ring's weights may take of an SM's shared memory
 
 
