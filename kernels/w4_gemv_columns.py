@@ -250,11 +250,12 @@ if GLUON_USABLE:
     def _w4_gemv_columns_kernel(XW, w_desc, s_desc, z_desc, Y, N, K_ROWS, n_bands, STAGES: gl.constexpr,
                                 BANDS: gl.constexpr, GROUP_BLOCKS: gl.constexpr, PDL: gl.constexpr,
                                 COMPUTE: gl.constexpr = True, ADD: gl.constexpr = False, SCALES: gl.constexpr = True,
-                                H: gl.constexpr = 2):
+                                H: gl.constexpr = 2, REFILL: gl.constexpr = True):
         """Program c: y[32 c : 32 c + 32] over all of K, n_bands bands through a ring of STAGES slots (the module
         docstring). BANDS: a power of two at least n_bands; GROUP_BLOCKS: blocks a group (1 or 2); H: blocks a warp
         a band (2 or 4). COMPUTE off: a probe (the copies alone; y is wrong), and with it SCALES off (the weights'
-        copies alone). ADD: Y is an fp32 row that y is added to (the program owns its columns: a plain load and
+        copies alone). REFILL off: a probe, the math alone (every band computed from the ring's first fill; y is
+        wrong). ADD: Y is an fp32 row that y is added to (the program owns its columns: a plain load and
         store, no atomics)."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = H * WARPS_ // GROUP_BLOCKS  # scale rows a band
@@ -282,12 +283,13 @@ if GLUON_USABLE:
         out = gl.zeros([WARPS_, H, _COLS], gl.float32, layout=gl.SliceLayout(0, band_l))
         for band in range(n_bands):
             s = band % STAGES
-            mbarrier.wait(landed.index(s), (band // STAGES) & 1)
+            if REFILL or band < STAGES:
+                mbarrier.wait(landed.index(s), (band // STAGES) & 1)
             if COMPUTE:
                 out = _add_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs, sums,
                                 band, BANDS, band_l, GROUP_BLOCKS, H)
             warps_barrier()  # every warp done with slot s
-            if band + STAGES < n_bands:
+            if REFILL and band + STAGES < n_bands:
                 _load_band(band + STAGES, c, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
                            s_smem.index(s), z_smem.index(s).slice(0, GROUPS), SCALES)
         y = gl.sum(gl.sum(out, axis=1), axis=0)  # the warps' blocks meet (through shared memory)
@@ -330,9 +332,11 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     a 32-column tile, ``warps`` warps sharing out K in bands of 64 ``blocks`` ``warps`` inputs (``blocks`` blocks of
     64 a warp: 2 or 4), ``stages`` bands in flight. ``add``: ``out`` is an fp32 row [1, N] and y is added to it.
     ``compute`` off: a probe, the copies alone (y is wrong), with ``probe`` naming what else to leave out: "scales"
-    (their copies), "tables" (x's loads: its tables are built of zeros)."""
-    if probe and (compute or set(probe) - {"scales", "tables"}):
-        raise ValueError(f"probe leaves out 'scales' or 'tables' from a copies-only run (compute=False), got {probe}")
+    (their copies), "tables" (x's loads: its tables are built of zeros). ``probe=("refills",)`` with ``compute``: the
+    math alone, every band computed from the ring's first fill (y is wrong)."""
+    if probe and not (probe == ("refills",) and compute or not compute and not set(probe) - {"scales", "tables"}):
+        raise ValueError(f"probe leaves out 'scales' or 'tables' from a copies-only run (compute=False), or 'refills' "
+                         f"alone from a computing one, got probe={probe} with compute={compute}")
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     reason = unsupported(k, n, group, x.dtype, x.shape[0])
     if reason:
@@ -353,7 +357,8 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                                           *_descriptors(qweight, scales, zeros, group, warps, blocks),
                                           out, n, x_rows, numbers["n_bands"], STAGES=stages, BANDS=numbers["BANDS"],
                                           GROUP_BLOCKS=group // 64, PDL=pdl, COMPUTE=compute, ADD=add,
-                                          SCALES="scales" not in probe, H=blocks, num_warps=warps, launch_pdl=pdl)
+                                          SCALES="scales" not in probe, H=blocks, REFILL="refills" not in probe,
+                                          num_warps=warps, launch_pdl=pdl)
 
 
 def shape_unsupported(warps: int, stages: int, blocks: int) -> str | None:

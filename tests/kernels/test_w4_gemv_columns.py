@@ -80,6 +80,21 @@ def test_it_refuses_too_few_zero_point_rows_a_band(warps, blocks, group, refused
     assert ("zero-point rows a band, too few" in str(error.value)) == refused, error.value
 
 
+@pytest.mark.parametrize("compute,probe,refused", [(False, ("scales",), False), (False, ("scales", "tables"), False),
+                                                   (True, ("refills",), False), (True, ("scales",), True),
+                                                   (False, ("refills",), True), (True, ("refills", "tables"), True),
+                                                   (False, ("math",), True)])
+def test_it_takes_only_the_probes_it_has(compute, probe, refused):
+    """The copies-only probes leave out scales or tables; the math-only probe ("refills") computes. Anything else is
+    refused with what was asked; what passes fails later on the CPU (no scales were given)."""
+    x = torch.zeros(1, 1024, dtype=torch.bfloat16)
+    qweight = torch.zeros(128, 64, dtype=torch.int32)
+    with pytest.raises((ValueError, AttributeError, TypeError)) as error:
+        columns.w4_gemv_columns(x, qweight, None, None, 128, torch.zeros(1, 64, dtype=torch.bfloat16),
+                                compute=compute, probe=probe)
+    assert (f"got probe={probe} with compute={compute}" in str(error.value)) == refused, error.value
+
+
 @pytest.mark.parametrize("warps,stages,blocks", [(3, 2, 2), (8, 3, 2), (8, 16, 2), (8, 2, 3)])
 def test_it_refuses_warps_stages_and_blocks_it_has_no_views_for(warps, stages, blocks):
     x = torch.zeros(1, 1024, dtype=torch.bfloat16)

@@ -76,6 +76,22 @@ def w4_gemv(k, n, config=None):
     return lambda: w4a16_matmul(x, q, s, z, GROUP_SIZE, path="gemv", config=config, hopper=False)
 
 
+def gluon_gemv(k, n, kernel, **kw):
+    """The Gluon W4A16 GEMVs, called directly at a pinned shape: the column kernel (``kernel="columns"``, kw its
+    warps, stages, blocks) and the stream kernel (kw its programs_per_sm, stages, fixup)."""
+    from minillm.kernels import w4_gemv_columns, w4_gemv_stream
+    from minillm.kernels.split_k import tile_counters
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=gen)
+    q, s, z = _weights(QuantShape(1, k, n), torch.bfloat16, dev, gen)["w4a16"]
+    out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+    if kernel == "columns":
+        return lambda: w4_gemv_columns.w4_gemv_columns(x, q, s, z, GROUP_SIZE, out, **kw)
+    partials = torch.empty(w4_gemv_stream.partials_needed(k, n, 4 * torch.cuda.get_device_properties(dev)
+                                                          .multi_processor_count), dtype=torch.float32, device=dev)
+    counters = tile_counters(dev)
+    return lambda: w4_gemv_stream.w4_gemv_stream(x, q, s, z, GROUP_SIZE, out, partials, counters, **kw)
+
+
 def _tiles(block_n, block_kp, split_k, warps):
     return dict(BLOCK_N=block_n, BLOCK_KP=block_kp, SPLIT_K=split_k, num_warps=warps, HFMA2=True, RUN=1, TILES=True,
                 num_stages=1)
@@ -104,6 +120,14 @@ CASES = {
                                                                   RUN=2, num_warps=1, num_stages=1)),
     "w4_gemv_4096x11008_tiles_1w": lambda: w4_gemv(4096, 11008, _tiles(128, 8, 16, 1)),
     "w4_gemv_4096x11008_tiles_4w": lambda: w4_gemv(4096, 11008, _tiles(512, 8, 24, 4)),
+    # The Gluon GEMVs (sm_90 only; session 35): the column kernel at choose_shape's shapes, its math alone (the ring
+    # filled once), and the stream kernel with the fix-up choose_fixup picks.
+    "columns_11008x4096_8x4x4": lambda: gluon_gemv(11008, 4096, "columns", warps=8, stages=4, blocks=4),
+    "columns_4096x11008_8x2x4": lambda: gluon_gemv(4096, 11008, "columns", warps=8, stages=2, blocks=4),
+    "columns_11008x4096_8x4x4_math": lambda: gluon_gemv(11008, 4096, "columns", warps=8, stages=4, blocks=4,
+                                                        probe=("refills",)),
+    "stream_4096x11008_poll": lambda: gluon_gemv(4096, 11008, "stream", programs_per_sm=3, stages=2, fixup=2),
+    "stream_11008x4096_counter": lambda: gluon_gemv(11008, 4096, "stream", programs_per_sm=3, stages=2, fixup=1),
     "bf16_gemv_4096x11008": lambda: bf16_gemv(4096, 11008),
     "bf16_gemv_4096x2048": lambda: bf16_gemv(2048, 4096),
     "bf16_gemv_11008x4096": lambda: bf16_gemv(11008, 4096),
