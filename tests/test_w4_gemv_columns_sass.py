@@ -2,10 +2,10 @@
 groups it takes (Gluon has no interpreter; its numbers are tested on an H200, tests/kernels/test_w4_gemv_columns.py).
 
 What is checked: a band is three TMA copies (its weights in one box, its scales, its zero points), issued slot by slot
-at the ring's first fill and once more at each refill; x is read in 16-byte loads; the HFMA2 body covers every packed
-word a thread holds of a band; no spills, no stack, and shared memory within an SM's. (That parting a band's halves
-in registers moves no data is the kernel's own check: its ``convert_layout(assert_trivial=True)`` would not compile
-otherwise.)"""
+at the ring's first fill and once more at each refill; x is read in 16-byte loads, and its tables four rows a load;
+the HFMA2 body covers every packed word a thread holds of a band; no spills, no stack, and shared memory within an
+SM's. (That parting a band's halves in registers moves no data is the kernel's own check: its
+``convert_layout(assert_trivial=True)`` would not compile otherwise.)"""
 
 import textwrap
 
@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent('''
                  "s_desc": f"tensordesc<bf16[{groups},{wc.COLS}],{layout(16)!r}>",
                  "z_desc": f"tensordesc<i8[{groups},{wc.COLS // 2}],{layout(8)!r}>", "Y": "*bf16"}
         consts = dict(STAGES=stages, BANDS=8, GROUP_BLOCKS=group_blocks, PDL=True, COMPUTE=True, ADD=False,
-                      SCALES=True, H=blocks)
+                      SCALES=True, H=blocks, REFILL=True)
         fn = wc._w4_gemv_columns_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=warps, aligned=("XW",)))
@@ -58,5 +58,8 @@ def test_copies_body_and_resources(compiled, case):
     # x read in row order, 16 bytes a load: 8 bands of 8 ``blocks`` ``warps`` packed rows over 32 ``warps`` threads
     global_loads = {op: count for op, count in kernel["memory_opcodes"].items() if op.startswith("LDG")}
     assert global_loads == {"LDG.E.128": 8 * 8 * blocks // 32}, kernel["memory_opcodes"]
+    # x's pair tables stored r fastest (``_shared``): a band reads a thread's four rows r of a table in one 16-byte
+    # load, four tables x two halves x blocks / 2 of them
+    assert kernel["memory_opcodes"].get("LDS.128") == 4 * blocks, kernel["memory_opcodes"]
     assert kernel["stack"] == 0, kernel
     assert kernel["shared_bytes"] <= 227 * 1024, kernel["shared_bytes"]
