@@ -115,7 +115,7 @@ if GLUON_USABLE:
     def _band_tables(XW, K_ROWS, BANDS: gl.constexpr, WARPS_: gl.constexpr, H: gl.constexpr):
         """x as the bands want it, in shared memory: pairs[j] [2 BANDS, 4, WARPS, H] (int32), index i BANDS + band
         holding rows 4 i .. 4 i + 3 of the band's blocks (block H w + h at [:, w, h]), pair j of each as
-        ``w4_gemv_hopper_kernel.word_pairs`` makes it; and sums [2 BANDS, WARPS, H], those rows' sums of x. Rows past
+        ``w4_gemv_hopper_kernel.word_pairs`` makes it; and sums [BANDS, WARPS, H], each block's sum of x. Rows past
         K_ROWS are zeros. x is read in row order, a packed row's four words (16 bytes) a thread, a warp 512
         contiguous bytes: each program reads all of x, and read in the tables' order (a warp's words 2 KB apart, one
         sector each) it took 3-6 us of a 9-15 us kernel, its ring full and idle meanwhile
@@ -144,28 +144,28 @@ if GLUON_USABLE:
         w0, w2 = gl.split(even)
         w1, w3 = gl.split(odd)
         pairs, total = word_pairs(w0, w1, w2, w3)
-        # to the bands' order [i, band, r, w, h] (and [i, band, w, h] for the sums), i BANDS + band leading
-        sums = _shared(gl.permute(gl.sum(total, axis=4), [3, 0, 1, 2]))
+        # a block's sum over both halves, [band, w, h]: one table, not one a half (256 bytes less at K = 4096 lets
+        # three programs of 8 warps x 2 slots x H = 4 share an SM, where two did: 76,816 bytes a program before)
+        block_sums = gl.sum(gl.sum(total, axis=4), axis=3)
+        sums = gl.allocate_shared_memory(gl.float32, block_sums.shape, gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        sums.store(block_sums)
+        sums = reinterpret(sums, gl.float32, block_sums.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        # the pairs to the bands' order [i, band, r, w, h], i BANDS + band leading
         return (_shared(gl.permute(pairs[0], [3, 0, 4, 1, 2])), _shared(gl.permute(pairs[1], [3, 0, 4, 1, 2])),
                 _shared(gl.permute(pairs[2], [3, 0, 4, 1, 2])), _shared(gl.permute(pairs[3], [3, 0, 4, 1, 2]))), sums
 
     @gluon.jit
     def _shared(values):
-        """values [2, BANDS, ...] (rank 4 or 5) in a shared-memory buffer of their own, seen as [2 BANDS, ...] with a
-        layout of one rank less than that: what .index() leaves. The pairs (rank 5, [i, band, r, w, h]) are stored r
+        """values [2, BANDS, 4, WARPS, H] (a pair table: [i, band, r, w, h]) in a shared-memory buffer of their own,
+        seen as [2 BANDS, 4, WARPS, H] with a layout of one rank less than that: what .index() leaves. Stored r
         fastest, then h, w: a warp's 32 lanes (4 r, H h, 2 i at H = 4) then write 16 consecutive words and two banks
         at most; stored h fastest, r's lanes fell 32 words apart, all on one bank (8-way conflicts, 2,000 wavefronts
         a program at 11008 x 4096 on the critical path after the wait: session 35's ncu_summary.json). A band's read
         then takes a thread's four r in one 16-byte load."""
-        order: gl.constexpr = [2, 4, 3, 1, 0] if len(values.shape) == 5 else [3, 2, 1, 0]
-        table = gl.allocate_shared_memory(values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, order))
+        table = gl.allocate_shared_memory(values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [2, 4, 3, 1, 0]))
         table.store(values)
-        if len(values.shape) == 5:
-            return reinterpret(table, values.dtype, [2 * values.shape[1], values.shape[2], values.shape[3],
-                                                     values.shape[4]], gl.SwizzledSharedLayout(1, 1, 1, [0, 2, 1]))
-        else:
-            return reinterpret(table, values.dtype, [2 * values.shape[1], values.shape[2], values.shape[3]],
-                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        return reinterpret(table, values.dtype, [2 * values.shape[1], values.shape[2], values.shape[3], values.shape[4]],
+                           gl.SwizzledSharedLayout(1, 1, 1, [0, 2, 1]))
 
     @gluon.jit
     def _load_band(band, c, w_desc, s_desc, z_desc, bar, w_slot, s_slot, z_slot, SCALES: gl.constexpr = True):
@@ -222,7 +222,7 @@ if GLUON_USABLE:
                 acc2 = _fma2(gl.broadcast(x_j, acc2)[0], src & (0x000F000F if j % 2 == 0 else 0x00F000F0), acc2)
         part = gl.sum(_word_sum(acc2), axis=0)  # [WARPS, H, 32]: sum x q 2**-32 per block and column
         sums_l: gl.constexpr = gl.SliceLayout(2, blocks_l)
-        x_sum = (sums.index(band).load(sums_l) + sums.index(BANDS + band).load(sums_l))[:, :, None]
+        x_sum = sums.index(band).load(sums_l)[:, :, None]
         # (zero points read where they are used, in bytes whose nibbles ``join`` parts in registers: no exchange
         # through shared memory)
         if GROUP_BLOCKS == 1:  # a group a block: scales [H WARPS, 32] seen as [WARPS, H, 32]
