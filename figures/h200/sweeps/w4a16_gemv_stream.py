@@ -66,6 +66,7 @@ ALL_VARIANTS = {
     "columns w8 s4 b4 add": dict(columns=True, warps=8, stages=4, blocks=4, add=True),
     "columns w4 s8 b4 add": dict(columns=True, warps=4, stages=8, blocks=4, add=True),
     "probe columns w8 s4 b4 copies only": dict(columns=True, warps=8, stages=4, blocks=4, compute=False),
+    "probe columns w8 s2 b4 copies only": dict(columns=True, warps=8, stages=2, blocks=4, compute=False),
     "probe columns w4 s8 b4 copies only": dict(columns=True, warps=4, stages=8, blocks=4, compute=False),
     # the math alone (session 35): every band computed from the ring's first fill, no refills (y is wrong)
     "probe columns w8 s4 b4 math only": dict(columns=True, warps=8, stages=4, blocks=4, probe=("refills",)),
