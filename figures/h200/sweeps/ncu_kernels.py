@@ -11,7 +11,9 @@ SDPA): the autotuned kernel, the TMA 64x64 tile, the 128x128 tile, and SDPA's cu
 decode at B=64, 2k context, 32/8 heads, block 16 over bf16 and int8 caches (issue 6: int8 should
 keep bf16's bandwidth utilisation); W4A16 GEMV at M=1 on 4096x11008 and 11008x4096 (issue 6: 3x bf16
 matmul), autotuned and with pinned configs (the HFMA2 body, the 2-d TILES body at 1 and 4 warps), next to minillm's
-bf16 GEMV on the same shapes and on 2048x4096 (about the INT4 weight's bytes). Condense the CSV with ncu_summary.py.
+bf16 GEMV on the same shapes and on 2048x4096 (about the INT4 weight's bytes); and the Gluon GEMVs (sm_90 only): the
+column kernel at its chosen shapes and its math alone, the stream kernel with its poll and its counter. Condense the
+CSV with ncu_summary.py.
 
 Usage on the H200: ncu --clock-control none --profile-from-start off --set full python3 ncu_kernels.py
 (figures/h200/sweeps/ncu_kernels.sh does that and keeps the text). On a CPU, DEV=cpu runs every case once at
