@@ -355,8 +355,7 @@ if GLUON_USABLE:
         return _mma_part((zero, zero, zero, zero), (zero, zero, zero, zero), WARPS_, H, GROUP_BLOCKS)
 
     @gluon.jit
-    def _mma_band(out, w_slot, s_slot, z_slot, pairs, sums, band, H: gl.constexpr, GROUP_BLOCKS: gl.constexpr,
-                  SWIZZLED: gl.constexpr = True):
+    def _mma_band(out, w_slot, s_slot, z_slot, pairs, sums, band, H: gl.constexpr, GROUP_BLOCKS: gl.constexpr):
         """out ([WARPS, 4, 8, H / GROUP_BLOCKS, 4] fp32, ``_mma_zero``: y's parts, column 4 g + c at [:, :, g, :, c],
         the same in a quad's four threads t) plus a landed band's products on the tensor cores. Thread (w, g, t) of
         lane 4 g + t holds words 4 g .. 4 g + 3 of rows 8 (H w + k) + 4 i + t of the band (rows 128-byte swizzled,
@@ -370,10 +369,7 @@ if GLUON_USABLE:
         # lane 4 g + t, as mma.sync numbers a quad's threads t and its groups g; a thread's four columns in
         # consecutive registers (one 16-byte load a row)
         words_l: gl.constexpr = gl.BlockedLayout([H, 1, 4], [1, 4, 8], [WARPS_, 1, 1], [1, 2, 0])
-        if SWIZZLED:
-            rows = reinterpret(w_slot, gl.int32, [H * WARPS_, 8, _COLS], gl.SwizzledSharedLayout(4, 1, 8, [2, 1, 0]))
-        else:
-            rows = reinterpret(w_slot, gl.int32, [H * WARPS_, 8, _COLS], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        rows = reinterpret(w_slot, gl.int32, [H * WARPS_, 8, _COLS], gl.SwizzledSharedLayout(4, 1, 8, [2, 1, 0]))
         c0, c1, c2, c3 = _mma_words(rows.load(words_l), WARPS_, H)
         a0, a1 = gl.split(c0)
         # x's pairs j of rows 8 (H w + k) + 4 i + t as B (B's eight columns all x): [w, t, k, j] a half i, lanes
@@ -409,8 +405,7 @@ if GLUON_USABLE:
     def _w4_gemv_columns_kernel(XW, w_desc, s_desc, z_desc, Y, N, K_ROWS, n_bands, STAGES: gl.constexpr,
                                 BANDS: gl.constexpr, GROUP_BLOCKS: gl.constexpr, PDL: gl.constexpr,
                                 COMPUTE: gl.constexpr = True, ADD: gl.constexpr = False, SCALES: gl.constexpr = True,
-                                H: gl.constexpr = 2, REFILL: gl.constexpr = True, MMA: gl.constexpr = False,
-                                SWIZZLED: gl.constexpr = True):
+                                H: gl.constexpr = 2, REFILL: gl.constexpr = True, MMA: gl.constexpr = False):
         """Program c: y[32 c : 32 c + 32] over all of K, n_bands bands through a ring of STAGES slots (the module
         docstring). BANDS: a power of two at least n_bands; GROUP_BLOCKS: blocks a group (1 or 2); H: blocks a warp
         a band (2 or 4). COMPUTE off: a probe (the copies alone; y is wrong), and with it SCALES off (the weights'
@@ -451,7 +446,7 @@ if GLUON_USABLE:
             if COMPUTE:
                 if MMA:
                     out = _mma_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs,
-                                    sums, band, H, GROUP_BLOCKS, SWIZZLED)
+                                    sums, band, H, GROUP_BLOCKS)
                 else:
                     out = _add_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs,
                                     sums, band, BANDS, band_l, GROUP_BLOCKS, H)
@@ -498,7 +493,7 @@ def ring_bytes(warps: int, stages: int, blocks: int) -> int:
 def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                     out: torch.Tensor, pdl: bool = True, warps: int = WARPS, stages: int = STAGES,
                     blocks: int = BLOCKS, compute: bool = True, add: bool = False,
-                    probe: tuple[str, ...] = (), mma: bool = False, swizzled: bool = True) -> None:
+                    probe: tuple[str, ...] = (), mma: bool = False) -> None:
     """y = x @ W into ``out`` [1, N] bf16 (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128): a program
     a 32-column tile, ``warps`` warps sharing out K in bands of 64 ``blocks`` ``warps`` inputs (``blocks`` blocks of
     64 a warp: 2 or 4), ``stages`` bands in flight. ``add``: ``out`` is an fp32 row [1, N] and y is added to it.
@@ -525,12 +520,11 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     numbers = plan(k, warps, blocks)
     x_rows = 0 if "tables" in probe else k // 8  # (the tables' rows of x: none read in that probe)
     _w4_gemv_columns_kernel[(n // COLS,)](x.view(torch.int32),
-                                          *_descriptors(qweight, scales, zeros, group, warps, blocks,
-                                                        mma and swizzled),
+                                          *_descriptors(qweight, scales, zeros, group, warps, blocks, mma),
                                           out, n, x_rows, numbers["n_bands"], STAGES=stages, BANDS=numbers["BANDS"],
                                           GROUP_BLOCKS=group // 64, PDL=pdl, COMPUTE=compute, ADD=add,
                                           SCALES="scales" not in probe, H=blocks, REFILL="refills" not in probe,
-                                          MMA=mma, SWIZZLED=swizzled, num_warps=warps, launch_pdl=pdl)
+                                          MMA=mma, num_warps=warps, launch_pdl=pdl)
 
 
 def shape_unsupported(warps: int, stages: int, blocks: int) -> str | None:

@@ -71,8 +71,6 @@ ALL_VARIANTS = {
     # the tensor-core body (session 35: mma.sync on the nibbles as bf16 subnormals)
     "columns w8 s4 b4 mma": dict(columns=True, warps=8, stages=4, blocks=4, mma=True),
     "columns w8 s2 b4 mma": dict(columns=True, warps=8, stages=2, blocks=4, mma=True),
-    "columns w8 s4 b4 mma unswizzled": dict(columns=True, warps=8, stages=4, blocks=4, mma=True, swizzled=False),
-    "columns w8 s2 b4 mma unswizzled": dict(columns=True, warps=8, stages=2, blocks=4, mma=True, swizzled=False),
     "columns w4 s4 b4 mma": dict(columns=True, warps=4, stages=4, blocks=4, mma=True),
     "columns w4 s8 b4 mma": dict(columns=True, warps=4, stages=8, blocks=4, mma=True),
     "columns w8 s4 mma": dict(columns=True, warps=8, stages=4, mma=True),
@@ -124,8 +122,7 @@ def run_variant(x, w, group, out, partials, counters, kw):
         w4_gemv_columns.w4_gemv_columns(x, *w, group, out, warps=kw["warps"], stages=kw["stages"],
                                         compute=kw.get("compute", True), add=kw.get("add", False),
                                         pdl=kw.get("pdl", True), probe=kw.get("probe", ()),
-                                        blocks=kw.get("blocks", 2), mma=kw.get("mma", False),
-                                        swizzled=kw.get("swizzled", True))
+                                        blocks=kw.get("blocks", 2), mma=kw.get("mma", False))
     else:
         w4_gemv_stream.w4_gemv_stream(x, *w, group, out, partials, counters, **kw)
 
