@@ -268,14 +268,6 @@ if GLUON_USABLE:
         return out + part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
     @gluon.jit
-    def _mma_from_zero(a0, a1, a2, a3, b0, b1):
-        """``_mma`` with C zero (zeros made in the asm: none to build or keep in registers)."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .f32 z; mov.f32 z, 0f00000000; mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {z, z, z, z}; }", "=f,=f,=f,=f,r,r,r,r,r,r",
-            [a0, a1, a2, a3, b0, b1], dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1)
-
-    @gluon.jit
     def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """One ``mma.sync.m16n8k16`` (bf16 in, fp32 sums) a warp, each thread passing its own fragment registers: A
         (a0 .. a3: rows g and g + 8, k 2t, 2t + 1 and 2t + 8, 2t + 9, for lane 4 g + t), B (b0, b1: k 2t, 2t + 1 and
@@ -310,16 +302,13 @@ if GLUON_USABLE:
                                          pack=1)
 
     @gluon.jit
-    def _mma_pair(wa, wb, x, d, FIRST: gl.constexpr = False):
+    def _mma_pair(wa, wb, x, d):
         """d (a pair of columns' four D registers) plus one packed row's products in two mmas: columns a and b of the
         strip are A's rows g and g + 8, nibble pairs (0, 4) and (1, 5) of their words its k (2t, 2t + 1) and
         (2t + 8, 2t + 9) against x's pairs 0 and 1 (``word_pairs``: 2**101 and 2**97, so that q 2**-133 x makes
         x q 2**-32 whichever nibble), then (2, 6) and (3, 7) against pairs 2 and 3."""
-        if FIRST:  # (d unused)
-            d = _mma_from_zero(wa & 0x000F000F, wb & 0x000F000F, wa & 0x00F000F0, wb & 0x00F000F0, x[0], x[1])
-        else:
-            d = _mma(wa & 0x000F000F, wb & 0x000F000F, wa & 0x00F000F0, wb & 0x00F000F0, x[0], x[1], d[0], d[1], d[2],
-                     d[3])
+        d = _mma(wa & 0x000F000F, wb & 0x000F000F, wa & 0x00F000F0, wb & 0x00F000F0, x[0], x[1], d[0], d[1], d[2],
+                 d[3])
         sa = _shift8(wa)
         sb = _shift8(wb)
         return _mma(sa & 0x000F000F, sb & 0x000F000F, sa & 0x00F000F0, sb & 0x00F000F0, x[2], x[3], d[0], d[1], d[2],
@@ -351,7 +340,7 @@ if GLUON_USABLE:
         words_l: gl.constexpr = gl.BlockedLayout([H, 1, 4], [1, 4, 8], [WARPS_, 1, 1], [1, 2, 0])
         c0, c1, c2, c3 = _mma_words(gl.zeros([H * WARPS_, 8, _COLS], gl.int32, layout=words_l), WARPS_, H)
         a0, a1 = gl.split(c0)
-        zero = a0.to(gl.float32) * 0.0  # (a layout split derives cannot be named: Triton 3.6 builds no tensor in it)
+        zero = gl.zeros(a0.shape, gl.float32, layout=a0.type.layout)
         return _mma_part((zero, zero, zero, zero), (zero, zero, zero, zero), WARPS_, H, GROUP_BLOCKS)
 
     @gluon.jit
@@ -378,11 +367,12 @@ if GLUON_USABLE:
         x0 = _pairs_as_b(pairs.index(2 * band).load(x_l), a0)
         x1 = _pairs_as_b(pairs.index(2 * band + 1).load(x_l), a0)
         b0, b1 = gl.split(c1)
-        d_01 = _mma_pair(a0, b0, x0, (), FIRST=True)
+        zero = gl.zeros(a0.shape, gl.float32, layout=a0.type.layout)
+        d_01 = _mma_pair(a0, b0, x0, (zero, zero, zero, zero))
         d_01 = _mma_pair(a1, b1, x1, d_01)
         a0, a1 = gl.split(c2)
         b0, b1 = gl.split(c3)
-        d_23 = _mma_pair(a0, b0, x0, (), FIRST=True)
+        d_23 = _mma_pair(a0, b0, x0, (zero, zero, zero, zero))
         d_23 = _mma_pair(a1, b1, x1, d_23)
         part = _mma_part(d_01, d_23, WARPS_, H, GROUP_BLOCKS)
         group_l: gl.constexpr = gl.SliceLayout(1, part.type.layout)  # [w, g, m, c]
