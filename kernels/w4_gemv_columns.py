@@ -112,7 +112,7 @@ if GLUON_USABLE:
     _TWO_POW_32 = gl.constexpr(4294967296.0)
 
     @gluon.jit
-    def _band_tables(XW, K_ROWS, BANDS: gl.constexpr, WARPS_: gl.constexpr, H: gl.constexpr, MMA: gl.constexpr):
+    def _band_tables(XW, K_ROWS, BANDS: gl.constexpr, WARPS_: gl.constexpr, H: gl.constexpr):
         """x as the bands want it, in shared memory: pairs[j] [2 BANDS, 4, WARPS, H] (int32), index i BANDS + band
         holding rows 4 i .. 4 i + 3 of the band's blocks (block H w + h at [:, w, h]), pair j of each as
         ``w4_gemv_hopper_kernel.word_pairs`` makes it; and sums [BANDS, WARPS, H], each block's sum of x. Rows past
@@ -150,26 +150,9 @@ if GLUON_USABLE:
         sums = gl.allocate_shared_memory(gl.float32, block_sums.shape, gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         sums.store(block_sums)
         sums = reinterpret(sums, gl.float32, block_sums.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        if MMA:  # one table [band, i, w, r, h, j], 2 band + i leading: a row's four pairs in one 16-byte load
-            quads = gl.reshape(gl.join(gl.join(pairs[0], pairs[1]), gl.join(pairs[2], pairs[3])),
-                               [BANDS, WARPS_, H, 2, 4, 4])
-            tables = _shared_mma(gl.permute(quads, [0, 3, 1, 4, 2, 5]))
-        else:  # the bands' order [i, band, r, w, h], i BANDS + band leading
-            tables = (_shared(gl.permute(pairs[0], [3, 0, 4, 1, 2])), _shared(gl.permute(pairs[1], [3, 0, 4, 1, 2])),
-                      _shared(gl.permute(pairs[2], [3, 0, 4, 1, 2])), _shared(gl.permute(pairs[3], [3, 0, 4, 1, 2])))
-        return tables, sums
-
-    @gluon.jit
-    def _shared_mma(values):
-        """values [BANDS, 2, WARPS, 4, H, 4] (x's pairs: [band, i, w, r, h, j]) in shared memory, row-major (a warp's
-        lanes, 4 r x H h x 2 i at H = 4, write 16 bytes each, 256 consecutive bytes a half-warp), seen as
-        [2 BANDS, WARPS, 4, H, 4] for .index(2 band + i): a row's pairs (0, 1) and (2, 3) are then two B operands in
-        consecutive registers, as mma.sync wants them (no moves)."""
-        table = gl.allocate_shared_memory(values.dtype, values.shape,
-                                          gl.SwizzledSharedLayout(1, 1, 1, [5, 4, 3, 2, 1, 0]))
-        table.store(values)
-        return reinterpret(table, values.dtype, [2 * values.shape[0], values.shape[2], values.shape[3], values.shape[4],
-                                                 values.shape[5]], gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
+        # the pairs to the bands' order [i, band, r, w, h], i BANDS + band leading
+        return (_shared(gl.permute(pairs[0], [3, 0, 4, 1, 2])), _shared(gl.permute(pairs[1], [3, 0, 4, 1, 2])),
+                _shared(gl.permute(pairs[2], [3, 0, 4, 1, 2])), _shared(gl.permute(pairs[3], [3, 0, 4, 1, 2]))), sums
 
     @gluon.jit
     def _shared(values):
@@ -268,134 +251,10 @@ if GLUON_USABLE:
         return out + part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
     @gluon.jit
-    def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """One ``mma.sync.m16n8k16`` (bf16 in, fp32 sums) a warp, each thread passing its own fragment registers: A
-        (a0 .. a3: rows g and g + 8, k 2t, 2t + 1 and 2t + 8, 2t + 9, for lane 4 g + t), B (b0, b1: k 2t, 2t + 1 and
-        2t + 8, 2t + 9 of column g) and C; returns D's four (rows g, g + 8 of columns 2t, 2t + 1). The tensor cores
-        take bf16 subnormals as they are (figures/h200/sweeps/subnormal_mma.json), which the nibbles are."""
-        return gl.inline_asm_elementwise(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-            "{$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
-            dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1)
-
-    @gluon.jit
-    def _pairs_as_b(quads, like):
-        """x's four pairs of a thread's rows [w, t, k, 4] as the mmas' B operands: pairs 0, 1, 2, 3, each [w, t, g, k]
-        (the same for every g) in the layout of ``like`` (a half's words)."""
-        even, odd = gl.split(gl.reshape(quads, [quads.shape[0], quads.shape[1], quads.shape[2], 2, 2]))
-        p0, p2 = gl.split(even)
-        p1, p3 = gl.split(odd)
-        return (_along_g(p0, like), _along_g(p1, like), _along_g(p2, like), _along_g(p3, like))
-
-    @gluon.jit
-    def _along_g(values, like):
-        """values [w, t, k] as [w, t, g, k] like ``like``, the same for every g: a thread already holds them (lanes
-        4 g + t of every g hold row t's), so no data moves (``assert_trivial``)."""
-        sliced = gl.convert_layout(values, gl.SliceLayout(2, like.type.layout), assert_trivial=True)
-        return gl.broadcast(gl.expand_dims(sliced, 2), like)[0]
-
-    @gluon.jit
-    def _shift8(w):
-        """w >> 8 (logical) as the high word of w 2**24: an IMAD on the FMA pipe, where a shift would take the ALU's,
-        which the masks fill."""
-        return gl.inline_asm_elementwise("mul.hi.u32 $0, $1, 16777216;", "=r,r", [w], dtype=gl.int32, is_pure=True,
-                                         pack=1)
-
-    @gluon.jit
-    def _mma_pair(wa, wb, x, d):
-        """d (a pair of columns' four D registers) plus one packed row's products in two mmas: columns a and b of the
-        strip are A's rows g and g + 8, nibble pairs (0, 4) and (1, 5) of their words its k (2t, 2t + 1) and
-        (2t + 8, 2t + 9) against x's pairs 0 and 1 (``word_pairs``: 2**101 and 2**97, so that q 2**-133 x makes
-        x q 2**-32 whichever nibble), then (2, 6) and (3, 7) against pairs 2 and 3."""
-        d = _mma(wa & 0x000F000F, wb & 0x000F000F, wa & 0x00F000F0, wb & 0x00F000F0, x[0], x[1], d[0], d[1], d[2],
-                 d[3])
-        sa = _shift8(wa)
-        sb = _shift8(wb)
-        return _mma(sa & 0x000F000F, sb & 0x000F000F, sa & 0x00F000F0, sb & 0x00F000F0, x[2], x[3], d[0], d[1], d[2],
-                    d[3])
-
-    @gluon.jit
-    def _mma_words(words, WARPS_: gl.constexpr, H: gl.constexpr):
-        """A band's words [H WARPS, 8, 32] as a thread holds them (``_mma_band``) parted into the strip's columns
-        4 g + c, c = 0 .. 3: four [w, t, g, k, i] tensors, word (row 8 (H w + k) + 4 i + t, column 4 g + c)."""
-        # [w, k, i, t, g, c] -> [w, t, g, k, i, c]: a thread's own (k, i, c) last
-        words = gl.permute(gl.reshape(words, [WARPS_, H, 2, 4, 8, 4]), [0, 3, 4, 1, 2, 5])
-        even, odd = gl.split(gl.reshape(words, [WARPS_, 4, 8, H, 2, 2, 2]))  # columns 4 g + 0, 2 and 1, 3
-        c0, c2 = gl.split(even)
-        c1, c3 = gl.split(odd)
-        return c0, c1, c2, c3
-
-    @gluon.jit
-    def _mma_part(d_01, d_23, WARPS_: gl.constexpr, H: gl.constexpr, GROUP_BLOCKS: gl.constexpr):
-        """The mmas' sums of columns (4 g, 4 g + 1) and (4 g + 2, 4 g + 3) (D's registers 0 and 2: rows g and g + 8)
-        as [w, t, g, m, c] per group m of the warp's blocks."""
-        part = gl.reshape(gl.join(gl.join(d_01[0], d_01[2]), gl.join(d_23[0], d_23[2])), [WARPS_, 4, 8, H, 4])
-        if GROUP_BLOCKS == 2:  # a group of 128: blocks k = 2 m, 2 m + 1
-            part = gl.sum(gl.reshape(part, [WARPS_, 4, 8, H // 2, 2, 4]), axis=4)
-        return part
-
-    @gluon.jit
-    def _mma_zero(WARPS_: gl.constexpr, H: gl.constexpr, GROUP_BLOCKS: gl.constexpr):
-        """Zeros as ``_mma_band``'s out: [w, t, g, m, c] fp32 in the layout its products come in."""
-        words_l: gl.constexpr = gl.BlockedLayout([H, 1, 4], [1, 4, 8], [WARPS_, 1, 1], [1, 2, 0])
-        c0, c1, c2, c3 = _mma_words(gl.zeros([H * WARPS_, 8, _COLS], gl.int32, layout=words_l), WARPS_, H)
-        a0, a1 = gl.split(c0)
-        zero = gl.zeros(a0.shape, gl.float32, layout=a0.type.layout)
-        return _mma_part((zero, zero, zero, zero), (zero, zero, zero, zero), WARPS_, H, GROUP_BLOCKS)
-
-    @gluon.jit
-    def _mma_band(out, w_slot, s_slot, z_slot, pairs, sums, band, H: gl.constexpr, GROUP_BLOCKS: gl.constexpr):
-        """out ([WARPS, 4, 8, H / GROUP_BLOCKS, 4] fp32, ``_mma_zero``: y's parts, column 4 g + c at [:, :, g, :, c],
-        the same in a quad's four threads t) plus a landed band's products on the tensor cores. Thread (w, g, t) of
-        lane 4 g + t holds words 4 g .. 4 g + 3 of rows 8 (H w + k) + 4 i + t of the band (rows 128-byte swizzled,
-        as TMA stores them): a quad's four packed rows are an mma's k (16 inputs: two nibble pairs of each), its
-        columns (4 g, 4 g + 1) or (4 g + 2, 4 g + 3) the mma's rows g and g + 8, and B's eight columns all x. Each
-        mma sums 16 columns' products in fp32: no 16-bit sums, none of their conversions. The mmas chain over a
-        block's two halves i; a group's blocks are summed after. Then, as ``_add_band``: (2**32 s) sum x q 2**-32 -
-        (z s) sum x, per group and column."""
-        WARPS_: gl.constexpr = gl.num_warps()
-        G: gl.constexpr = H // GROUP_BLOCKS  # a warp's groups a band
-        # lane 4 g + t, as mma.sync numbers a quad's threads t and its groups g; a thread's four columns in
-        # consecutive registers (one 16-byte load a row)
-        words_l: gl.constexpr = gl.BlockedLayout([H, 1, 4], [1, 4, 8], [WARPS_, 1, 1], [1, 2, 0])
-        rows = reinterpret(w_slot, gl.int32, [H * WARPS_, 8, _COLS], gl.SwizzledSharedLayout(4, 1, 8, [2, 1, 0]))
-        c0, c1, c2, c3 = _mma_words(rows.load(words_l), WARPS_, H)
-        a0, a1 = gl.split(c0)
-        # x's pairs j of rows 8 (H w + k) + 4 i + t as B (B's eight columns all x): [w, t, k, j] a half i, lanes
-        # 4 g + t as the words' (the g lanes alike)
-        x_l: gl.constexpr = gl.BlockedLayout([1, 1, H, 4], [1, 4, 1, 8], [WARPS_, 1, 1, 1], [1, 3, 2, 0])
-        x0 = _pairs_as_b(pairs.index(2 * band).load(x_l), a0)
-        x1 = _pairs_as_b(pairs.index(2 * band + 1).load(x_l), a0)
-        b0, b1 = gl.split(c1)
-        zero = gl.zeros(a0.shape, gl.float32, layout=a0.type.layout)
-        d_01 = _mma_pair(a0, b0, x0, (zero, zero, zero, zero))
-        d_01 = _mma_pair(a1, b1, x1, d_01)
-        a0, a1 = gl.split(c2)
-        b0, b1 = gl.split(c3)
-        d_23 = _mma_pair(a0, b0, x0, (zero, zero, zero, zero))
-        d_23 = _mma_pair(a1, b1, x1, d_23)
-        part = _mma_part(d_01, d_23, WARPS_, H, GROUP_BLOCKS)
-        group_l: gl.constexpr = gl.SliceLayout(1, part.type.layout)  # [w, g, m, c]
-        scale = s_slot.reshape([WARPS_, G, 8, 4]).permute([0, 2, 1, 3]).load(group_l).to(gl.float32)
-        # a column quad's four zero points are one 16-bit word of the slot (nibbles 4 g + c, c = 0 .. 3)
-        z_words = reinterpret(z_slot, gl.int16, [WARPS_ * G, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        zq = z_words.reshape([WARPS_, G, 8]).permute([0, 2, 1]).load(gl.SliceLayout(3, group_l)).to(gl.int32)
-        z = gl.convert_layout(gl.reshape(gl.join(gl.join(zq & 15, (zq >> 4) & 15), gl.join((zq >> 8) & 15,
-                                                                                         (zq >> 12) & 15)),
-                                         [WARPS_, 8, G, 4]), group_l)
-        sums_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, group_l))  # [w, m]
-        block_sums = sums.index(band).load(sums_l)  # [w, k]
-        if GROUP_BLOCKS == 2:
-            block_sums = gl.convert_layout(gl.sum(gl.reshape(block_sums, [WARPS_, G, 2]), axis=2), sums_l)
-        x_sum = block_sums[:, None, :, None]
-        return out + part * gl.expand_dims(scale * _TWO_POW_32, 1) - gl.expand_dims(
-            x_sum * (z.to(gl.float32) * scale), 1)
-
-    @gluon.jit
     def _w4_gemv_columns_kernel(XW, w_desc, s_desc, z_desc, Y, N, K_ROWS, n_bands, STAGES: gl.constexpr,
                                 BANDS: gl.constexpr, GROUP_BLOCKS: gl.constexpr, PDL: gl.constexpr,
                                 COMPUTE: gl.constexpr = True, ADD: gl.constexpr = False, SCALES: gl.constexpr = True,
-                                H: gl.constexpr = 2, REFILL: gl.constexpr = True, MMA: gl.constexpr = False):
+                                H: gl.constexpr = 2, REFILL: gl.constexpr = True):
         """Program c: y[32 c : 32 c + 32] over all of K, n_bands bands through a ring of STAGES slots (the module
         docstring). BANDS: a power of two at least n_bands; GROUP_BLOCKS: blocks a group (1 or 2); H: blocks a warp
         a band (2 or 4). COMPUTE off: a probe (the copies alone; y is wrong), and with it SCALES off (the weights'
@@ -421,33 +280,23 @@ if GLUON_USABLE:
                            s_smem.index(first), z_smem.index(first).slice(0, GROUPS), SCALES)
         _let_next_start(PDL)  # (the copies read weights only; x, which the kernel ahead writes, comes after the wait)
         _wait_for_previous(PDL)
-        pairs, sums = _band_tables(XW, K_ROWS, BANDS, WARPS_, H, MMA)
+        pairs, sums = _band_tables(XW, K_ROWS, BANDS, WARPS_, H)
         warps_barrier()  # the tables are written
 
         band_l: gl.constexpr = gl.BlockedLayout([4, 1, H // 2, 2], [1, 1, 2, 16], [1, WARPS_, 1, 1], [3, 2, 1, 0])
-        if MMA:
-            out = _mma_zero(WARPS_, H, GROUP_BLOCKS)
-        else:
-            out = gl.zeros([WARPS_, H, _COLS], gl.float32, layout=gl.SliceLayout(0, band_l))
+        out = gl.zeros([WARPS_, H, _COLS], gl.float32, layout=gl.SliceLayout(0, band_l))
         for band in range(n_bands):
             s = band % STAGES
             if REFILL or band < STAGES:
                 mbarrier.wait(landed.index(s), (band // STAGES) & 1)
             if COMPUTE:
-                if MMA:
-                    out = _mma_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs,
-                                    sums, band, H, GROUP_BLOCKS)
-                else:
-                    out = _add_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs,
-                                    sums, band, BANDS, band_l, GROUP_BLOCKS, H)
+                out = _add_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs, sums,
+                                band, BANDS, band_l, GROUP_BLOCKS, H)
             warps_barrier()  # every warp done with slot s
             if REFILL and band + STAGES < n_bands:
                 _load_band(band + STAGES, c, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
                            s_smem.index(s), z_smem.index(s).slice(0, GROUPS), SCALES)
-        if MMA:  # (a quad's four threads hold the same sums: one of them, then the warps' groups meet)
-            y = gl.reshape(gl.sum(gl.sum(gl.max(out, axis=1), axis=2), axis=0), [_COLS])
-        else:
-            y = gl.sum(gl.sum(out, axis=1), axis=0)  # the warps' blocks meet (through shared memory)
+        y = gl.sum(gl.sum(out, axis=1), axis=0)  # the warps' blocks meet (through shared memory)
         n = c * _COLS + gl.arange(0, _COLS, layout=y.type.layout)
         if ADD:
             y = y + gl.load(Y + n, mask=n < N, other=0.0)
@@ -455,17 +304,16 @@ if GLUON_USABLE:
 
 
 def _descriptors(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, warps: int,
-                 blocks: int, mma: bool = False):
-    """TMA descriptors: the packed weight [K / 8, N] (boxes of a band, [8 ``blocks`` warps, 32]; ``mma``: its
-    128-byte rows swizzled, so that a quad's four rows of one column quad fall on different banks), the scales
+                 blocks: int):
+    """TMA descriptors: the packed weight [K / 8, N] (boxes of a band, [8 ``blocks`` warps, 32]), the scales
     [groups, N] and the zero points as bytes [groups, N / 2] (boxes of a band's groups)."""
     groups = blocks * warps * BLOCK_ROWS * 8 // group
-    boxes = ((qweight, [blocks * warps * BLOCK_ROWS, COLS], gl.int32, 128 if mma else 0),
-             (scales, [groups, COLS], gl.bfloat16, 0), (zeros.view(torch.int8), [groups, COLS // 2], gl.int8, 0))
+    boxes = ((qweight, [blocks * warps * BLOCK_ROWS, COLS], gl.int32),
+             (scales, [groups, COLS], gl.bfloat16), (zeros.view(torch.int8), [groups, COLS // 2], gl.int8))
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), box,
-                             gl.NVMMASharedLayout(swizzle_byte_width=swizzle,
-                                                  element_bitwidth=dtype.primitive_bitwidth, rank=2))
-            for t, box, dtype, swizzle in boxes]
+                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.primitive_bitwidth,
+                                                  rank=2))
+            for t, box, dtype in boxes]
 
 
 def plan(k: int, warps: int, blocks: int = BLOCKS) -> dict:
@@ -483,7 +331,7 @@ def ring_bytes(warps: int, stages: int, blocks: int) -> int:
 def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                     out: torch.Tensor, pdl: bool = True, warps: int = WARPS, stages: int = STAGES,
                     blocks: int = BLOCKS, compute: bool = True, add: bool = False,
-                    probe: tuple[str, ...] = (), mma: bool = False) -> None:
+                    probe: tuple[str, ...] = ()) -> None:
     """y = x @ W into ``out`` [1, N] bf16 (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128): a program
     a 32-column tile, ``warps`` warps sharing out K in bands of 64 ``blocks`` ``warps`` inputs (``blocks`` blocks of
     64 a warp: 2 or 4), ``stages`` bands in flight. ``add``: ``out`` is an fp32 row [1, N] and y is added to it.
@@ -510,11 +358,11 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     numbers = plan(k, warps, blocks)
     x_rows = 0 if "tables" in probe else k // 8  # (the tables' rows of x: none read in that probe)
     _w4_gemv_columns_kernel[(n // COLS,)](x.view(torch.int32),
-                                          *_descriptors(qweight, scales, zeros, group, warps, blocks, mma),
+                                          *_descriptors(qweight, scales, zeros, group, warps, blocks),
                                           out, n, x_rows, numbers["n_bands"], STAGES=stages, BANDS=numbers["BANDS"],
                                           GROUP_BLOCKS=group // 64, PDL=pdl, COMPUTE=compute, ADD=add,
                                           SCALES="scales" not in probe, H=blocks, REFILL="refills" not in probe,
-                                          MMA=mma, num_warps=warps, launch_pdl=pdl)
+                                          num_warps=warps, launch_pdl=pdl)
 
 
 def shape_unsupported(warps: int, stages: int, blocks: int) -> str | None:

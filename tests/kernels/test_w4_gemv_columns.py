@@ -105,42 +105,38 @@ def test_it_refuses_warps_stages_and_blocks_it_has_no_views_for(warps, stages, b
 
 
 @needs_sm90
-@pytest.mark.parametrize("mma", [False, True], ids=["hfma2", "mma"])
 @pytest.mark.parametrize("k,n,group,warps,stages,blocks", CASES)
-def test_column_gemv_matches_ref_and_repeats_its_bits(k, n, group, warps, stages, blocks, mma):
+def test_column_gemv_matches_ref_and_repeats_its_bits(k, n, group, warps, stages, blocks):
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + group + warps)
     want = w4a16_matmul_ref(x, qweight, scales, zeros, group)
     out = poisoned((1, n), torch.bfloat16)
-    columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, warps=warps, stages=stages, blocks=blocks, mma=mma)
+    columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, warps=warps, stages=stages, blocks=blocks)
     assert_matches(out, want, torch.bfloat16)
     again = poisoned((1, n), torch.bfloat16)
-    columns.w4_gemv_columns(x, qweight, scales, zeros, group, again, warps=warps, stages=stages, blocks=blocks,
-                            mma=mma)
+    columns.w4_gemv_columns(x, qweight, scales, zeros, group, again, warps=warps, stages=stages, blocks=blocks)
     assert torch.equal(again, out), "no atomics, sums in a fixed order: the same bits every run"
 
 
 @needs_sm90
-@pytest.mark.parametrize("mma", [False, True], ids=["hfma2", "mma"])
 @pytest.mark.parametrize("k,n,group,warps,stages,blocks", [CASES[0], CASES[3], CASES[5], CASES[9]])
-def test_column_gemv_adds_y_to_an_fp32_row(k, n, group, warps, stages, blocks, mma):
+def test_column_gemv_adds_y_to_an_fp32_row(k, n, group, warps, stages, blocks):
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + 7)
     row = torch.randn(1, n, dtype=torch.float32, device=x.device)
     want = row + w4a16_matmul_ref(x, qweight, scales, zeros, group).float()
     out = row.clone()
     columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, warps=warps, stages=stages, blocks=blocks,
-                            add=True, mma=mma)
+                            add=True)
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     with pytest.raises(ValueError, match="float32 row"):
         columns.w4_gemv_columns(x, qweight, scales, zeros, group, poisoned((1, n), torch.bfloat16), add=True)
 
 
 @needs_sm90
-@pytest.mark.parametrize("mma", [False, True], ids=["hfma2", "mma"])
-def test_column_gemv_passes_nans_through(mma):
+def test_column_gemv_passes_nans_through():
     x, qweight, scales, zeros, _, _ = int4_problem(1, 4096, 1024, 128, torch.bfloat16, seed=5)
     x[0, 3000] = float("nan")
     out = poisoned((1, 1024), torch.bfloat16)
-    columns.w4_gemv_columns(x, qweight, scales, zeros, 128, out, mma=mma)
+    columns.w4_gemv_columns(x, qweight, scales, zeros, 128, out)
     want = w4a16_matmul_ref(x, qweight, scales, zeros, 128)
     assert torch.equal(out.isnan(), want.isnan()) and out.isnan().all()
 

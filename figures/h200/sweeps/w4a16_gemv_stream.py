@@ -68,16 +68,6 @@ ALL_VARIANTS = {
     "probe columns w8 s4 b4 copies only": dict(columns=True, warps=8, stages=4, blocks=4, compute=False),
     "probe columns w8 s2 b4 copies only": dict(columns=True, warps=8, stages=2, blocks=4, compute=False),
     "probe columns w4 s8 b4 copies only": dict(columns=True, warps=4, stages=8, blocks=4, compute=False),
-    # the tensor-core body (session 35: mma.sync on the nibbles as bf16 subnormals)
-    "columns w8 s4 b4 mma": dict(columns=True, warps=8, stages=4, blocks=4, mma=True),
-    "columns w8 s2 b4 mma": dict(columns=True, warps=8, stages=2, blocks=4, mma=True),
-    "columns w4 s4 b4 mma": dict(columns=True, warps=4, stages=4, blocks=4, mma=True),
-    "columns w4 s8 b4 mma": dict(columns=True, warps=4, stages=8, blocks=4, mma=True),
-    "columns w8 s4 mma": dict(columns=True, warps=8, stages=4, mma=True),
-    "columns w8 s8 mma": dict(columns=True, warps=8, stages=8, mma=True),
-    "columns w16 s4 mma": dict(columns=True, warps=16, stages=4, mma=True),
-    "probe columns w8 s4 b4 mma math only": dict(columns=True, warps=8, stages=4, blocks=4, mma=True,
-                                                 probe=("refills",)),
     # the math alone (session 35): every band computed from the ring's first fill, no refills (y is wrong)
     "probe columns w8 s4 b4 math only": dict(columns=True, warps=8, stages=4, blocks=4, probe=("refills",)),
     "probe columns w8 s2 b4 math only": dict(columns=True, warps=8, stages=2, blocks=4, probe=("refills",)),
@@ -122,7 +112,7 @@ def run_variant(x, w, group, out, partials, counters, kw):
         w4_gemv_columns.w4_gemv_columns(x, *w, group, out, warps=kw["warps"], stages=kw["stages"],
                                         compute=kw.get("compute", True), add=kw.get("add", False),
                                         pdl=kw.get("pdl", True), probe=kw.get("probe", ()),
-                                        blocks=kw.get("blocks", 2), mma=kw.get("mma", False))
+                                        blocks=kw.get("blocks", 2))
     else:
         w4_gemv_stream.w4_gemv_stream(x, *w, group, out, partials, counters, **kw)
 
