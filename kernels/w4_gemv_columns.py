@@ -46,8 +46,19 @@ band (H = 4: twice a thread's words a band, half the bands' barriers and copies)
 machine: 9.43 / 9.81 / 4.44 us against H = 2's best 9.78 / 10.00 / 4.58, the stream kernel 8.94 poll / 9.20 counter
 (w4a16_gemv_columns_blocks.json; 2.67x and 2.56x torch, where issue 6 asks 3x). It wins at 4096 x 4096 only
 (4.44-4.54 us against split-K's 5.50-5.64), but with Llama-2-7B's o_proj on it (the add form, y added to the
-residual row; H = 2) the decode was no faster: 650.1-650.3 tok/s against 650.8-651.4 (latency_columns_add.json). So
-``w4_gemv_hopper.gemv`` runs it only for the forms MINILLM_GEMV_COLUMNS names ("plain", "add"; none by default).
+residual row; H = 2) the decode was no faster: 650.1-650.3 tok/s against 650.8-651.4 (latency_columns_add.json).
+
+Session 35 found it math-bound after the wait: its ring, filled during the kernel ahead (PDL), holds most of a
+column's weight, so what follows the wait is x's loads, the tables and every band's math. Computing every band from
+the first fill, never refilled (``probe=("refills",)``), took 9.05 us at 11008 x 4096 against the kernel's 9.72
+(w4a16_gemv_columns_math.json). Nsight Compute (ncu_columns_session35.json) showed x's tables stored with 8-way bank
+conflicts (``_shared``); stored r fastest, 9.03 / 9.05 us (w4a16_gemv_columns_tables.json). And one x-sum table a
+block (not one a half) brought a program of 8 x 2 x 4 at K = 4096 to 76,560 bytes, 240 under the third of an SM's
+shared memory it must fit: three programs an SM, all 344 of 4096 x 11008 resident at once, 8.57 us; 11008 x 4096
+9.21 (w4a16_gemv_columns_three.json: 2.87x and 2.77x torch's bf16 matmul, the stream kernel 8.68 / 9.26). A
+tensor-core body (mma.sync on the nibbles as bf16 subnormals, which the tensor cores keep: subnormal_mma.json) was
+slower and was reverted (w4a16_gemv_columns_mma.json). So ``w4_gemv_hopper.gemv`` runs this kernel only for the
+forms MINILLM_GEMV_COLUMNS names ("plain", "add"; none by default).
 
 What it takes (``unsupported``): one bf16 row, K a multiple of 64, N of 32, group 64 or 128. Not under Triton's
 interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_w4_gemv_columns.py); compiled for sm_90 on
@@ -103,7 +114,9 @@ SHAPE = shape_switch(os.environ.get("MINILLM_GEMV_COLUMNS_SHAPE", ""))
 def choose_shape(k: int) -> tuple[int, int, int]:
     """(warps, ring slots, blocks a warp) for a K-long column: 8 warps, 4 blocks a warp (32 KB bands), as many slots
     as bands up to 4 (128 KB). H200: 4096 x 11008 8 x 2 x 4 9.43 us (8 x 4 x 2 9.78); 11008 x 4096 8 x 4 x 4 9.81
-    (8 x 8 x 2 10.00); 4096 x 4096 8 x 4 x 4 4.44, 8 x 2 x 4 4.53 (8 x 4 x 2 4.78): w4a16_gemv_columns_blocks.json."""
+    (8 x 8 x 2 10.00); 4096 x 4096 8 x 4 x 4 4.44, 8 x 2 x 4 4.53 (8 x 4 x 2 4.78): w4a16_gemv_columns_blocks.json.
+    Session 35, the tables' fixes made: 8 x 2 x 4 8.57 us at 4096 x 11008 (4 x 4 x 4 8.72), 8 x 4 x 4 9.21 at
+    11008 x 4096 (16 x 2 x 4 9.42, 8 x 8 x 2 9.54): w4a16_gemv_columns_three.json."""
     return WARPS, min(4, triton.next_power_of_2(plan(k, WARPS, 4)["n_bands"])), 4
 
 
@@ -160,7 +173,7 @@ if GLUON_USABLE:
         seen as [2 BANDS, 4, WARPS, H] with a layout of one rank less than that: what .index() leaves. Stored r
         fastest, then h, w: a warp's 32 lanes (4 r, H h, 2 i at H = 4) then write 16 consecutive words and two banks
         at most; stored h fastest, r's lanes fell 32 words apart, all on one bank (8-way conflicts, 2,000 wavefronts
-        a program at 11008 x 4096 on the critical path after the wait: session 35's ncu_summary.json). A band's read
+        a program at 11008 x 4096 on the critical path after the wait: ncu_columns_session35.json). A band's read
         then takes a thread's four r in one 16-byte load."""
         table = gl.allocate_shared_memory(values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [2, 4, 3, 1, 0]))
         table.store(values)
