@@ -305,8 +305,10 @@ if GLUON_USABLE:
             if COMPUTE:
                 out = _add_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs, sums,
                                 band, BANDS, band_l, GROUP_BLOCKS, H)
-            warps_barrier()  # every warp done with slot s
             if REFILL and band + STAGES < n_bands:
+                # every warp done with slot s before it is refilled (no refill, no wait: a ring that holds all of K,
+                # as at 4096 x 11008, never stops its warps)
+                warps_barrier()
                 _load_band(band + STAGES, c, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
                            s_smem.index(s), z_smem.index(s).slice(0, GROUPS), SCALES)
         y = gl.sum(gl.sum(out, axis=1), axis=0)  # the warps' blocks meet (through shared memory)
