@@ -216,13 +216,26 @@ if GLUON_USABLE:
         return gl.convert_layout(gl.reshape(wide, [WARPS_, 2 * values.shape[1], _COLS]), blocks_l, assert_trivial=True)
 
     @gluon.jit
-    def _band_values(w_slot, s_slot, z_slot, band_l: gl.constexpr, GROUP_BLOCKS: gl.constexpr, H: gl.constexpr):
-        """What a landed band's math needs of its slot, in registers: its words (rows 0-3 and 4-7 of every block,
-        ``_band_halves``), scales and zero points ([WARPS, H, 32], a block's each). Read before the math, so that the
-        slot may be refilled while the math runs."""
+    def _add_band(out, w_slot, s_slot, z_slot, pairs, sums, band, BANDS: gl.constexpr, band_l: gl.constexpr,
+                  GROUP_BLOCKS: gl.constexpr, H: gl.constexpr):
+        """out ([WARPS, H, 32] fp32: a block's column sums so far, each thread its own) plus a landed band's
+        products with x, scaled and less the zero points' share: sum_k x (q - z) s = (2**32 s) sum x q 2**-32 -
+        (z s) sum x, per block (both blocks of a group of 128 take its scale and zero point)."""
         WARPS_: gl.constexpr = gl.num_warps()
+        x_l: gl.constexpr = gl.SliceLayout(3, band_l)
         blocks_l: gl.constexpr = gl.SliceLayout(0, band_l)
+        acc2 = gl.zeros([4, WARPS_, H, _COLS], gl.int32, layout=band_l)  # +0.0 in both halves
         halves = _band_halves(w_slot, band_l, WARPS_, H)
+        for i in gl.static_range(2):  # rows 0-3, then 4-7, of every block: row r's sums shared with row r + 4
+            packed = halves[i]
+            shifted = packed >> 8  # nibbles 2, 3, 6, 7 to where 0, 1, 4, 5 were
+            for j in gl.static_range(4):
+                x_j = pairs[j].index(i * BANDS + band).load(x_l)[:, :, :, None]
+                src = packed if j < 2 else shifted
+                acc2 = _fma2(gl.broadcast(x_j, acc2)[0], src & (0x000F000F if j % 2 == 0 else 0x00F000F0), acc2)
+        part = gl.sum(_word_sum(acc2), axis=0)  # [WARPS, H, 32]: sum x q 2**-32 per block and column
+        sums_l: gl.constexpr = gl.SliceLayout(2, blocks_l)
+        x_sum = sums.index(band).load(sums_l)[:, :, None]
         # (zero points read where they are used, in bytes whose nibbles ``join`` parts in registers: no exchange
         # through shared memory)
         if GROUP_BLOCKS == 1:  # a group a block: scales [H WARPS, 32] seen as [WARPS, H, 32]
@@ -248,29 +261,6 @@ if GLUON_USABLE:
             z_group = gl.convert_layout(gl.reshape(gl.join(z_byte & 15, z_byte >> 4), [WARPS_, H // 2, _COLS]),
                                         group_l, assert_trivial=True)
             z = _group_rows(z_group, wide_l, blocks_l)
-        return halves, scale, z
-
-    @gluon.jit
-    def _add_band(out, values, pairs, sums, band, BANDS: gl.constexpr, band_l: gl.constexpr, H: gl.constexpr):
-        """out ([WARPS, H, 32] fp32: a block's column sums so far, each thread its own) plus a landed band's
-        products with x (its ``_band_values``), scaled and less the zero points' share: sum_k x (q - z) s =
-        (2**32 s) sum x q 2**-32 - (z s) sum x, per block (both blocks of a group of 128 take its scale and zero
-        point)."""
-        WARPS_: gl.constexpr = gl.num_warps()
-        x_l: gl.constexpr = gl.SliceLayout(3, band_l)
-        blocks_l: gl.constexpr = gl.SliceLayout(0, band_l)
-        halves, scale, z = values
-        acc2 = gl.zeros([4, WARPS_, H, _COLS], gl.int32, layout=band_l)  # +0.0 in both halves
-        for i in gl.static_range(2):  # rows 0-3, then 4-7, of every block: row r's sums shared with row r + 4
-            packed = halves[i]
-            shifted = packed >> 8  # nibbles 2, 3, 6, 7 to where 0, 1, 4, 5 were
-            for j in gl.static_range(4):
-                x_j = pairs[j].index(i * BANDS + band).load(x_l)[:, :, :, None]
-                src = packed if j < 2 else shifted
-                acc2 = _fma2(gl.broadcast(x_j, acc2)[0], src & (0x000F000F if j % 2 == 0 else 0x00F000F0), acc2)
-        part = gl.sum(_word_sum(acc2), axis=0)  # [WARPS, H, 32]: sum x q 2**-32 per block and column
-        sums_l: gl.constexpr = gl.SliceLayout(2, blocks_l)
-        x_sum = sums.index(band).load(sums_l)[:, :, None]
         return out + part * (scale * _TWO_POW_32) - x_sum * (z.to(gl.float32) * scale)
 
     @gluon.jit
@@ -313,17 +303,14 @@ if GLUON_USABLE:
             if REFILL or band < STAGES:
                 mbarrier.wait(landed.index(s), (band // STAGES) & 1)
             if COMPUTE:
-                values = _band_values(w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), band_l,
-                                      GROUP_BLOCKS, H)
+                out = _add_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs, sums,
+                                band, BANDS, band_l, GROUP_BLOCKS, H)
             if REFILL and band + STAGES < n_bands:
-                # every warp has read slot s (its values are in registers) before it is refilled, so the next copy
-                # flies during this band's math; no refill, no wait: a ring that holds all of K, as at
-                # 4096 x 11008, never stops its warps
+                # every warp done with slot s before it is refilled (no refill, no wait: a ring that holds all of K,
+                # as at 4096 x 11008, never stops its warps)
                 warps_barrier()
                 _load_band(band + STAGES, c, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
                            s_smem.index(s), z_smem.index(s).slice(0, GROUPS), SCALES)
-            if COMPUTE:
-                out = _add_band(out, values, pairs, sums, band, BANDS, band_l, H)
         y = gl.sum(gl.sum(out, axis=1), axis=0)  # the warps' blocks meet (through shared memory)
         n = c * _COLS + gl.arange(0, _COLS, layout=y.type.layout)
         if ADD:
