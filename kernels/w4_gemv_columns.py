@@ -55,7 +55,9 @@ the first fill, never refilled (``probe=("refills",)``), took 9.05 us at 11008 x
 conflicts (``_shared``); stored r fastest, 9.03 / 9.05 us (w4a16_gemv_columns_tables.json). And one x-sum table a
 block (not one a half) brought a program of 8 x 2 x 4 at K = 4096 to 76,560 bytes, 240 under the third of an SM's
 shared memory it must fit: three programs an SM, all 344 of 4096 x 11008 resident at once, 8.57 us; 11008 x 4096
-9.21 (w4a16_gemv_columns_three.json: 2.87x and 2.77x torch's bf16 matmul, the stream kernel 8.68 / 9.26). A
+9.21 (w4a16_gemv_columns_three.json: 2.87x and 2.77x torch's bf16 matmul, the stream kernel 8.68 / 9.26). With no
+barrier where no refill follows, 8.59 / 8.83 us, 2.86x / 2.82x (w4a16_gemv_columns_barriers.json); reading a band
+into registers before its refill was slower (80 registers a thread: w4a16_gemv_columns_early_refill.json). A
 tensor-core body (mma.sync on the nibbles as bf16 subnormals, which the tensor cores keep: subnormal_mma.json) was
 slower and was reverted (w4a16_gemv_columns_mma.json). So ``w4_gemv_hopper.gemv`` runs this kernel only for the
 forms MINILLM_GEMV_COLUMNS names ("plain", "add"; none by default).
@@ -115,8 +117,8 @@ def choose_shape(k: int) -> tuple[int, int, int]:
     """(warps, ring slots, blocks a warp) for a K-long column: 8 warps, 4 blocks a warp (32 KB bands), as many slots
     as bands up to 4 (128 KB). H200: 4096 x 11008 8 x 2 x 4 9.43 us (8 x 4 x 2 9.78); 11008 x 4096 8 x 4 x 4 9.81
     (8 x 8 x 2 10.00); 4096 x 4096 8 x 4 x 4 4.44, 8 x 2 x 4 4.53 (8 x 4 x 2 4.78): w4a16_gemv_columns_blocks.json.
-    Session 35, the tables' fixes made: 8 x 2 x 4 8.57 us at 4096 x 11008 (4 x 4 x 4 8.72), 8 x 4 x 4 9.21 at
-    11008 x 4096 (16 x 2 x 4 9.42, 8 x 8 x 2 9.54): w4a16_gemv_columns_three.json."""
+    Session 35, the tables' and barriers' fixes made: 8 x 2 x 4 8.59 us at 4096 x 11008 (4 x 4 x 4 8.70), 8 x 4 x 4
+    8.83 at 11008 x 4096 (16 x 2 x 4 9.04, 4 x 8 x 4 9.27): w4a16_gemv_columns_barriers.json."""
     return WARPS, min(4, triton.next_power_of_2(plan(k, WARPS, 4)["n_bands"])), 4
 
 
@@ -177,8 +179,8 @@ if GLUON_USABLE:
         then takes a thread's four r in one 16-byte load."""
         table = gl.allocate_shared_memory(values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [2, 4, 3, 1, 0]))
         table.store(values)
-        return reinterpret(table, values.dtype, [2 * values.shape[1], values.shape[2], values.shape[3], values.shape[4]],
-                           gl.SwizzledSharedLayout(1, 1, 1, [0, 2, 1]))
+        shape: gl.constexpr = [2 * values.shape[1], values.shape[2], values.shape[3], values.shape[4]]
+        return reinterpret(table, values.dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, [0, 2, 1]))
 
     @gluon.jit
     def _load_band(band, c, w_desc, s_desc, z_desc, bar, w_slot, s_slot, z_slot, SCALES: gl.constexpr = True):
