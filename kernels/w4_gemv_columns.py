@@ -355,7 +355,9 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     ``compute`` off: a probe, the copies alone (y is wrong), with ``probe`` naming what else to leave out: "scales"
     (their copies), "tables" (x's loads: its tables are built of zeros). ``probe=("refills",)`` with ``compute``: the
     math alone, every band computed from the ring's first fill (y is wrong)."""
-    if probe and not (probe == ("refills",) and compute or not compute and not set(probe) - {"scales", "tables"}):
+    copies_probe = not compute and not set(probe) - {"scales", "tables"}
+    math_probe = compute and probe == ("refills",)
+    if probe and not (copies_probe or math_probe):
         raise ValueError(f"probe leaves out 'scales' or 'tables' from a copies-only run (compute=False), or 'refills' "
                          f"alone from a computing one, got probe={probe} with compute={compute}")
     k, n = 8 * qweight.shape[0], qweight.shape[1]

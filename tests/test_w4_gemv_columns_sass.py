@@ -21,21 +21,23 @@ SCRIPT = textwrap.dedent('''
     from minillm.bench.sass import compile_gluon_sm90, whole_kernel
     from minillm.kernels import w4_gemv_columns as wc
 
-    def counts(warps, stages, group_blocks, blocks):
+    def counts(warps, stages, group_blocks, blocks, bands=8):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
         groups = blocks * warps // group_blocks
         types = {"XW": "*i32", "w_desc": f"tensordesc<i32[{8 * blocks * warps},{wc.COLS}],{layout(32)!r}>",
                  "s_desc": f"tensordesc<bf16[{groups},{wc.COLS}],{layout(16)!r}>",
                  "z_desc": f"tensordesc<i8[{groups},{wc.COLS // 2}],{layout(8)!r}>", "Y": "*bf16"}
-        consts = dict(STAGES=stages, BANDS=8, GROUP_BLOCKS=group_blocks, PDL=True, COMPUTE=True, ADD=False,
+        consts = dict(STAGES=stages, BANDS=bands, GROUP_BLOCKS=group_blocks, PDL=True, COMPUTE=True, ADD=False,
                       SCALES=True, H=blocks, REFILL=True)
         fn = wc._w4_gemv_columns_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=warps, aligned=("XW",)))
         return dict(span, opcodes=dict(span["opcodes"]))
 
-    print(json.dumps({f"{w}x{s}x{b} g{64 * g}": counts(w, s, g, b) for w, s, g, b in (
-        (8, 4, 2, 2), (8, 2, 1, 2), (4, 8, 2, 2), (16, 2, 2, 2), (8, 4, 2, 4), (8, 2, 1, 4), (2, 2, 1, 4))}))
+    cases = {f"{w}x{s}x{b} g{64 * g}": counts(w, s, g, b) for w, s, g, b in (
+        (8, 4, 2, 2), (8, 2, 1, 2), (4, 8, 2, 2), (16, 2, 2, 2), (8, 4, 2, 4), (8, 2, 1, 4), (2, 2, 1, 4))}
+    cases["8x2x4 g128 K=4096"] = counts(8, 2, 2, 4, bands=2)  # choose_shape's at 4096 x 11008: two bands
+    print(json.dumps(cases))
 ''')
 CASES = ["8x4x2 g128", "8x2x2 g64", "4x8x2 g128", "16x2x2 g128", "8x4x4 g128", "8x2x4 g64", "2x2x4 g64"]
 
@@ -63,3 +65,13 @@ def test_copies_body_and_resources(compiled, case):
     assert kernel["memory_opcodes"].get("LDS.128") == 4 * blocks, kernel["memory_opcodes"]
     assert kernel["stack"] == 0, kernel
     assert kernel["shared_bytes"] <= 227 * 1024, kernel["shared_bytes"]
+
+
+def test_three_programs_an_sm_at_4096_inputs(compiled):
+    """At K = 4096 (Llama-2-7B's gate/up, 344 programs) three 8 x 2 x 4 programs share an SM, so that all are
+    resident at once (session 35: 8.57 us, two an SM 9.05: figures/h200/sweeps/w4a16_gemv_columns_three.json): each
+    within a third of the H200's 233,472 bytes of shared memory less the 1 KB a program reserves, and of its 65,536
+    registers (allocated 8 a thread at a time)."""
+    kernel = compiled["8x2x4 g128 K=4096"]
+    assert 3 * (-(-kernel["shared_bytes"] // 128) * 128 + 1024) <= 233472, kernel["shared_bytes"]
+    assert 3 * 8 * 32 * -(-kernel["registers"] // 8) * 8 <= 65536, kernel["registers"]
