@@ -80,17 +80,18 @@ def w4_gemv(k, n, config=None):
 
 def gluon_gemv(k, n, kernel, **kw):
     """The Gluon W4A16 GEMVs, called directly at a pinned shape: the column kernel (``kernel="columns"``, kw its
-    warps, stages, blocks) and the stream kernel (kw its programs_per_sm, stages, fixup)."""
+    warps, stages, blocks) and the stream kernel (kw its programs_per_sm, stages, fixup: "poll" or "counter")."""
     from minillm.kernels import w4_gemv_columns, w4_gemv_stream
+    from minillm.kernels.checks import num_sms
     from minillm.kernels.split_k import tile_counters
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=gen)
     q, s, z = _weights(QuantShape(1, k, n), torch.bfloat16, dev, gen)["w4a16"]
     out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
     if kernel == "columns":
         return lambda: w4_gemv_columns.w4_gemv_columns(x, q, s, z, GROUP_SIZE, out, **kw)
-    partials = torch.empty(w4_gemv_stream.partials_needed(k, n, 4 * torch.cuda.get_device_properties(dev)
-                                                          .multi_processor_count), dtype=torch.float32, device=dev)
+    partials = torch.empty(w4_gemv_stream.partials_needed(k, n, 4 * num_sms(dev)), dtype=torch.float32, device=dev)
     counters = tile_counters(dev)
+    kw["fixup"] = {"poll": w4_gemv_stream.FIXUP_POLL, "counter": w4_gemv_stream.FIXUP_COUNTER}[kw["fixup"]]
     return lambda: w4_gemv_stream.w4_gemv_stream(x, q, s, z, GROUP_SIZE, out, partials, counters, **kw)
 
 
@@ -128,8 +129,9 @@ CASES = {
     "columns_4096x11008_8x2x4": lambda: gluon_gemv(4096, 11008, "columns", warps=8, stages=2, blocks=4),
     "columns_11008x4096_8x4x4_math": lambda: gluon_gemv(11008, 4096, "columns", warps=8, stages=4, blocks=4,
                                                         probe=("refills",)),
-    "stream_4096x11008_poll": lambda: gluon_gemv(4096, 11008, "stream", programs_per_sm=3, stages=2, fixup=2),
-    "stream_11008x4096_counter": lambda: gluon_gemv(11008, 4096, "stream", programs_per_sm=3, stages=2, fixup=1),
+    "stream_4096x11008_poll": lambda: gluon_gemv(4096, 11008, "stream", programs_per_sm=3, stages=2, fixup="poll"),
+    "stream_11008x4096_counter": lambda: gluon_gemv(11008, 4096, "stream", programs_per_sm=3, stages=2,
+                                                    fixup="counter"),
     "bf16_gemv_4096x11008": lambda: bf16_gemv(4096, 11008),
     "bf16_gemv_4096x2048": lambda: bf16_gemv(2048, 4096),
     "bf16_gemv_11008x4096": lambda: bf16_gemv(11008, 4096),
