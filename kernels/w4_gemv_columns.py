@@ -127,14 +127,13 @@ if GLUON_USABLE:
     _TWO_POW_32 = gl.constexpr(4294967296.0)
 
     @gluon.jit
-    def _band_tables(XW, K_ROWS, BANDS: gl.constexpr, WARPS_: gl.constexpr, H: gl.constexpr):
-        """x as the bands want it, in shared memory: pairs[j] [2 BANDS, 4, WARPS, H] (int32), index i BANDS + band
-        holding rows 4 i .. 4 i + 3 of the band's blocks (block H w + h at [:, w, h]), pair j of each as
-        ``w4_gemv_hopper_kernel.word_pairs`` makes it; and sums [BANDS, WARPS, H], each block's sum of x. Rows past
-        K_ROWS are zeros. x is read in row order, a packed row's four words (16 bytes) a thread, a warp 512
-        contiguous bytes: each program reads all of x, and read in the tables' order (a warp's words 2 KB apart, one
+    def _x_words(XW, K_ROWS, BANDS: gl.constexpr, WARPS_: gl.constexpr, H: gl.constexpr):
+        """x's packed rows as [band, w, h, i, r, word] (int32, two bf16 a word; zeros past K_ROWS), row 8 H WARPS
+        band + 8 H w + 8 h + 4 i + r, in row order: a packed row's four words (16 bytes) a thread, a warp 512
+        contiguous bytes. Each program reads all of x, and read in the tables' order (a warp's words 2 KB apart, one
         sector each) it took 3-6 us of a 9-15 us kernel, its ring full and idle meanwhile
-        (figures/h200/sweeps/w4a16_gemv_columns_probes.json)."""
+        (figures/h200/sweeps/w4a16_gemv_columns_probes.json). The loads are issued here; ``_band_tables`` waits for
+        them."""
         # x's packed rows as [band, w, h, i, r, word]: row 8 H WARPS band + 8 H w + 8 h + 4 i + r, its words 4 row ..;
         # a warp's 32 threads take 32 consecutive rows (H = 2: of two warps' blocks; H = 4: of one warp's)
         TW: gl.constexpr = 4 // H
@@ -154,7 +153,17 @@ if GLUON_USABLE:
         word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
             3, gl.SliceLayout(4, words_l))))))
         at = 4 * r[:, :, :, :, :, None] + word[None, None, None, None, None, :]
-        words = gl.load(XW + at, mask=at < 4 * K_ROWS, other=0)
+        return gl.load(XW + at, mask=at < 4 * K_ROWS, other=0)
+
+    @gluon.jit
+    def _band_tables(words):
+        """x as the bands want it, in shared memory, from its words (``_x_words``): pairs[j] [2 BANDS, 4, WARPS, H]
+        (int32), index i BANDS + band holding rows 4 i .. 4 i + 3 of the band's blocks (block H w + h at [:, w, h]),
+        pair j of each as ``w4_gemv_hopper_kernel.word_pairs`` makes it; and sums [BANDS, WARPS, H], each block's sum
+        of x."""
+        BANDS: gl.constexpr = words.shape[0]
+        WARPS_: gl.constexpr = words.shape[1]
+        H: gl.constexpr = words.shape[2]
         even, odd = gl.split(gl.reshape(words, [BANDS, WARPS_, H, 2, 4, 2, 2]))  # words 0, 2 and 1, 3
         w0, w2 = gl.split(even)
         w1, w3 = gl.split(odd)
@@ -269,13 +278,15 @@ if GLUON_USABLE:
     def _w4_gemv_columns_kernel(XW, w_desc, s_desc, z_desc, Y, N, K_ROWS, n_bands, STAGES: gl.constexpr,
                                 BANDS: gl.constexpr, GROUP_BLOCKS: gl.constexpr, PDL: gl.constexpr,
                                 COMPUTE: gl.constexpr = True, ADD: gl.constexpr = False, SCALES: gl.constexpr = True,
-                                H: gl.constexpr = 2, REFILL: gl.constexpr = True):
+                                H: gl.constexpr = 2, REFILL: gl.constexpr = True, X_EARLY: gl.constexpr = False,
+                                LATE: gl.constexpr = 0):
         """Program c: y[32 c : 32 c + 32] over all of K, n_bands bands through a ring of STAGES slots (the module
         docstring). BANDS: a power of two at least n_bands; GROUP_BLOCKS: blocks a group (1 or 2); H: blocks a warp
         a band (2 or 4). COMPUTE off: a probe (the copies alone; y is wrong), and with it SCALES off (the weights'
         copies alone). REFILL off: a probe, the math alone (every band computed from the ring's first fill; y is
-        wrong). ADD: Y is an fp32 row that y is added to (the program owns its columns: a plain load and
-        store, no atomics)."""
+        wrong). X_EARLY: a probe, x read before the wait for the kernel ahead. LATE: the ring's slots filled after x's
+        loads are issued, the rest before the wait. ADD: Y is an fp32 row that
+        y is added to (the program owns its columns: a plain load and store, no atomics)."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = H * WARPS_ // GROUP_BLOCKS  # scale rows a band
         c = gl.program_id(0)
@@ -289,13 +300,23 @@ if GLUON_USABLE:
         for first in gl.static_range(STAGES):
             mbarrier.init(landed.index(first), count=1)
         fence_async_shared()
-        for first in gl.static_range(STAGES):
+        EARLY: gl.constexpr = STAGES - LATE
+        for first in gl.static_range(EARLY):
             if first < n_bands:
                 _load_band(first, c, w_desc, s_desc, z_desc, landed.index(first), w_smem.index(first),
                            s_smem.index(first), z_smem.index(first).slice(0, GROUPS), SCALES)
+        if X_EARLY:  # a probe: x read before the wait, what x's loads after it cost (racy where the kernel ahead
+            # writes x; a sweep's calls all read one x)
+            words = _x_words(XW, K_ROWS, BANDS, WARPS_, H)
         _let_next_start(PDL)  # (the copies read weights only; x, which the kernel ahead writes, comes after the wait)
         _wait_for_previous(PDL)
-        pairs, sums = _band_tables(XW, K_ROWS, BANDS, WARPS_, H)
+        if not X_EARLY:
+            words = _x_words(XW, K_ROWS, BANDS, WARPS_, H)
+        for first in gl.static_range(EARLY, STAGES):  # (x's loads then queue ahead of these copies)
+            if first < n_bands:
+                _load_band(first, c, w_desc, s_desc, z_desc, landed.index(first), w_smem.index(first),
+                           s_smem.index(first), z_smem.index(first).slice(0, GROUPS), SCALES)
+        pairs, sums = _band_tables(words)
         warps_barrier()  # the tables are written
 
         band_l: gl.constexpr = gl.BlockedLayout([4, 1, H // 2, 2], [1, 1, 2, 16], [1, WARPS_, 1, 1], [3, 2, 1, 0])
@@ -348,18 +369,20 @@ def ring_bytes(warps: int, stages: int, blocks: int) -> int:
 def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                     out: torch.Tensor, pdl: bool = True, warps: int = WARPS, stages: int = STAGES,
                     blocks: int = BLOCKS, compute: bool = True, add: bool = False,
-                    probe: tuple[str, ...] = ()) -> None:
+                    probe: tuple[str, ...] = (), late: int = 0) -> None:
     """y = x @ W into ``out`` [1, N] bf16 (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128): a program
     a 32-column tile, ``warps`` warps sharing out K in bands of 64 ``blocks`` ``warps`` inputs (``blocks`` blocks of
     64 a warp: 2 or 4), ``stages`` bands in flight. ``add``: ``out`` is an fp32 row [1, N] and y is added to it.
     ``compute`` off: a probe, the copies alone (y is wrong), with ``probe`` naming what else to leave out: "scales"
     (their copies), "tables" (x's loads: its tables are built of zeros). ``probe=("refills",)`` with ``compute``: the
-    math alone, every band computed from the ring's first fill (y is wrong)."""
+    math alone, every band computed from the ring's first fill (y is wrong); ``probe=("x early",)``: x read before the
+    wait for the kernel ahead (right only where that kernel does not write x, as in a sweep). ``late``: ring slots
+    filled after x's loads are issued, not before the wait."""
     copies_probe = not compute and not set(probe) - {"scales", "tables"}
-    math_probe = compute and probe == ("refills",)
-    if probe and not (copies_probe or math_probe):
-        raise ValueError(f"probe leaves out 'scales' or 'tables' from a copies-only run (compute=False), or 'refills' "
-                         f"alone from a computing one, got probe={probe} with compute={compute}")
+    computing_probe = compute and len(probe) == 1 and probe[0] in ("refills", "x early")
+    if probe and not (copies_probe or computing_probe):
+        raise ValueError(f"probe leaves out 'scales' or 'tables' from a copies-only run (compute=False), or takes "
+                         f"'refills' or 'x early' alone in a computing one, got probe={probe} with compute={compute}")
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     reason = unsupported(k, n, group, x.dtype, x.shape[0])
     if reason:
@@ -370,6 +393,8 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if blocks * warps * 64 // group < 8 and not (blocks == 2 and group == 128):
         raise ValueError(f"warps={warps} x blocks={blocks} at group {group} makes {blocks * warps * 64 // group} "
                          f"zero-point rows a band, too few to view (8 at least, or 2 blocks a warp at group 128)")
+    if not 0 <= late <= stages:
+        raise ValueError(f"late counts ring slots filled after x's loads: 0 to stages={stages}, got {late}")
     want = torch.float32 if add else torch.bfloat16
     if out.dtype != want or out.shape != (1, n) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [1, {n}] {want} row{' (add=True: y is added to it)' * add}, got "
@@ -381,7 +406,7 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                                           out, n, x_rows, numbers["n_bands"], STAGES=stages, BANDS=numbers["BANDS"],
                                           GROUP_BLOCKS=group // 64, PDL=pdl, COMPUTE=compute, ADD=add,
                                           SCALES="scales" not in probe, H=blocks, REFILL="refills" not in probe,
-                                          num_warps=warps, launch_pdl=pdl)
+                                          X_EARLY="x early" in probe, LATE=late, num_warps=warps, launch_pdl=pdl)
 
 
 def shape_unsupported(warps: int, stages: int, blocks: int) -> str | None:

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent('''
                  "s_desc": f"tensordesc<bf16[{groups},{wc.COLS}],{layout(16)!r}>",
                  "z_desc": f"tensordesc<i8[{groups},{wc.COLS // 2}],{layout(8)!r}>", "Y": "*bf16"}
         consts = dict(STAGES=stages, BANDS=bands, GROUP_BLOCKS=group_blocks, PDL=True, COMPUTE=True, ADD=False,
-                      SCALES=True, H=blocks, REFILL=True)
+                      SCALES=True, H=blocks, REFILL=True, X_EARLY=False, LATE=0)
         fn = wc._w4_gemv_columns_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=warps, aligned=("XW",)))

@@ -83,10 +83,13 @@ def test_it_refuses_too_few_zero_point_rows_a_band(warps, blocks, group, refused
 @pytest.mark.parametrize("compute,probe,refused", [(False, ("scales",), False), (False, ("scales", "tables"), False),
                                                    (True, ("refills",), False), (True, ("scales",), True),
                                                    (False, ("refills",), True), (True, ("refills", "tables"), True),
-                                                   (False, ("math",), True)])
+                                                   (False, ("math",), True), (True, ("x early",), False),
+                                                   (False, ("x early",), True),
+                                                   (True, ("x early", "refills"), True)])
 def test_it_takes_only_the_probes_it_has(compute, probe, refused):
-    """The copies-only probes leave out scales or tables; the math-only probe ("refills") computes. Anything else is
-    refused with what was asked; what passes fails later on the CPU (no scales were given)."""
+    """The copies-only probes leave out scales or tables; the math-only probe ("refills") and the early-x probe
+    compute, one at a time. Anything else is refused with what was asked; what passes fails later on the CPU (no
+    scales were given)."""
     x = torch.zeros(1, 1024, dtype=torch.bfloat16)
     qweight = torch.zeros(128, 64, dtype=torch.int32)
     with pytest.raises((ValueError, AttributeError, TypeError)) as error:
@@ -129,6 +132,29 @@ def test_column_gemv_adds_y_to_an_fp32_row(k, n, group, warps, stages, blocks):
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     with pytest.raises(ValueError, match="float32 row"):
         columns.w4_gemv_columns(x, qweight, scales, zeros, group, poisoned((1, n), torch.bfloat16), add=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("k,n,warps,stages,blocks,late", [(4096, 1024, 8, 2, 4, 1), (11008, 512, 8, 4, 4, 2),
+                                                          (11008, 512, 8, 4, 4, 4), (4096, 96, 4, 8, 2, 3)])
+def test_column_gemv_fills_late_slots_after_xs_loads_to_the_same_bits(k, n, warps, stages, blocks, late):
+    """``late`` slots of the first fill wait for x's loads: the same answer, bit for bit, as all filled early."""
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=k + n + late)
+    outs = []
+    for slots in (0, late):
+        outs.append(poisoned((1, n), torch.bfloat16))
+        columns.w4_gemv_columns(x, qweight, scales, zeros, 128, outs[-1], warps=warps, stages=stages, blocks=blocks,
+                                late=slots)
+    assert_matches(outs[1], w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_late_slots_are_counted_among_the_ring_slots():
+    x = torch.zeros(1, 1024, dtype=torch.bfloat16)
+    qweight = torch.zeros(128, 64, dtype=torch.int32)
+    with pytest.raises(ValueError, match="0 to stages=2, got 3"):
+        columns.w4_gemv_columns(x, qweight, None, None, 128, torch.zeros(1, 64, dtype=torch.bfloat16), stages=2,
+                                late=3)
 
 
 @needs_sm90

@@ -16,6 +16,7 @@ Run from the repository root on an H200: ``PYTHONPATH=$PWD python3 figures/h200/
 """
 import itertools
 import os
+import re
 import sys
 
 import torch
@@ -94,7 +95,25 @@ ALL_VARIANTS = {
 }
 DEFAULT_VARIANTS = ("stream 3x2 poll", "stream 2x3 poll", "stream 2x2 poll", "stream 3x2 counter", "stream 2x3 counter",
                     "stream 3x2 add", "stream 2x3 add", "probe 3x2 no fix-up", "probe 3x2 copies only")
-VARIANTS = {name: ALL_VARIANTS[name] for name in os.environ.get("VARIANTS", ",".join(DEFAULT_VARIANTS)).split(",")}
+COLUMN_PROBES = {"copies only": dict(compute=False), "math only": dict(probe=("refills",)),
+                 "x early": dict(probe=("x early",))}
+
+
+def variant(name):
+    """A variant's keywords: ALL_VARIANTS', or for a column kernel named "[probe ]columns wW sS[ bB][ lL][ add][ no
+    pdl][ probe]" (L: slots filled after x's loads; probe: a COLUMN_PROBES name), those words' (blocks 2 unless
+    named)."""
+    if name in ALL_VARIANTS:
+        return ALL_VARIANTS[name]
+    m = re.fullmatch(r"(probe )?columns w(\d+) s(\d+)(?: b(\d+))?(?: l(\d+))?( add)?( no pdl)?(?: (.+))?", name)
+    if m is None or bool(m[1]) != bool(m[8]) or (m[8] and m[8] not in COLUMN_PROBES):
+        raise ValueError(f"variant {name!r}: not in ALL_VARIANTS, nor 'columns wW sS[ bB][ lL][ add][ no pdl]', nor "
+                         f"'probe columns ... ' and one of {sorted(COLUMN_PROBES)}")
+    return dict(columns=True, warps=int(m[2]), stages=int(m[3]), blocks=int(m[4] or 2), late=int(m[5] or 0),
+                add=bool(m[6]), pdl=not m[7], **COLUMN_PROBES.get(m[8], {}))
+
+
+VARIANTS = {name: variant(name) for name in os.environ.get("VARIANTS", ",".join(DEFAULT_VARIANTS)).split(",")}
 
 
 def pinned_split_k(call):
@@ -112,7 +131,7 @@ def run_variant(x, w, group, out, partials, counters, kw):
         w4_gemv_columns.w4_gemv_columns(x, *w, group, out, warps=kw["warps"], stages=kw["stages"],
                                         compute=kw.get("compute", True), add=kw.get("add", False),
                                         pdl=kw.get("pdl", True), probe=kw.get("probe", ()),
-                                        blocks=kw.get("blocks", 2))
+                                        blocks=kw.get("blocks", 2), late=kw.get("late", 0))
     else:
         w4_gemv_stream.w4_gemv_stream(x, *w, group, out, partials, counters, **kw)
 
