@@ -93,33 +93,46 @@ BLOCKS = 2  # blocks a warp computes of each band, unless told (``choose_shape``
 RING_BYTES = 128 * 1024  # the most the ring's weights may take of an SM's shared memory
 
 
-def shape_switch(value: str) -> tuple[int, int, int] | None:
-    """MINILLM_GEMV_COLUMNS_SHAPE ("8x4x2": warps x ring slots x blocks a warp; empty: ``choose_shape``'s) as
-    (warps, stages, blocks); a ValueError names what is valid."""
+def shape_switch(value: str) -> tuple[int, int, int, int] | None:
+    """MINILLM_GEMV_COLUMNS_SHAPE ("4x8x4x7": warps x ring slots x blocks a warp [x slots filled late, after x's
+    loads: one less than the slots unless given]; empty: ``choose_shape``'s) as (warps, stages, blocks, late); a
+    ValueError names what is valid."""
     if not value.strip():
         return None
     try:
-        warps, stages, blocks = (int(part) for part in value.lower().split("x"))
+        parts = [int(part) for part in value.lower().split("x")]
+        warps, stages, blocks = parts[:3]
+        late = parts[3] if len(parts) == 4 else stages - 1
+        if len(parts) not in (3, 4):
+            raise ValueError
     except ValueError:
-        warps = stages = blocks = 0
-    reason = shape_unsupported(warps, stages, blocks)
+        warps = stages = blocks = late = 0
+    reason = shape_unsupported(warps, stages, blocks) or (
+        None if 0 <= late < max(stages, 1) else f"late slots from 0 to stages - 1, got {late} of {stages}")
     if reason:
-        raise ValueError(f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots x blocks, e.g. 8x4x2 ({reason}); got "
-                         f"{value!r}")
-    return warps, stages, blocks
+        raise ValueError(f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots x blocks [x late slots], e.g. 4x8x4 or "
+                         f"4x8x4x7 ({reason}); got {value!r}")
+    return warps, stages, blocks, late
 
 
-# (warps, ring slots, blocks a warp) that ``w4_gemv_hopper.gemv`` launches, if set; for sweeps
+# (warps, ring slots, blocks a warp, late slots) that ``w4_gemv_hopper.gemv`` launches, if set; for sweeps
 SHAPE = shape_switch(os.environ.get("MINILLM_GEMV_COLUMNS_SHAPE", ""))
 
 
-def choose_shape(k: int) -> tuple[int, int, int]:
-    """(warps, ring slots, blocks a warp) for a K-long column: 8 warps, 4 blocks a warp (32 KB bands), as many slots
-    as bands up to 4 (128 KB). H200: 4096 x 11008 8 x 2 x 4 9.43 us (8 x 4 x 2 9.78); 11008 x 4096 8 x 4 x 4 9.81
-    (8 x 8 x 2 10.00); 4096 x 4096 8 x 4 x 4 4.44, 8 x 2 x 4 4.53 (8 x 4 x 2 4.78): w4a16_gemv_columns_blocks.json.
-    Session 35, the tables' and barriers' fixes made: 8 x 2 x 4 8.59 us at 4096 x 11008 (4 x 4 x 4 8.70), 8 x 4 x 4
-    8.83 at 11008 x 4096 (16 x 2 x 4 9.04, 4 x 8 x 4 9.27): w4a16_gemv_columns_barriers.json."""
-    return WARPS, min(4, triton.next_power_of_2(plan(k, WARPS, 4)["n_bands"])), 4
+def choose_shape(k: int, n: int, sms: int) -> tuple[int, int, int, int]:
+    """(warps, ring slots, blocks a warp, late slots) for a K x N weight on ``sms`` SMs: 4 warps, 4 blocks a warp
+    (16 KB bands), every slot but the first filled after x's loads are issued (session 36: copies issued before
+    them, x's loads waited behind the whole ring's, w4a16_gemv_columns_late.json). Where the programs (N / 32) are
+    no more than the SMs, 8 slots (a 128 KB ring), so that the next GEMV's programs, launched early, cannot share an
+    SM: at 4096 x 4096, 4 x 8 x 4 3.96 us against 4 x 4 x 4's 4.83, which leaves room for them. Where there are
+    more, as many slots as bands up to 4 (the whole column at K = 4096: three programs an SM, 344 at 4096 x 11008
+    all resident). H200, every slot but one late (w4a16_gemv_columns_late_shapes.json): 4096 x 11008 4 x 4 x 4
+    7.08 us (8 x 2 x 4 7.45), 11008 x 4096 4 x 8 x 4 7.48 (8 x 4 x 4 7.72), torch's bf16 matmul 24.84 / 25.29."""
+    if n // COLS <= sms:
+        stages = 8
+    else:
+        stages = min(4, triton.next_power_of_2(plan(k, 4, 4)["n_bands"]))
+    return 4, stages, 4, stages - 1
 
 
 if GLUON_USABLE:

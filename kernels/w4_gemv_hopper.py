@@ -1,8 +1,9 @@
 """The W4A16 GEMV (M = 1) for Hopper (sm_90), from Python: what the Gluon kernel (``w4_gemv_hopper_kernel.py``,
 whose docstring has its design and speed) takes, how many tiles a program gets, and its launch. ``w4a16_matmul``
 runs it for one row of bf16 x on an H100/H200; ``w4_gemv_fused.fused_gemv`` runs its forms with a norm, a
-residual or SiLU-and-multiply folded in. ``gemv`` sends the forms STREAM names to the stream-K kernel
-(``w4_gemv_stream.py``) instead: by default the plain form (a bf16 y) at large shapes.
+residual or SiLU-and-multiply folded in. ``gemv`` sends the forms COLUMNS names to the column kernel
+(``w4_gemv_columns.py``: by default the plain form, a bf16 y) and the others STREAM names to the stream-K kernel
+(``w4_gemv_stream.py``).
 
 What it takes (``unsupported`` names what is missing): bf16 x, one row (M = 1), group_size 64 or 128, N a multiple of
 32 (TMA's 16-byte row strides for the packed zero points), 16-byte aligned tensors, sm_90. fp16 x, other groups and
@@ -66,12 +67,13 @@ def forms_switch(variable: str, switch: str, valid: tuple[str, ...], default: tu
 
 STREAM = forms_switch("MINILLM_GEMV_STREAM", os.environ.get("MINILLM_GEMV_STREAM", ""), STREAM_FORMS, ("plain",))
 # The forms that run the column kernel (w4_gemv_columns.py: no split of K, so no fix-up) where it takes them, ahead of
-# the stream kernel; MINILLM_GEMV_COLUMNS as MINILLM_GEMV_STREAM, none by default (not yet faster in the decode graph;
-# alone at 4096 x 4096 it takes 4.44 us against split-K's 5.64, but 9.43 and 9.81 at 4096 x 11008 and
-# 11008 x 4096 against the stream kernel's 8.94 and 9.20: figures/h200/sweeps/w4a16_gemv_columns_blocks.json;
-# o_proj on it, bench latency 650.1-650.3 tok/s against 650.8-651.4: latency_columns_add.json).
+# the stream kernel; MINILLM_GEMV_COLUMNS as MINILLM_GEMV_STREAM. By default the plain form: since session 36 (its
+# ring's copies after x's loads) it takes 7.08 and 7.48 us at 4096 x 11008 and 11008 x 4096, 3.51x and 3.38x torch's
+# bf16 matmul, where the stream kernel's plain form takes 8.91 and 9.44
+# (figures/h200/sweeps/w4a16_gemv_columns_late_shapes.json). Before that it was slower, and o_proj's add form on it
+# no faster in the decode graph: 650.1-650.3 tok/s against 650.8-651.4 (latency_columns_add.json).
 COLUMNS_FORMS = ("plain", "add")
-COLUMNS = forms_switch("MINILLM_GEMV_COLUMNS", os.environ.get("MINILLM_GEMV_COLUMNS", ""), COLUMNS_FORMS, ())
+COLUMNS = forms_switch("MINILLM_GEMV_COLUMNS", os.environ.get("MINILLM_GEMV_COLUMNS", ""), COLUMNS_FORMS, ("plain",))
 
 
 def stream_takes(k: int, n: int, form: str) -> bool:
@@ -196,9 +198,9 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     form = "gated" if gated else "normed" if norm is not None else "add" if add else "plain"
     if form in COLUMNS and out.dtype == (torch.float32 if add else torch.bfloat16) and not columns.unsupported(
             k, n, group, x.dtype, x.shape[0]):
-        warps, stages, blocks = columns.SHAPE or columns.choose_shape(k)
+        warps, stages, blocks, late = columns.SHAPE or columns.choose_shape(k, n, num_sms(x.device))
         columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, pdl=pdl_supported(x.device), warps=warps,
-                                stages=stages, blocks=blocks, add=add)
+                                stages=stages, blocks=blocks, add=add, late=late)
         return
     sms = num_sms(x.device)
     if out.dtype == (torch.float32 if add else torch.bfloat16) and stream_takes(k, n, form) and not stream.unsupported(

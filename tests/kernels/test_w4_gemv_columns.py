@@ -8,10 +8,13 @@ and the kernel is compiled for sm_90 (tests/test_w4_gemv_columns_sass.py).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from minillm.kernels import w4_gemv_columns as columns
+from minillm.kernels.checks import num_sms
 from minillm.kernels.quant_matmul import w4a16_matmul_ref
 
 from test_quant_matmul import assert_matches, assert_replays_in_a_graph, int4_problem, poisoned
@@ -179,22 +182,26 @@ def test_column_gemv_replays_in_a_cuda_graph():
     assert_replays_in_a_graph(run, x, qweight, scales, zeros, 128)
 
 
-@pytest.mark.parametrize("value,forms", [("", ()), ("0", ()), ("add", ("add",)), ("1", ("plain", "add")),
+@pytest.mark.parametrize("value,forms", [("", ("plain",)), ("0", ()), ("add", ("add",)), ("1", ("plain", "add")),
                                          ("plain, add", ("plain", "add")), ("gated", None)])
 def test_the_routing_switch_takes_the_forms_the_kernel_has(value, forms):
-    """MINILLM_GEMV_COLUMNS: forms by name among the two this kernel computes (plain and add); none by default."""
+    """MINILLM_GEMV_COLUMNS: forms by name among the two this kernel computes (plain and add); the plain form by
+    default (what ``hopper.COLUMNS`` holds when the variable is unset)."""
     from minillm.kernels import w4_gemv_hopper as hopper
     if forms is None:
         with pytest.raises(ValueError, match="MINILLM_GEMV_COLUMNS must be 0, 1 or forms among plain, add, comma"):
-            hopper.forms_switch("MINILLM_GEMV_COLUMNS", value, hopper.COLUMNS_FORMS, ())
+            hopper.forms_switch("MINILLM_GEMV_COLUMNS", value, hopper.COLUMNS_FORMS, ("plain",))
     else:
-        assert hopper.forms_switch("MINILLM_GEMV_COLUMNS", value, hopper.COLUMNS_FORMS, ()) == forms
+        assert hopper.forms_switch("MINILLM_GEMV_COLUMNS", value, hopper.COLUMNS_FORMS, ("plain",)) == forms
+    if value == "" and "MINILLM_GEMV_COLUMNS" not in os.environ:
+        assert hopper.COLUMNS == forms
 
 
-@pytest.mark.parametrize("value,shape", [("", None), ("8x4x2", (8, 4, 2)), (" 16X4x2 ", (16, 4, 2)),
-                                         ("8x4x4", (8, 4, 4)), ("8x4", "8x4"), ("8x16x2", "8x16x2"),
-                                         ("16x8x2", "16x8x2"), ("3x2x2", "3x2x2"), ("8x4x3", "8x4x3"),
-                                         ("eight", "eight")])
+@pytest.mark.parametrize("value,shape", [("", None), ("8x4x2", (8, 4, 2, 3)), (" 16X4x2 ", (16, 4, 2, 3)),
+                                         ("8x4x4", (8, 4, 4, 3)), ("4x8x4x0", (4, 8, 4, 0)), ("4x8x4x7", (4, 8, 4, 7)),
+                                         ("8x4", "8x4"), ("8x16x2", "8x16x2"), ("16x8x2", "16x8x2"),
+                                         ("3x2x2", "3x2x2"), ("8x4x3", "8x4x3"), ("4x8x4x8", "4x8x4x8"),
+                                         ("4x8x4x1x1", "4x8x4x1x1"), ("eight", "eight")])
 def test_the_shape_switch_takes_warps_by_slots_by_blocks_that_fit(value, shape):
     if isinstance(shape, str):
         with pytest.raises(ValueError, match=f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots x blocks.*got "
@@ -204,11 +211,15 @@ def test_the_shape_switch_takes_warps_by_slots_by_blocks_that_fit(value, shape):
         assert columns.shape_switch(value) == shape
 
 
-@pytest.mark.parametrize("k,slots", [(1024, 1), (4096, 2), (8192, 4), (11008, 4)])
-def test_the_chosen_ring_holds_a_columns_bands_up_to_four(k, slots):
-    warps, stages, blocks = columns.choose_shape(k)
-    assert (warps, stages, blocks) == (8, slots, 4)
+@pytest.mark.parametrize("k,n,slots", [(1024, 11008, 1), (4096, 11008, 4), (8192, 8192, 4), (11008, 8192, 4),
+                                        (4096, 4096, 8), (11008, 4096, 8), (1024, 32, 8)])
+def test_the_chosen_ring_holds_a_columns_bands_up_to_four_or_an_sm_to_itself(k, n, slots):
+    """More programs than SMs: as many 16 KB slots as bands, up to 4; no more than the SMs: 8 (128 KB), one program
+    an SM. Every slot but the first is filled after x's loads."""
+    warps, stages, blocks, late = columns.choose_shape(k, n, 132)
+    assert (warps, stages, blocks, late) == (4, slots, 4, slots - 1)
     assert columns.shape_unsupported(warps, stages, blocks) is None
+    assert columns.ring_bytes(warps, stages, blocks) == slots * 16 * 1024
 
 
 @needs_sm90
@@ -228,9 +239,9 @@ def test_gemv_runs_the_forms_the_switch_names_on_the_column_kernel(monkeypatch, 
         hopper.gemv(x, qweight, scales, zeros, 128, out, add=form == "add")
         answers[routed] = out
     alone = start.clone() if form == "add" else poisoned((1, n), dtype)
-    warps, stages, blocks = columns.choose_shape(k)
+    warps, stages, blocks, late = columns.choose_shape(k, n, num_sms(x.device))
     columns.w4_gemv_columns(x, qweight, scales, zeros, 128, alone, warps=warps, stages=stages, blocks=blocks,
-                            add=form == "add")
+                            add=form == "add", late=late)
     assert torch.equal(answers[True], alone)
     scale = answers[False].abs().max().item()
     torch.testing.assert_close(answers[True], answers[False], rtol=0, atol=2e-2 * scale)

@@ -114,8 +114,9 @@ def gate_up_row(k: int, seed: int, device: torch.device) -> torch.Tensor:
 def test_gated_gemv_is_silu_and_mul_then_the_gemv_bit_for_bit(k, n, group, monkeypatch):
     """The down projection with SiLU-and-multiply applied as x is loaded: bit for bit the two kernels it replaces
     (Llama-2-7B's down_proj, a group of 64, K ending inside a tile), both on the split-K kernel (by default the plain
-    form of the first shape takes the stream kernel, whose fix-up sums in another order)."""
+    form takes the column kernel, which sums in another order)."""
     monkeypatch.setattr(hopper, "STREAM", ())
+    monkeypatch.setattr(hopper, "COLUMNS", ())
     _, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n)
     gate_up = gate_up_row(k, n, qweight.device)
     fused = fused_forms.fused_gemv(gate_up, qweight, scales, zeros, group, gated=True)

@@ -191,6 +191,7 @@ def test_w4a16_matmul_runs_the_plain_form_on_the_stream_kernel_where_asked(monke
     from minillm.kernels import w4_gemv_hopper as hopper
     from minillm.kernels.quant_matmul import w4a16_matmul
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=21)
+    monkeypatch.setattr(hopper, "COLUMNS", ())  # (by default the plain form takes the column kernel)
     monkeypatch.setattr(hopper, "STREAM", ())
     split_k_y = w4a16_matmul(x, qweight, scales, zeros, 128)
     monkeypatch.setattr(hopper, "STREAM", ("plain",))
@@ -260,6 +261,7 @@ def test_gemv_takes_the_split_k_kernel_where_the_poll_would_not_fit(monkeypatch)
     from minillm.kernels.quant_matmul import w4a16_matmul
     k, n = 4096, 12288
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=22)
+    monkeypatch.setattr(hopper, "COLUMNS", ())
     monkeypatch.setattr(hopper, "STREAM", ("plain",))
     monkeypatch.setattr(stream, "FITS", {})
     monkeypatch.setattr(stream, "programs_that_fit", lambda *args: 0)

@@ -1,5 +1,7 @@
 """Issue 6: the stream-K W4A16 GEMV prototype (kernels/w4_gemv_stream.py) against the split-K Gluon GEMV
-(kernels/w4_gemv_hopper.py, "gluon gemv") and torch's bf16 matmul, M = 1, in one process, three interleaved rounds.
+(kernels/w4_gemv_hopper.py, "gluon gemv"), ``w4a16_matmul`` as a user calls it (whichever kernel ``gemv`` picks for the
+plain form: the column kernel since session 36) and torch's bf16 matmul, M = 1, in one process, three interleaved
+rounds.
 
 Timing as w4a16_gemv_gluon.py: 20 calls in a CUDA graph, each on another copy of the weights (twice the L2 in all,
 so no call finds its weight in L2), PDL on where the kernel has it. Variants (ALL_VARIANTS; VARIANTS picks): programs
@@ -117,12 +119,14 @@ VARIANTS = {name: variant(name) for name in os.environ.get("VARIANTS", ",".join(
 
 
 def pinned_split_k(call):
-    """``call`` with ``w4a16_matmul``'s plain form on the split-K kernel whatever MINILLM_GEMV_STREAM says."""
-    saved, w4_gemv_hopper.STREAM = w4_gemv_hopper.STREAM, ()
+    """``call`` with ``w4a16_matmul``'s plain form on the split-K kernel whatever MINILLM_GEMV_STREAM and
+    MINILLM_GEMV_COLUMNS say."""
+    saved = w4_gemv_hopper.STREAM, w4_gemv_hopper.COLUMNS
+    w4_gemv_hopper.STREAM = w4_gemv_hopper.COLUMNS = ()
     try:
         return call()
     finally:
-        w4_gemv_hopper.STREAM = saved
+        w4_gemv_hopper.STREAM, w4_gemv_hopper.COLUMNS = saved
 
 
 def run_variant(x, w, group, out, partials, counters, kw):
@@ -198,7 +202,8 @@ def main():
             return pinned_split_k(lambda: w4a16_matmul(x, *w, group, out=out, hopper=True))
 
         calls = {"torch bf16": (cycled(lambda w: torch.matmul(x, w, out=out), dense), 2 * k * n + 2 * (k + n)),
-                 "gluon gemv": (cycled(split_k_only, sets), w4_bytes)}
+                 "gluon gemv": (cycled(split_k_only, sets), w4_bytes),
+                 "w4a16_matmul": (cycled(lambda w: w4a16_matmul(x, *w, group, out=out, hopper=True), sets), w4_bytes)}
         for name, kw in VARIANTS.items():
             def call(w, kw=kw):
                 run_variant(x, w, group, out32 if kw.get("add") else out, partials, counters, kw)
