@@ -92,8 +92,8 @@ def test_hopper_w4_gemv_replays_in_a_cuda_graph():
 def test_hopper_w4_gemv_is_what_m1_bf16_takes_and_config_keeps_triton(monkeypatch):
     x, qweight, scales, zeros, _, _ = int4_problem(1, 256, 256, 128, torch.bfloat16, seed=2)
     calls = []
-    launch = hopper.w4_gemv
-    monkeypatch.setattr(hopper, "w4_gemv", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    launch = hopper.gemv  # (which picks the Gluon kernel: the column kernel, by default, for this plain form)
+    monkeypatch.setattr(hopper, "gemv", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     w4a16_matmul(x, qweight, scales, zeros, 128)
     w4a16_matmul(x, qweight, scales, zeros, 128, hopper=False)
     w4a16_matmul(x, qweight, scales, zeros, 128, config=dict(BLOCK_N=64, BLOCK_KP=16, SPLIT_K=2, num_warps=4))
