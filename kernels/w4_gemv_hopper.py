@@ -65,6 +65,19 @@ def forms_switch(variable: str, switch: str, valid: tuple[str, ...], default: tu
     return forms
 
 
+def late_switch(value: str) -> int:
+    """MINILLM_GEMV_LATE (tiles a split-K program copies after x's loads, not before the wait; "" 0) as a count; a
+    ValueError names what is valid."""
+    if not value.strip():
+        return 0
+    if not value.strip().isdigit():
+        raise ValueError(f"MINILLM_GEMV_LATE must be a count of tiles (0, 1, 2, ...), got {value!r}")
+    return int(value)
+
+
+# Split-K tiles a program copies after x's tables (at most all but one); for sweeps (session 36: the column kernel's
+# copies issued before the wait kept x's loads waiting behind them)
+LATE_TILES = late_switch(os.environ.get("MINILLM_GEMV_LATE", ""))
 STREAM = forms_switch("MINILLM_GEMV_STREAM", os.environ.get("MINILLM_GEMV_STREAM", ""), STREAM_FORMS, ("plain",))
 # The forms that run the column kernel (w4_gemv_columns.py: no split of K, so no fix-up) where it takes them, ahead of
 # the stream kernel; MINILLM_GEMV_COLUMNS as MINILLM_GEMV_STREAM. By default the plain form: since session 36 (its
@@ -184,7 +197,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                                  rms.width if rms else 0, TILES=tiles, GROUP_ROWS=group // 8, PDL=pdl, GATED=gated,
                                  RUN=run, ADD=add, NORMED=norm is not None, SCALED=rms is not None,
                                  SQUARE_SLOTS=triton.next_power_of_2(rms.squares.numel()) if rms else 1,
-                                 num_warps=WARPS, launch_pdl=pdl)
+                                 LATE=min(LATE_TILES, tiles - 1), num_warps=WARPS, launch_pdl=pdl)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,

@@ -254,13 +254,14 @@ if GLUON_USABLE:
                         square_slots, norm_width,
                         TILES: gl.constexpr, GROUP_ROWS: gl.constexpr, PDL: gl.constexpr, GATED: gl.constexpr,
                         RUN: gl.constexpr, ADD: gl.constexpr, NORMED: gl.constexpr, SCALED: gl.constexpr = False,
-                        SQUARE_SLOTS: gl.constexpr = 1):
+                        SQUARE_SLOTS: gl.constexpr = 1, LATE: gl.constexpr = 0):
         """Program (column tile, split): y[n0 : n0 + 256] from packed rows split * TILES * 16 onwards. ADD: Y is the
         residual stream's fp32 row, and each split adds its part of y to it; NORMED: XW is that row s, and the product's
         input RMSNorm(s) with the weight NormW and eps (``w4_gemv_norms.py``). Both: Y is a zeroed fp32 row that
         gets y before the norm's 1 / rms, and each split's sum of squares goes to Squares[split]. SCALED (GATED): XW
         is such a row of gate_up, and its norm's 1 / rms comes from its ``square_slots`` sums of squares at Squares
-        (SQUARE_SLOTS: a power of two at least as large), a row of ``norm_width`` inputs, and eps."""
+        (SQUARE_SLOTS: a power of two at least as large), a row of ``norm_width`` inputs, and eps. LATE: the last
+        LATE of the TILES tiles are copied after x's tables are built, not before the wait."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = _TILE_ROWS // GROUP_ROWS  # scale rows a tile
         tile_n = gl.program_id(0)
@@ -270,7 +271,8 @@ if GLUON_USABLE:
 
         # Every tile's copies first: weights, scales and zero points of tile t land on barrier t.
         w_smem, s_smem, z_smem, landed = tile_slots(w_desc, s_desc, z_desc, TILES, GROUPS)
-        for t in gl.static_range(TILES):
+        EARLY: gl.constexpr = TILES - LATE
+        for t in gl.static_range(EARLY):
             row = first_row + t * _TILE_ROWS
             if row < K_ROWS:
                 load_tile(row, n0, w_desc, s_desc, z_desc, landed.index(t), w_smem.index(t), s_smem.index(t),
@@ -284,6 +286,11 @@ if GLUON_USABLE:
             inv = stored_inv_rms(Squares, square_slots, SQUARE_SLOTS, norm_width, eps, WARPS_)
         pairs, sums, squares = _x_tables(XW, first_row, K_ROWS, NormW, inv, TILES * _TILE_ROWS, WARPS_, GATED, NORMED,
                                          SCALED)
+        for t in gl.static_range(EARLY, TILES):  # LATE tiles: copied once x is in, its loads not queued behind them
+            row = first_row + t * _TILE_ROWS
+            if row < K_ROWS:
+                load_tile(row, n0, w_desc, s_desc, z_desc, landed.index(t), w_smem.index(t), s_smem.index(t),
+                          z_smem.index(t), GROUP_ROWS)
         warps_barrier()  # the tables are written
 
         # A thread: two neighbouring columns, SUB_ROWS / RUN rows a slice; the 128 threads span the tile's 256 columns.

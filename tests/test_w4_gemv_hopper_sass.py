@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent('''
                  "Y": "*fp32" if add else "*bf16", "Partials": "*fp32", "Counters": "*i32", "NormW": "*i32",
                  "eps": "fp32", "Squares": "*fp32"}
         consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True, GATED=gated, RUN=run, ADD=add, NORMED=normed,
-                      SCALED=scaled, SQUARE_SLOTS=32)
+                      SCALED=scaled, SQUARE_SLOTS=32, LATE=0)
         fn = wh._w4_gemv_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
         span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=wh.WARPS))

@@ -127,6 +127,35 @@ def test_gated_gemv_is_silu_and_mul_then_the_gemv_bit_for_bit(k, n, group, monke
 
 
 @needs_sm90
+@pytest.mark.parametrize("late", [1, 3, 8])
+def test_split_k_tiles_copied_after_x_give_the_same_bits(monkeypatch, late):
+    """MINILLM_GEMV_LATE (``hopper.LATE_TILES``): a program's last tiles copied after x's tables, not before the
+    wait (at most all but one): the plain and gated forms' bits unchanged."""
+    monkeypatch.setattr(hopper, "STREAM", ())
+    monkeypatch.setattr(hopper, "COLUMNS", ())
+    k, n = 11008, 4096
+    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=31)
+    gate_up = gate_up_row(k, 32, qweight.device)
+    answers = {}
+    for tiles in (0, late):
+        monkeypatch.setattr(hopper, "LATE_TILES", tiles)
+        answers[tiles] = (w4a16_matmul(x, qweight, scales, zeros, 128, hopper=True),
+                          fused_forms.fused_gemv(gate_up, qweight, scales, zeros, 128, gated=True))
+    assert torch.equal(answers[0][0], answers[late][0]) and torch.equal(answers[0][1], answers[late][1])
+    assert_matches(answers[late][0], w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
+    assert counters_are_clean()
+
+
+@pytest.mark.parametrize("value,late", [("", 0), ("0", 0), (" 3 ", 3), ("-1", None), ("two", None)])
+def test_the_late_switch_takes_a_count(value, late):
+    if late is None:
+        with pytest.raises(ValueError, match=f"MINILLM_GEMV_LATE must be a count of tiles.*got {value!r}"):
+            hopper.late_switch(value)
+    else:
+        assert hopper.late_switch(value) == late
+
+
+@needs_sm90
 def test_quant_linear_takes_gate_up_where_the_gluon_gemv_can():
     """QuantLinear.forward(gated=True) equals forward(silu_and_mul(gate_up)); act-order, a bias or two rows refuse."""
     k, n = 1024, 512
