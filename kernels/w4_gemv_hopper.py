@@ -66,17 +66,19 @@ def forms_switch(variable: str, switch: str, valid: tuple[str, ...], default: tu
 
 
 def late_switch(value: str) -> int:
-    """MINILLM_GEMV_LATE (tiles a split-K program copies after x's loads, not before the wait; "" 0) as a count; a
+    """MINILLM_GEMV_LATE (tiles a split-K program copies after x's loads, not before the wait; unset: 1) as a count; a
     ValueError names what is valid."""
     if not value.strip():
-        return 0
+        return 1
     if not value.strip().isdigit():
         raise ValueError(f"MINILLM_GEMV_LATE must be a count of tiles (0, 1, 2, ...), got {value!r}")
     return int(value)
 
 
-# Split-K tiles a program copies after x's tables (at most all but one); for sweeps (session 36: the column kernel's
-# copies issued before the wait kept x's loads waiting behind them)
+# Split-K tiles a program copies after x's tables, not before the wait (at most all but one). Copied before it, they
+# kept x's loads after it waiting behind them (session 36, the column kernel: w4a16_gemv_columns_late.json). In the
+# batch-1 decode of llama2-7b (rtn-int4, every GEMV form on this kernel but the plain), one tile late 703.1-703.8
+# tok/s, three 698.7-698.9, none 652.2-652.8 (figures/h200/sweeps/latency_late.json)
 LATE_TILES = late_switch(os.environ.get("MINILLM_GEMV_LATE", ""))
 STREAM = forms_switch("MINILLM_GEMV_STREAM", os.environ.get("MINILLM_GEMV_STREAM", ""), STREAM_FORMS, ("plain",))
 # The forms that run the column kernel (w4_gemv_columns.py: no split of K, so no fix-up) where it takes them, ahead of

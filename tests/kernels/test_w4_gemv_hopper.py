@@ -130,7 +130,7 @@ def test_gated_gemv_is_silu_and_mul_then_the_gemv_bit_for_bit(k, n, group, monke
 @pytest.mark.parametrize("late", [1, 3, 8])
 def test_split_k_tiles_copied_after_x_give_the_same_bits(monkeypatch, late):
     """MINILLM_GEMV_LATE (``hopper.LATE_TILES``): a program's last tiles copied after x's tables, not before the
-    wait (at most all but one): the plain and gated forms' bits unchanged."""
+    wait (at most all but one; one by default): the plain and gated forms' bits unchanged."""
     monkeypatch.setattr(hopper, "STREAM", ())
     monkeypatch.setattr(hopper, "COLUMNS", ())
     k, n = 11008, 4096
@@ -146,7 +146,7 @@ def test_split_k_tiles_copied_after_x_give_the_same_bits(monkeypatch, late):
     assert counters_are_clean()
 
 
-@pytest.mark.parametrize("value,late", [("", 0), ("0", 0), (" 3 ", 3), ("-1", None), ("two", None)])
+@pytest.mark.parametrize("value,late", [("", 1), ("0", 0), (" 3 ", 3), ("-1", None), ("two", None)])
 def test_the_late_switch_takes_a_count(value, late):
     if late is None:
         with pytest.raises(ValueError, match=f"MINILLM_GEMV_LATE must be a count of tiles.*got {value!r}"):
