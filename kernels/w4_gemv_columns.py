@@ -59,8 +59,17 @@ shared memory it must fit: three programs an SM, all 344 of 4096 x 11008 residen
 barrier where no refill follows, 8.59 / 8.83 us, 2.86x / 2.82x (w4a16_gemv_columns_barriers.json); reading a band
 into registers before its refill was slower (80 registers a thread: w4a16_gemv_columns_early_refill.json). A
 tensor-core body (mma.sync on the nibbles as bf16 subnormals, which the tensor cores keep: subnormal_mma.json) was
-slower and was reverted (w4a16_gemv_columns_mma.json). So ``w4_gemv_hopper.gemv`` runs this kernel only for the
-forms MINILLM_GEMV_COLUMNS names ("plain", "add"; none by default).
+slower and was reverted (w4a16_gemv_columns_mma.json).
+
+Session 36 found the wait's real cost: the whole ring's copies, issued before the wait, were queued ahead of x's
+loads after it, so x (and with it every band's math) came only once most of the weights had. Reading x before the
+wait, a probe right only where every call reads one x (``probe=("x early",)``), took 7.81 / 8.44 us; filling only the
+first slot before the wait and the rest (LATE) after x's loads are issued, 7.21 / 7.63 (w4a16_gemv_columns_late.json).
+With that, 4 warps x 4 blocks (16 KB bands) was best: 4 x 4 x 4 7.08 us at 4096 x 11008, 4 x 8 x 4 7.48 at
+11008 x 4096, 3.51x and 3.38x torch's bf16 matmul (w4a16_gemv_columns_late_shapes.json; ``choose_shape``). As
+``w4a16_matmul`` runs it, 6.96 / 7.39 us, 3.43x / 3.38x (w4a16_gemv_columns_default.json). So ``w4_gemv_hopper.gemv``
+runs this kernel for the plain form by default, and for the add form where MINILLM_GEMV_COLUMNS names it (o_proj's
+add form on it was slower in the decode: 643 tok/s against 652, latency_late.json).
 
 What it takes (``unsupported``): one bf16 row, K a multiple of 64, N of 32, group 64 or 128. Not under Triton's
 interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_w4_gemv_columns.py); compiled for sm_90 on
