@@ -13,15 +13,8 @@ from minillm.bench.sass import run_compile_script
 
 SCRIPT = textwrap.dedent('''
     import json
-    from minillm.bench.sass import compile_sm90, opcodes
+    from minillm.bench.sass import compile_sm90, pdl_order as order
     from minillm.kernels import gemv, quant_matmul
-
-    def order(kernel):
-        ops = opcodes(kernel)
-        wait = [i for i, op in enumerate(ops) if op.startswith("ACQBULK")]
-        return dict(waits=len(wait), wait_at=wait[0] if wait else None,
-                    prefetches=[i for i, op in enumerate(ops) if op.startswith("CCTL") and ".PF" in op],
-                    loads=[i for i, op in enumerate(ops) if op.startswith("LDG")])
 
     w4 = {"X": "*bf16", "Y": "*bf16", "Partials": "*fp32", "Counters": "*i32", "M": "i32", "N": "i32", "K": "i32",
           "stride_xm": "i32", "stride_ym": "i32", "QW": "*i32", "S": "*bf16", "Z": "*i32", "group_size": "i32",

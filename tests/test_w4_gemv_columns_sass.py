@@ -2,8 +2,8 @@
 groups it takes (Gluon has no interpreter; its numbers are tested on an H200, tests/kernels/test_w4_gemv_columns.py).
 
 What is checked: a band is three TMA copies (its weights in one box, its scales, its zero points), issued slot by slot
-at the ring's first fill and once more at each refill; x is read in 16-byte loads, and its tables four rows a load;
-the HFMA2 body covers every packed word a thread holds of a band; no spills, no stack, and shared memory within an
+at the ring's first fill (the late slots' after x's loads) and once more at each refill; x is read in 16-byte loads,
+and its tables four rows a load; the HFMA2 body covers every packed word a thread holds of a band; no spills, no stack, and shared memory within an
 SM's. (That parting a band's halves in registers moves no data is the kernel's own check: its
 ``convert_layout(assert_trivial=True)`` would not compile otherwise.)"""
 
@@ -18,25 +18,31 @@ pytest.importorskip("triton.experimental.gluon")
 SCRIPT = textwrap.dedent('''
     import json
     from triton.experimental.gluon import language as gl
-    from minillm.bench.sass import compile_gluon_sm90, whole_kernel
+    from minillm.bench.sass import compile_gluon_sm90, pdl_order, whole_kernel
     from minillm.kernels import w4_gemv_columns as wc
 
-    def counts(warps, stages, group_blocks, blocks, bands=8):
+    def compiled(warps, stages, group_blocks, blocks, bands, late):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
         groups = blocks * warps // group_blocks
         types = {"XW": "*i32", "w_desc": f"tensordesc<i32[{8 * blocks * warps},{wc.COLS}],{layout(32)!r}>",
                  "s_desc": f"tensordesc<bf16[{groups},{wc.COLS}],{layout(16)!r}>",
                  "z_desc": f"tensordesc<i8[{groups},{wc.COLS // 2}],{layout(8)!r}>", "Y": "*bf16"}
         consts = dict(STAGES=stages, BANDS=bands, GROUP_BLOCKS=group_blocks, PDL=True, COMPUTE=True, ADD=False,
-                      SCALES=True, H=blocks, REFILL=True, X_EARLY=False, LATE=0)
+                      SCALES=True, H=blocks, REFILL=True, X_EARLY=False, LATE=late)
         fn = wc._w4_gemv_columns_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
-        span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=warps, aligned=("XW",)))
+        return compile_gluon_sm90(fn, signature, consts, num_warps=warps, aligned=("XW",))
+
+    def counts(warps, stages, group_blocks, blocks, bands=8, late=0):
+        span = whole_kernel(compiled(warps, stages, group_blocks, blocks, bands, late))
         return dict(span, opcodes=dict(span["opcodes"]))
 
     cases = {f"{w}x{s}x{b} g{64 * g}": counts(w, s, g, b) for w, s, g, b in (
         (8, 4, 2, 2), (8, 2, 1, 2), (4, 8, 2, 2), (16, 2, 2, 2), (8, 4, 2, 4), (8, 2, 1, 4), (2, 2, 1, 4))}
-    cases["8x2x4 g128 K=4096"] = counts(8, 2, 2, 4, bands=2)  # choose_shape's at 4096 x 11008: two bands
+    cases["8x2x4 g128 K=4096"] = counts(8, 2, 2, 4, bands=2)
+    # choose_shape's: 4 x 8 x 4 (11008 x 4096, 4096 x 4096) and 4 x 4 x 4 (4096 x 11008), every slot but one late
+    cases["order"] = {f"{s} late {late}": pdl_order(compiled(4, s, 2, 4, bands, late))
+                      for s, bands in ((8, 8), (4, 4)) for late in (0, s - 1)}
     print(json.dumps(cases))
 ''')
 CASES = ["8x4x2 g128", "8x2x2 g64", "4x8x2 g128", "16x2x2 g128", "8x4x4 g128", "8x2x4 g64", "2x2x4 g64"]
@@ -83,3 +89,19 @@ def test_three_programs_an_sm_at_4096_inputs(compiled, monkeypatch):
     shared = -(-kernel["shared_bytes"] // 128) * 128
     assert programs_that_fit(shared, kernel["registers"], 8, "sm_90") >= 3, (kernel["shared_bytes"],
                                                                              kernel["registers"])
+
+
+@pytest.mark.parametrize("stages", [8, 4])
+def test_late_slots_are_copied_after_xs_loads(compiled, stages):
+    """With ``late`` slots (``choose_shape``: all but one), the first fill copies 3 x (stages - late) boxes before the
+    wait for the kernel ahead and the rest once every load of x has been issued, so that x's loads do not queue behind
+    them (session 36: 8.56 -> 7.21 us at 4096 x 11008, figures/h200/sweeps/w4a16_gemv_columns_late.json). With none
+    late, every copy of the first fill comes before the wait. x is read after the wait either way."""
+    for late in (0, stages - 1):
+        code = compiled["order"][f"{stages} late {late}"]
+        copies, loads, wait = code["copies"], code["loads"], code["wait_at"]
+        assert code["waits"] == 1 and loads and min(loads) > wait, code
+        early = 3 * (stages - late)
+        assert sum(at < wait for at in copies) == early, code
+        assert all(at > max(loads) for at in copies[early:]), code  # the late fill's and the refills'
+        assert len(copies) == 3 * (stages + 1), code

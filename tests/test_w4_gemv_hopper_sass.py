@@ -19,10 +19,10 @@ pytest.importorskip("triton.experimental.gluon")
 SCRIPT = textwrap.dedent('''
     import json
     from triton.experimental.gluon import language as gl
-    from minillm.bench.sass import compile_gluon_sm90, whole_kernel
+    from minillm.bench.sass import compile_gluon_sm90, pdl_order, whole_kernel
     from minillm.kernels import w4_gemv_hopper_kernel as wh
 
-    def counts(tiles, group, gated=False, run=wh.RUN, add=False, normed=False, scaled=False):
+    def compiled(tiles, group, gated=False, run=wh.RUN, add=False, normed=False, scaled=False, late=0):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
         groups = wh.TILE_ROWS * 8 // group
         types = {"XW": "*fp32" if normed or scaled else "*i32",  # (the residual stream's or gate_up's fp32 row)
@@ -32,10 +32,13 @@ SCRIPT = textwrap.dedent('''
                  "Y": "*fp32" if add else "*bf16", "Partials": "*fp32", "Counters": "*i32", "NormW": "*i32",
                  "eps": "fp32", "Squares": "*fp32"}
         consts = dict(TILES=tiles, GROUP_ROWS=group // 8, PDL=True, GATED=gated, RUN=run, ADD=add, NORMED=normed,
-                      SCALED=scaled, SQUARE_SLOTS=32, LATE=0)
+                      SCALED=scaled, SQUARE_SLOTS=32, LATE=late)
         fn = wh._w4_gemv_kernel
         signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
-        span = whole_kernel(compile_gluon_sm90(fn, signature, consts, num_warps=wh.WARPS))
+        return compile_gluon_sm90(fn, signature, consts, num_warps=wh.WARPS)
+
+    def counts(*args, **kw):
+        span = whole_kernel(compiled(*args, **kw))
         return dict(span, opcodes=dict(span["opcodes"]))
 
     cases = {f"{t} {g}": counts(t, g) for t, g in ((2, 128), (2, 64), (1, 128))}
@@ -49,6 +52,10 @@ SCRIPT = textwrap.dedent('''
     cases["4 128 add"] = counts(4, 128, add=True)  # o_proj
     cases["4 128 normed add"] = counts(4, 128, normed=True, add=True)  # gate_up_proj leaving 1 / rms to down_proj
     cases["4 128 gated scaled add"] = counts(4, 128, gated=True, scaled=True, add=True)  # that down_proj
+    # the decode step's forms with the last tile copied after x's tables (MINILLM_GEMV_LATE, one by default), and not
+    cases["order"] = {f"{form} late {late}": pdl_order(compiled(4, 128, add=True, late=late, **kw))
+                      for form, kw in (("add", {}), ("normed add", dict(normed=True)),
+                                       ("gated scaled add", dict(gated=True, scaled=True))) for late in (0, 1, 3)}
     print(json.dumps(cases))
 ''')
 CASES = ["2 128", "2 64", "1 128", "2 128 gated", "2 128 gated add", "2 128 normed", "4 128", "4 128 gated add",
@@ -112,3 +119,17 @@ def test_resources_fit_the_programs_an_sm_its_tiles_allow(compiled, case):
     assert kernel["stack"] == 0, kernel
     assert programs * (kernel["shared_bytes"] + 1024) <= SHARED_PER_SM, kernel["shared_bytes"]
     assert 6 * 4 * 32 * -(-kernel["registers"] // 8) * 8 <= 65536, kernel["registers"]  # (allocated 8 at a time)
+
+
+@pytest.mark.parametrize("form", ["add", "normed add", "gated scaled add"])
+def test_late_tiles_are_copied_after_xs_loads(compiled, form):
+    """The split-K program's last ``late`` tiles are copied once x's loads (and its tables) are done, the others
+    before the wait for the kernel ahead: in the batch-1 decode of llama2-7b, one tile late took rtn-int4 from 648 to
+    704 tok/s (figures/h200/sweeps/latency_late_default.json). These forms (o_proj, gate_up_proj, down_proj) load
+    nothing from global memory but x, its norm's weight and sums of squares, all before the late copies."""
+    for late in (0, 1, 3):
+        code = compiled["order"][f"{form} late {late}"]
+        copies, loads, wait = code["copies"], code["loads"], code["wait_at"]
+        assert code["waits"] == 1 and loads and min(loads) > wait and len(copies) == 12, code
+        assert sum(at < wait for at in copies) == 3 * (4 - late), code
+        assert all(at > max(loads) for at in copies[3 * (4 - late):]), code

@@ -68,6 +68,18 @@ def opcodes(kernel) -> list[str]:
     return [op for _, op, _ in _disassemble(kernel)[0]]
 
 
+def pdl_order(kernel) -> dict:
+    """Where a kernel launched early (PDL) puts its work around its wait for the kernel ahead (ACQBULK,
+    griddepcontrol.wait), as positions in its SASS: "waits" (how many), "wait_at" (the first), "prefetches" (L2
+    warm-ups, CCTL ... PF), "loads" (global loads, LDG) and "copies" (TMA copies, UTMALDG)."""
+    ops = opcodes(kernel)
+    waits = [i for i, op in enumerate(ops) if op.startswith("ACQBULK")]
+    return dict(waits=len(waits), wait_at=waits[0] if waits else None,
+                prefetches=[i for i, op in enumerate(ops) if op.startswith("CCTL") and ".PF" in op],
+                loads=[i for i, op in enumerate(ops) if op.startswith("LDG")],
+                copies=[i for i, op in enumerate(ops) if op.startswith("UTMALDG")])
+
+
 def run_compile_script(source: str, directory) -> dict:
     """Run ``source`` (a script that compiles kernels with this module and prints JSON as its last line) in a new
     Python without TRITON_INTERPRET, which the kernel tests set and ``compile_sm90`` refuses; returns that JSON. The
