@@ -1,8 +1,9 @@
-"""The Gluon W4A16 GEMV (kernels/w4_gemv_hopper_kernel.py) compiled for sm_90 on the CPU: what lets it keep up with HBM is
-visible in its instructions, so they are counted here (Gluon has no interpreter; the numbers are tested on an H200,
-tests/kernels/test_w4_gemv_hopper.py).
+"""The Gluon W4A16 GEMV (kernels/w4_gemv_hopper_kernel.py) compiled for sm_90 on the CPU: what lets it keep up with HBM
+is visible in its instructions, so they are counted here (Gluon has no interpreter; the numbers are tested on an
+H200, tests/kernels/test_w4_gemv_hopper.py).
 
-Per program: three TMA copies a tile (weights, scales, zero points), issued before anything waits; the HFMA2 body's
+Per program: three TMA copies a tile (weights, scales, zero points), issued before the wait for the kernel ahead,
+but for the late tiles' (after x's loads); the HFMA2 body's
 four products a packed int32 (two columns x 16 rows a thread a tile) and four more per thread for x's pairs; the
 weights read from shared memory 8 bytes (two columns) a row; integers become floats only for the zero points (two a
 group, a thread's two columns); no spills; shared memory for six programs an SM at two tiles, three at the default

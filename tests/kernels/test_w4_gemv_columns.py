@@ -212,7 +212,7 @@ def test_the_shape_switch_takes_warps_by_slots_by_blocks_that_fit(value, shape):
 
 
 @pytest.mark.parametrize("k,n,slots", [(1024, 11008, 1), (4096, 11008, 4), (8192, 8192, 4), (11008, 8192, 4),
-                                        (4096, 4096, 8), (11008, 4096, 8), (1024, 32, 8)])
+                                       (4096, 4096, 8), (11008, 4096, 8), (1024, 32, 8)])
 def test_the_chosen_ring_holds_a_columns_bands_up_to_four_or_an_sm_to_itself(k, n, slots):
     """More programs than SMs: as many 16 KB slots as bands, up to 4; no more than the SMs: 8 (128 KB), one program
     an SM. Every slot but the first is filled after x's loads."""
