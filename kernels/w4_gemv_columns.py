@@ -229,6 +229,16 @@ if GLUON_USABLE:
             tma_load(z_desc, [band * GROUPS, c * (_COLS // 2)], bar, z_slot)
 
     @gluon.jit
+    def _first_fill(FROM: gl.constexpr, TO: gl.constexpr, c, n_bands, w_desc, s_desc, z_desc, landed, w_smem, s_smem,
+                    z_smem, SCALES: gl.constexpr):
+        """Bands FROM .. TO - 1 (those that exist) into the ring's slots of the same numbers."""
+        GROUPS: gl.constexpr = s_smem.shape[1]
+        for first in gl.static_range(FROM, TO):
+            if first < n_bands:
+                _load_band(first, c, w_desc, s_desc, z_desc, landed.index(first), w_smem.index(first),
+                           s_smem.index(first), z_smem.index(first).slice(0, GROUPS), SCALES)
+
+    @gluon.jit
     def _band_halves(w_slot, band_l: gl.constexpr, WARPS_: gl.constexpr, H: gl.constexpr):
         """A landed band's rows 0-3 and 4-7 of every block, each [4, WARPS, H, 32] in band_l: row 4 i + r of block
         H w + h at [r, w, h] of half i. The box's rows are row-major [w, h, i, r] (band row 8 H w + 8 h + 4 i + r),
@@ -323,10 +333,7 @@ if GLUON_USABLE:
             mbarrier.init(landed.index(first), count=1)
         fence_async_shared()
         EARLY: gl.constexpr = STAGES - LATE
-        for first in gl.static_range(EARLY):
-            if first < n_bands:
-                _load_band(first, c, w_desc, s_desc, z_desc, landed.index(first), w_smem.index(first),
-                           s_smem.index(first), z_smem.index(first).slice(0, GROUPS), SCALES)
+        _first_fill(0, EARLY, c, n_bands, w_desc, s_desc, z_desc, landed, w_smem, s_smem, z_smem, SCALES)
         if X_EARLY:  # a probe: x read before the wait, what x's loads after it cost (racy where the kernel ahead
             # writes x; a sweep's calls all read one x)
             words = _x_words(XW, K_ROWS, BANDS, WARPS_, H)
@@ -334,10 +341,8 @@ if GLUON_USABLE:
         _wait_for_previous(PDL)
         if not X_EARLY:
             words = _x_words(XW, K_ROWS, BANDS, WARPS_, H)
-        for first in gl.static_range(EARLY, STAGES):  # (x's loads then queue ahead of these copies)
-            if first < n_bands:
-                _load_band(first, c, w_desc, s_desc, z_desc, landed.index(first), w_smem.index(first),
-                           s_smem.index(first), z_smem.index(first).slice(0, GROUPS), SCALES)
+        # (x's loads then queue ahead of these copies)
+        _first_fill(EARLY, STAGES, c, n_bands, w_desc, s_desc, z_desc, landed, w_smem, s_smem, z_smem, SCALES)
         pairs, sums = _band_tables(words)
         warps_barrier()  # the tables are written
 

@@ -228,6 +228,16 @@ if GLUON_USABLE:
         tma_load(z_desc, [row // GROUP_ROWS, n0 // 2], bar, z_slot)
 
     @gluon.jit
+    def _load_tiles(FROM: gl.constexpr, TO: gl.constexpr, first_row, K_ROWS, n0, w_desc, s_desc, z_desc, landed, w_smem,
+                    s_smem, z_smem, GROUP_ROWS: gl.constexpr):
+        """A program's tiles FROM .. TO - 1 (those within K) into their slots."""
+        for t in gl.static_range(FROM, TO):
+            row = first_row + t * _TILE_ROWS
+            if row < K_ROWS:
+                load_tile(row, n0, w_desc, s_desc, z_desc, landed.index(t), w_smem.index(t), s_smem.index(t),
+                          z_smem.index(t), GROUP_ROWS)
+
+    @gluon.jit
     def add_tile(out, w_tile, s_tile, z_tile, pairs, sums, first: gl.constexpr, GROUP_ROWS: gl.constexpr,
                  tile_l: gl.constexpr, bytes_l: gl.constexpr, RUN: gl.constexpr):
         """out (fp32 [BLOCK_N]) plus a landed tile's products with x, group by group: x's rows of the tile start at
@@ -272,11 +282,7 @@ if GLUON_USABLE:
         # Every tile's copies first: weights, scales and zero points of tile t land on barrier t.
         w_smem, s_smem, z_smem, landed = tile_slots(w_desc, s_desc, z_desc, TILES, GROUPS)
         EARLY: gl.constexpr = TILES - LATE
-        for t in gl.static_range(EARLY):
-            row = first_row + t * _TILE_ROWS
-            if row < K_ROWS:
-                load_tile(row, n0, w_desc, s_desc, z_desc, landed.index(t), w_smem.index(t), s_smem.index(t),
-                          z_smem.index(t), GROUP_ROWS)
+        _load_tiles(0, EARLY, first_row, K_ROWS, n0, w_desc, s_desc, z_desc, landed, w_smem, s_smem, z_smem, GROUP_ROWS)
         # The next GEMV, if launched early (the gated down_proj behind gate_up), takes SM slots as programs here end
         # and issues its copies during this kernel's tail (fix-up, last tiles' math), as a norm ahead of it lets it.
         _let_next_start(PDL)
@@ -286,11 +292,9 @@ if GLUON_USABLE:
             inv = stored_inv_rms(Squares, square_slots, SQUARE_SLOTS, norm_width, eps, WARPS_)
         pairs, sums, squares = _x_tables(XW, first_row, K_ROWS, NormW, inv, TILES * _TILE_ROWS, WARPS_, GATED, NORMED,
                                          SCALED)
-        for t in gl.static_range(EARLY, TILES):  # LATE tiles: copied once x is in, its loads not queued behind them
-            row = first_row + t * _TILE_ROWS
-            if row < K_ROWS:
-                load_tile(row, n0, w_desc, s_desc, z_desc, landed.index(t), w_smem.index(t), s_smem.index(t),
-                          z_smem.index(t), GROUP_ROWS)
+        # LATE tiles: copied once x is in, its loads not queued behind them
+        _load_tiles(EARLY, TILES, first_row, K_ROWS, n0, w_desc, s_desc, z_desc, landed, w_smem, s_smem, z_smem,
+                    GROUP_ROWS)
         warps_barrier()  # the tables are written
 
         # A thread: two neighbouring columns, SUB_ROWS / RUN rows a slice; the 128 threads span the tile's 256 columns.

@@ -4,8 +4,8 @@ groups it takes (Gluon has no interpreter; its numbers are tested on an H200, te
 What is checked: a band is three TMA copies (its weights in one box, its scales, its zero points), issued slot by slot
 at the ring's first fill (the late slots' after x's loads) and once more at each refill; x is read in 16-byte loads,
 and its tables four rows a load; the HFMA2 body covers every packed word a thread holds of a band; no spills, no
-stack, and shared memory within an SM's. (That parting a band's halves in registers moves no data is the kernel's own check: its
-``convert_layout(assert_trivial=True)`` would not compile otherwise.)"""
+stack, and shared memory within an SM's. (That parting a band's halves in registers moves no data is the kernel's
+own check: its ``convert_layout(assert_trivial=True)`` would not compile otherwise.)"""
 
 import textwrap
 
