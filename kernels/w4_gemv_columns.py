@@ -317,8 +317,8 @@ if GLUON_USABLE:
         a band (2 or 4). COMPUTE off: a probe (the copies alone; y is wrong), and with it SCALES off (the weights'
         copies alone). REFILL off: a probe, the math alone (every band computed from the ring's first fill; y is
         wrong). X_EARLY: a probe, x read before the wait for the kernel ahead. LATE: the ring's slots filled after x's
-        loads are issued, the rest before the wait. ADD: Y is an fp32 row that
-        y is added to (the program owns its columns: a plain load and store, no atomics)."""
+        loads are issued, the rest before the wait. ADD: Y is an fp32 row that y is added to (the program owns its
+        columns: a plain load and store, no atomics)."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = H * WARPS_ // GROUP_BLOCKS  # scale rows a band
         c = gl.program_id(0)

@@ -19,7 +19,10 @@ in shared memory while it computes. The design:
 - **Started early (PDL).** The copies read only weights, which no kernel of a decode step writes: they are issued
   before the program waits for the kernel ahead (which writes x), as ``pdl.py`` describes. Each program then lets a
   kernel launched early behind it start (``griddepcontrol.launch_dependents``): the gated down_proj behind gate_up
-  (both W4A16 GEMVs) issues its copies during gate_up's tail, as it did behind the SiLU kernel it replaces.
+  (both W4A16 GEMVs) issues its copies during gate_up's tail, as it did behind the SiLU kernel it replaces. But not
+  every copy: x's loads after the wait queued behind them, so the last LATE tiles (one, ``w4_gemv_hopper.LATE_TILES``)
+  are copied once x's tables are built. In the batch-1 decode of llama2-7b that took rtn-int4 from 648 to 704 tok/s
+  (figures/h200/sweeps/latency_late_default.json).
 - **x once per program.** x's pairs, scaled for the 16-bit products, and its sums per row are computed once per
   program into shared memory (``_x_tables``), where the weight loop reads them as broadcasts.
 - **The HFMA2 body** of ``w4_gemv_pairs.py``: a packed int32 holds nibbles j and j + 4 as two bf16 subnormals, one
@@ -279,7 +282,7 @@ if GLUON_USABLE:
         n0 = tile_n * _BLOCK_N
         first_row = split * (TILES * _TILE_ROWS)
 
-        # Every tile's copies first: weights, scales and zero points of tile t land on barrier t.
+        # The copies of all tiles but the LATE last first: weights, scales and zero points of tile t land on barrier t.
         w_smem, s_smem, z_smem, landed = tile_slots(w_desc, s_desc, z_desc, TILES, GROUPS)
         EARLY: gl.constexpr = TILES - LATE
         _load_tiles(0, EARLY, first_row, K_ROWS, n0, w_desc, s_desc, z_desc, landed, w_smem, s_smem, z_smem, GROUP_ROWS)
