@@ -64,12 +64,10 @@ slower and was reverted (w4a16_gemv_columns_mma.json).
 Session 36 found the wait's real cost: the whole ring's copies, issued before the wait, were queued ahead of x's
 loads after it, so x (and with it every band's math) came only once most of the weights had. Reading x before the
 wait, a probe right only where every call reads one x (``probe=("x early",)``), took 7.81 / 8.44 us; filling only the
-first slot before the wait and the rest (LATE) after x's loads are issued, 7.21 / 7.63 (w4a16_gemv_columns_late.json).
-With that, 4 warps x 4 blocks (16 KB bands) was best: 4 x 4 x 4 7.08 us at 4096 x 11008, 4 x 8 x 4 7.48 at
-11008 x 4096, 3.51x and 3.38x torch's bf16 matmul (w4a16_gemv_columns_late_shapes.json; ``choose_shape``). As
-``w4a16_matmul`` runs it, 6.96 / 7.39 us, 3.43x / 3.38x (w4a16_gemv_columns_default.json). So ``w4_gemv_hopper.gemv``
-runs this kernel for the plain form by default, and for the add form where MINILLM_GEMV_COLUMNS names it (o_proj's
-add form on it was slower in the decode: 643 tok/s against 652, latency_late.json).
+first slot before the wait and the rest (LATE) after x's loads are issued, 7.21 / 7.63 (w4a16_gemv_columns_late.json;
+the shapes that followed: ``choose_shape``). As ``w4a16_matmul`` runs it, 6.96 / 7.39 us, 3.43x / 3.38x torch
+(w4a16_gemv_columns_default.json): ``w4_gemv_hopper.gemv`` runs this kernel for the plain form by default, and for
+the add form where MINILLM_GEMV_COLUMNS names it (slower in the decode: 643 tok/s against 652, latency_late.json).
 
 What it takes (``unsupported``): one bf16 row, K a multiple of 64, N of 32, group 64 or 128. Not under Triton's
 interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_w4_gemv_columns.py); compiled for sm_90 on
@@ -110,14 +108,14 @@ def shape_switch(value: str) -> tuple[int, int, int, int] | None:
         return None
     try:
         parts = [int(part) for part in value.lower().split("x")]
-        warps, stages, blocks = parts[:3]
-        late = parts[3] if len(parts) == 4 else stages - 1
-        if len(parts) not in (3, 4):
-            raise ValueError
     except ValueError:
-        warps = stages = blocks = late = 0
+        parts = []
+    if len(parts) == 3:
+        parts.append(parts[1] - 1)
+    warps, stages, blocks, late = parts if len(parts) == 4 else (0, 0, 0, 0)
+    # (shape_unsupported first: past it, stages is 1 or more)
     reason = shape_unsupported(warps, stages, blocks) or (
-        None if 0 <= late < max(stages, 1) else f"late slots from 0 to stages - 1, got {late} of {stages}")
+        None if 0 <= late < stages else f"late slots from 0 to stages - 1, got {late} of {stages}")
     if reason:
         raise ValueError(f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots x blocks [x late slots], e.g. 4x8x4 or "
                          f"4x8x4x7 ({reason}); got {value!r}")
