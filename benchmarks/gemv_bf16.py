@@ -2,7 +2,7 @@
 (one GPU) and halved (TP=2's shards), L2-cold: each call reads another copy of the weight. A sampled grid of
 configs per shape, within BUDGET_S seconds in all. Writes $OUT/gemv_bf16.json. Without CUDA: a tiny shape under
 the interpreter (TRITON_INTERPRET=1), to check the script runs. Usage: BUDGET_S=300 OUT=/tmp/out python
-figures/h200/sweeps/gemv_bf16.py"""
+benchmarks/gemv_bf16.py"""
 import itertools, json, os, random, time
 import torch
 import torch.nn.functional as F
