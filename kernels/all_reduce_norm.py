@@ -46,10 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import check, interpreter_on
-from minillm.kernels.fused_layer_ops import rms_norm_ref
-from minillm.kernels.int_float import ASM
-from minillm.kernels.pdl import let_next_start, supported as pdl_supported
+from .checks import check, interpreter_on
+from .fused_layer_ops import rms_norm_ref
+from .int_float import ASM
+from .hopper.pdl import let_next_start, supported as pdl_supported
 
 INTERPRET = interpreter_on()
 MAX_SPIN = 1 << 30  # polls of a peer's row before the kernel traps: ~30 min at ~1-2 us a poll

@@ -37,15 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
-from minillm.kernels.checks import check as _check
-from minillm.kernels.checks import check_runnable, interpreter_on
-from minillm.kernels import flash_attention_hopper as hopper
-from minillm.kernels.flash_attention_tma import check_describable, sequence_descriptor, use_scratch_allocator
-from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
+from .checks import FLOAT_DTYPES as DTYPES
+from .checks import check as _check
+from .checks import check_runnable, interpreter_on
+from .hopper import flash_attention as hopper
+from .hopper.tma import check_describable, sequence_descriptor, use_scratch_allocator
+from .kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
                                         kv_quant_mode, per_token_codes, per_token_rows, per_token_scales,
                                         scale_heads, scale_strides)
-from minillm.kv.quant import INT4_GROUP_SIZE
+from .kv_formats import INT4_GROUP_SIZE
 
 INTERPRET = interpreter_on()
 LOG2E = 1.4426950408889634

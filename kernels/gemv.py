@@ -33,10 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
-from minillm.kernels.fused_layer_ops import silu_and_mul_ref, silu_mul
-from minillm.kernels.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
-from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
+from .checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
+from .fused_layer_ops import silu_and_mul_ref, silu_mul
+from .hopper.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
+from .split_k import MAX_TILES, finish, split_range, tile_counters
 
 INTERPRET = interpreter_on()
 _INTERPRETER = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)

@@ -37,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check
-from minillm.kernels.int_float import int8_to_float
-from minillm.kv.quant import dequantize_kv, format_of, kv_layout
+from .checks import FLOAT_DTYPES, check
+from .int_float import int8_to_float
+from .kv_formats import dequantize_kv, format_of, kv_layout
 
 # The KV_QUANT values; constexpr so that the kernels may read them as globals.
 NO_QUANT, PER_TOKEN, INT4_GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)

@@ -50,19 +50,19 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check_runnable, num_sms
-from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode,
+from .checks import FLOAT_DTYPES, check_runnable, num_sms
+from .kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode,
                                         per_token_codes, per_token_query, per_token_rows, per_token_scales,
                                         reads_int8_words, scale_heads, scale_strides, tile_channels)
-from minillm.kernels.int_float import int8_words_to_fp16
-from minillm.kernels.paged_attention_ref import split_partials_ref
-from minillm.kernels.paged_decode_hopper import int8_decode, use_hopper
-from minillm.kernels.rope_in_decode import check_new_kv, check_pending_rms, rope_and_store_new_kv, stored_inv_rms
-from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
-from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE,
+from .int_float import int8_words_to_fp16
+from .split_merge import split_partials_ref
+from .hopper.paged_decode import int8_decode, use_hopper
+from .rope_in_decode import check_new_kv, check_pending_rms, rope_and_store_new_kv, stored_inv_rms
+from .split_k import MAX_TILES, last_arrival, tile_counters
+from .split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE,
                                          PagedAttentionWorkspace, choose_num_splits, merge_by_kernel,
                                          merge_splits)
-from minillm.kv.quant import INT4_GROUP_SIZE
+from .kv_formats import INT4_GROUP_SIZE
 
 _LN2 = tl.constexpr(math.log(2.0))
 

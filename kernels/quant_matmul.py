@@ -70,20 +70,20 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check, check_operand, check_runnable, interpreter_on
-from minillm.kernels.int4_dequantize import check_int4_layout, w4a16_dequantize
-from minillm.kernels.int_float import int8_to_float
+from .checks import FLOAT_DTYPES, check, check_operand, check_runnable, interpreter_on
+from .int4_dequantize import check_int4_layout, w4a16_dequantize
+from .int_float import int8_to_float
 # The autotuner's lists and the pinned configs (data from H200 sweeps) live in a file of their own.
-from minillm.kernels.quant_matmul_configs import (_GPU_FP32_DOT, _INTERPRETER, _W4_DOT, _W4_GEMV, _W8_DOT, _W8_GEMV,
+from .quant_matmul_configs import (_GPU_FP32_DOT, _INTERPRETER, _W4_DOT, _W4_GEMV, _W8_DOT, _W8_GEMV,
                                                   SPLIT_MAX_M, fit_dot_tiles, fit_gemv_variants, hfma2_runs_fit)
-from minillm.kernels.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
-from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
-from minillm.kernels import w4_gemv_hopper
-from minillm.kernels.w4_dot_pairs import dequant_tile_pairs
-from minillm.kernels.w4_gemv_pairs import gemv_pairs, gemv_pairs_tiles
-from minillm.kernels.w4_sixteenths import ONE_BITS, dequant_tile, int4_tile, nibble
+from .hopper.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
+from .split_k import MAX_TILES, finish, split_range, tile_counters
+from .hopper import w4_gemv as w4_gemv_hopper
+from .w4_pairs import dequant_tile_pairs
+from .w4_pairs import gemv_pairs, gemv_pairs_tiles
+from .int_float import ONE_BITS, dequant_tile, int4_tile, nibble
 # The layout's helpers live in a Triton-free file; re-exported so that one import serves.
-from minillm.kernels.quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
+from .quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
                                         unpack_int4, unpack_int4_along_n)
 
 INTERPRET = interpreter_on()

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.fused_layer_ops import check_rope_inputs, rotated, rotated_halves
-from minillm.kernels.kv_dequant import NO_QUANT
-from minillm.kernels.w4_gemv_norms import holds_squares
+from .fused_layer_ops import check_rope_inputs, rotated, rotated_halves
+from .kv_dequant import NO_QUANT
+from .fused_layer_ops import holds_squares
 
 
 @triton.jit

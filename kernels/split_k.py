@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import check
+from .checks import check
 
 MAX_TILES = 1 << 16  # arrival counters per device: the tiles of one split-K launch (see each user's check)
 COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent('''
     import json
     from triton.experimental.gluon import language as gl
     from minillm.bench.sass import compile_gluon_sm90, inner_loops
-    from minillm.kernels import paged_decode_hopper as ph
+    from minillm.kernels.hopper import paged_decode as ph
 
     def loops(head_dim, group, split):
         box = [ph.PAGE, ph.HEADS_PER_PROGRAM, head_dim]
@@ -56,7 +56,7 @@ def _split(loops):
 
 @pytest.mark.parametrize("case", CASES)
 def test_consumer_loop_products_come_straight_from_the_ring(compiled, case):
-    from minillm.kernels import paged_decode_hopper as ph
+    from minillm.kernels.hopper import paged_decode as ph
     head_dim, group = map(int, case.split()[:2])
     consumer, _ = _split(compiled[case])
     ops = consumer["opcodes"]
@@ -73,7 +73,7 @@ def test_consumer_loop_products_come_straight_from_the_ring(compiled, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_producer_loop_only_issues_copies(compiled, case):
-    from minillm.kernels import paged_decode_hopper as ph
+    from minillm.kernels.hopper import paged_decode as ph
     _, producer = _split(compiled[case])
     ops = producer["opcodes"]
     assert ops.get("UTMALDG") == 2 * ph.ID_CHUNK, ops  # K and V of each of a chunk's pages

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent('''
     import json
     from triton.experimental.gluon import language as gl
     from minillm.bench.sass import compile_gluon_sm90, wgmma_loops
-    from minillm.kernels import flash_attention_hopper as fh
+    from minillm.kernels.hopper import flash_attention as fh
 
     def loops(head_dim, causal):
         layout = lambda rows: repr(gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16))

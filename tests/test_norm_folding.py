@@ -54,7 +54,7 @@ def test_folded_decode_gives_the_unfolded_tokens(monkeypatch):
     prefills (many rows) fold none. The tokens are the unfolded engine's."""
     # On a GPU the Gluon GEMV would fold for real (tests/kernels/test_w4_gemv_norms.py): here every fold falls back.
     monkeypatch.setattr(QuantLinear, "_fused_refusal", lambda self: "falls back (a test)")
-    from minillm.kernels import step_start
+    from minillm.kernels import fused_layer_ops as step_start
 
     starts, start = [], step_start.step_start
     monkeypatch.setattr(step_start, "step_start", lambda *args: starts.append(args) or start(*args))
@@ -131,7 +131,7 @@ def test_gate_up_and_qkv_leave_their_norms_to_the_next_kernel(monkeypatch):
     to their slots of the model's ``PendingRows`` (zeroed at the step's start), and down_proj and the decode attention
     kernel (``paged_decode_attention(rms=...)``, here under the interpreter) apply the norm's 1 / rms; the tokens are
     those of the unfolded engine and of the fold without the deferrals."""
-    from minillm.kernels import w4_gemv_fused
+    from minillm.kernels.hopper import w4_gemv_fused
 
     calls = []
 

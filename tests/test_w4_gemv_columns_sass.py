@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent('''
     import json
     from triton.experimental.gluon import language as gl
     from minillm.bench.sass import compile_gluon_sm90, pdl_order, whole_kernel
-    from minillm.kernels import w4_gemv_columns as wc
+    from minillm.kernels.hopper import w4_gemv_columns as wc
 
     def compiled(warps, stages, group_blocks, blocks, bands, late):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
@@ -55,7 +55,7 @@ def compiled(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 def test_copies_body_and_resources(compiled, case):
-    from minillm.kernels import w4_gemv_columns as wc
+    from minillm.kernels.hopper import w4_gemv_columns as wc
     kernel = compiled[case]
     ops = kernel["opcodes"]
     warps, stages, blocks = (int(v) for v in case.split()[0].split("x"))

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent('''
     import json
     from triton.experimental.gluon import language as gl
     from minillm.bench.sass import compile_gluon_sm90, pdl_order, whole_kernel
-    from minillm.kernels import w4_gemv_hopper_kernel as wh
+    from minillm.kernels.hopper import w4_gemv_split_k as wh
 
     def compiled(tiles, group, gated=False, run=wh.RUN, add=False, normed=False, scaled=False, late=0):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
@@ -71,7 +71,7 @@ def compiled(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 def test_copies_and_products(compiled, case):
-    from minillm.kernels import w4_gemv_hopper_kernel as wh
+    from minillm.kernels.hopper import w4_gemv_split_k as wh
     tiles = int(case.split()[0])
     kernel = compiled[case]
     ops = kernel["opcodes"]
@@ -103,7 +103,7 @@ def test_copies_and_products(compiled, case):
 def test_runs_of_two_rows_halve_the_conversions_to_fp32(compiled):
     """RUN = 2: two packed rows share a 16-bit sum, so a thread's 64 int32s a program make 32 conversions to fp32 (an
     FADD of the halves) and 32 fewer fp32 additions than at RUN = 1: 64 FADDs fewer."""
-    from minillm.kernels import w4_gemv_hopper_kernel as wh
+    from minillm.kernels.hopper import w4_gemv_split_k as wh
     assert wh.RUN == 2
     packed_a_thread = 2 * wh.TILE_ROWS * wh.BLOCK_N // (32 * wh.WARPS)
     run1, run2 = compiled["2 128 run 1"]["opcodes"], compiled["2 128"]["opcodes"]

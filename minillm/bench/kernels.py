@@ -194,7 +194,7 @@ def paged_copy(contiguous: torch.Tensor, block_size: int, generator: torch.Gener
 
 def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, bandwidth_gbs: float) -> dict:
     from minillm.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
-    from minillm.kernels.paged_decode_hopper import use_hopper
+    from minillm.kernels.hopper.paged_decode import use_hopper
 
     B, H, Hkv, S, D = shape.batch, shape.heads, shape.kv_heads, shape.context, shape.head_dim
     quantized = shape.kv_cache_dtype != "auto"

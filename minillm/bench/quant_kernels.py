@@ -78,7 +78,7 @@ def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dty
     from minillm.kernels.checks import num_sms
     from minillm.kernels.quant_matmul import DEQUANT_MIN_M, GEMV_MAX_M, autotuned_config, w4a16_matmul, \
         w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref
-    from minillm.kernels.w4_gemv_hopper import choose_tiles, use_hopper
+    from minillm.kernels.hopper.w4_gemv import choose_tiles, use_hopper
 
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(shape.m, shape.k, dtype=dtype, device=device, generator=gen)

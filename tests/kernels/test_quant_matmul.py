@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernels import quant_matmul, quant_matmul_configs, split_k
-from minillm.kernels.w4_dot_pairs import dequant_tile_pairs
+from minillm.kernels.w4_pairs import dequant_tile_pairs
 from minillm.kernels.quant_matmul import (pack_int4, pack_int4_along_n, unpack_int4, unpack_int4_along_n,
                                           w4a16_matmul, w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref)
 

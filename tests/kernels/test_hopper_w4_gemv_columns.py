@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from minillm.kernels import w4_gemv_columns as columns
+from minillm.kernels.hopper import w4_gemv_columns as columns
 from minillm.kernels.checks import num_sms
 from minillm.kernels.quant_matmul import w4a16_matmul_ref
 
@@ -187,7 +187,7 @@ def test_column_gemv_replays_in_a_cuda_graph():
 def test_the_routing_switch_takes_the_forms_the_kernel_has(value, forms):
     """MINILLM_GEMV_COLUMNS: forms by name among the two this kernel computes (plain and add); the plain form by
     default (what ``hopper.COLUMNS`` holds when the variable is unset)."""
-    from minillm.kernels import w4_gemv_hopper as hopper
+    from minillm.kernels.hopper import w4_gemv as hopper
     if forms is None:
         with pytest.raises(ValueError, match="MINILLM_GEMV_COLUMNS must be 0, 1 or forms among plain, add, comma"):
             hopper.forms_switch("MINILLM_GEMV_COLUMNS", value, hopper.COLUMNS_FORMS, ("plain",))
@@ -227,7 +227,7 @@ def test_the_chosen_ring_holds_a_columns_bands_up_to_four_or_an_sm_to_itself(k, 
 def test_gemv_runs_the_forms_the_switch_names_on_the_column_kernel(monkeypatch, form):
     """``w4_gemv_hopper.gemv`` with COLUMNS naming the form: the column kernel's bits (it is called, and the answer is
     what it gives alone); with COLUMNS empty, the same answer within rounding from the other kernels."""
-    from minillm.kernels import w4_gemv_hopper as hopper
+    from minillm.kernels.hopper import w4_gemv as hopper
     k, n = 4096, 4096
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=21)
     dtype = torch.float32 if form == "add" else torch.bfloat16

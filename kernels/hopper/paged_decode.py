@@ -57,8 +57,8 @@ import math
 
 import torch
 
-from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
-from minillm.kernels.flash_attention_tma import TMA_ALIGN
+from .gluon import GLUON_USABLE, MIN_TRITON, gluon
+from .tma import TMA_ALIGN
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
@@ -66,7 +66,7 @@ if GLUON_USABLE:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
+    from .gluon import reinterpret, tma_load, warps_barrier
 
 PAGE = 16  # tokens per block
 SLOT_PAGES = 4  # pages a slot: 4 x 16 tokens x 2 heads = 128 rows, 32 a warp

@@ -50,17 +50,18 @@ import torch
 
 import triton
 
-from minillm.kernels.checks import num_sms
-from minillm.kernels.flash_attention_tma import not_describable
+from ..checks import num_sms
+from .tma import not_describable
 
-try:
-    from triton.experimental import gluon
+from .gluon import GLUON_USABLE, MIN_TRITON, gluon
+
+if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # a Triton without Gluon (before 3.4): flash_attention keeps its Triton kernel
-    gluon = None
+
+    from .gluon import tma_load
 
 PART_M = 64  # query rows per consumer warpgroup: one wgmma's M
 CONSUMERS = 3
@@ -71,9 +72,6 @@ CONSUMER_REGS = 160  # per thread, for the two worker consumers; the default par
 LOADER_REGS = 24
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-# Gluon's API moved between releases (warp_specialize's arguments in 3.6, the TMA load's name in 3.9): written for 3.6+.
-MIN_TRITON = (3, 6)
-GLUON_USABLE = gluon is not None and tuple(int(part) for part in triton.__version__.split(".")[:2]) >= MIN_TRITON
 
 
 def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> str | None:
@@ -104,29 +102,6 @@ if gluon is not None:
     _PART_M, _CONSUMERS, _BLOCK_M = gl.constexpr(PART_M), gl.constexpr(CONSUMERS), gl.constexpr(BLOCK_M)
     _BLOCK_N, _STAGES = gl.constexpr(BLOCK_N), gl.constexpr(STAGES)
     _CONSUMER_REGS, _LOADER_REGS = gl.constexpr(CONSUMER_REGS), gl.constexpr(LOADER_REGS)
-
-    # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions call it async_load.
-    tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-    # And the barrier of a partition's (or a program's) warps thread_barrier; later versions barrier.
-    _THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))
-
-    @gluon.jit
-    def warps_barrier():
-        if _THREAD_BARRIER:
-            gl.thread_barrier()
-        else:
-            gl.barrier()
-
-    # And the reinterpreting view of shared memory _reinterpret; later versions reinterpret.
-    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-
-    @gluon.jit
-    def reinterpret(view, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
-        """``view``'s bytes as a [shape] tensor of ``dtype`` laid out by ``layout``."""
-        if _PUBLIC_REINTERPRET:
-            return view.reinterpret(dtype, shape, layout)
-        else:
-            return view._reinterpret(dtype, shape, layout)
 
     @gluon.jit
     def _tile(t, schedule, CAUSAL: gl.constexpr):

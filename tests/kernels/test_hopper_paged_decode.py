@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kernels import paged_decode_hopper as hopper
+from minillm.kernels.hopper import paged_decode as hopper
 from minillm.kernels.paged_attention import PagedAttentionWorkspace, paged_decode_attention, paged_decode_attention_ref
 
 from test_quantized_kv import TOL, quantized_paged

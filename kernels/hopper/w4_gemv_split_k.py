@@ -61,16 +61,16 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kernels.flash_attention_hopper import GLUON_USABLE, gluon
+from .gluon import GLUON_USABLE, gluon
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from minillm.kernels.flash_attention_hopper import tma_load, warps_barrier
-    from minillm.kernels.fused_layer_ops import silu_mul
-    from minillm.kernels.w4_gemv_norms import (bf16_words, high_bf16, inv_rms, low_bf16, scaled_bf16, stored_inv_rms,
+    from .gluon import tma_load, warps_barrier
+    from ..fused_layer_ops import silu_mul
+    from .w4_gemv_norms import (bf16_words, high_bf16, inv_rms, low_bf16, scaled_bf16, stored_inv_rms,
                                                weighted_word)
 
 TILE_ROWS = 16  # packed rows a tile: 128 inputs

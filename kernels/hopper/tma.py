@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import check
+from ..checks import check
 
 TMA_ALIGN = 16  # bytes: a descriptor's base and its row stride (CUDA driver API, cuTensorMapEncodeTiled)
 

@@ -37,34 +37,7 @@ against the norm computed in fp64 in tests/kernels/test_w4_gemv_norms.py).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
-
-from minillm.kernels.flash_attention_hopper import GLUON_USABLE, gluon
-
-
-class Norm(NamedTuple):
-    """An RMSNorm the GEMV applies to its input row as it reads it (this module): the norm's ``weight`` [K] and
-    ``eps``; the row is the residual stream's fp32 row."""
-    weight: torch.Tensor
-    eps: float
-
-
-class Rms(NamedTuple):
-    """The 1 / rms of a norm whose GEMV left it to the kernel behind it (gate_up_proj's to down_proj, qkv_proj's to
-    the decode attention kernel: the module docstring's last part): ``squares``, fp32, the sums of squares the
-    producer's splits stored (zeros in the slots it did not use), the norm's input ``width`` and ``eps``."""
-    squares: torch.Tensor
-    width: int
-    eps: float
-
-
-def holds_squares(slots: torch.Tensor, device: torch.device, at_least: int = 1) -> bool:
-    """Whether ``slots`` can hold (or give) a GEMV's sums of squares: a contiguous fp32 vector on ``device`` of at
-    least ``at_least`` slots (the checks of ``w4_gemv_fused`` and ``rope_in_decode``)."""
-    return (slots.dtype == torch.float32 and slots.device == device and slots.dim() == 1 and slots.is_contiguous()
-            and slots.numel() >= at_least)
+from .gluon import GLUON_USABLE, gluon
 
 
 if GLUON_USABLE:

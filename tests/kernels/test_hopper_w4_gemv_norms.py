@@ -18,7 +18,7 @@ import torch
 
 from minillm.kernels import split_k, w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
 from minillm.kernels.quant_pack import dequantize_int4
-from minillm.kernels.w4_gemv_norms import Norm, Rms
+from minillm.kernels.fused_layer_ops import Norm, Rms
 
 from test_quant_matmul import counters_are_clean, int4_problem, poisoned
 from test_w4_gemv_hopper import needs_sm90

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kernels import flash_attention_hopper as hopper
+from minillm.kernels.hopper import flash_attention as hopper
 from minillm.kernels.flash_attention import _attention_kernel, flash_attention, flash_attention_ref
 
 from test_flash_attention import assert_close, make_varlen, nan_tailed, nans_like

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kernels.int4_dequantize import check_int4_layout
-from minillm.kernels.w4_gemv_hopper import gemv, splits_needed, unsupported
-from minillm.kernels.w4_gemv_norms import Norm, Rms, holds_squares
+from ..int4_dequantize import check_int4_layout
+from .w4_gemv import gemv, splits_needed, unsupported
+from ..fused_layer_ops import Norm, Rms, holds_squares
 
 
 def fused_unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
