@@ -1,7 +1,6 @@
 """A W4A16 GEMV (M = 1) for Hopper (sm_90), in Gluon, with no split-K fix-up: each program owns 32 columns of y and
 streams all of K for them through a ring of TMA slots; its warps share out K, and their sums meet in shared memory.
-ADD: y is added to an fp32 row (the residual stream) instead, a plain load and store, since no other program
-writes those columns.
+``w4_gemv.gemv`` runs it for the plain form (a bf16 y), the one ``QuantLinear`` runs by default.
 
 Why it exists: the split-K GEMV (``w4_gemv_split_k.py``) cuts K among programs, so a bf16 y needs a fix-up after
 the last math: partials through L2, a fence and a counter, a sizable part of a 7-9 us kernel at Llama-2-7B's shapes.
@@ -231,11 +230,10 @@ if GLUON_USABLE:
     @gluon.jit
     def _w4_gemv_columns_kernel(XW, w_desc, s_desc, z_desc, Y, N, K_ROWS, n_bands, STAGES: gl.constexpr,
                                 BANDS: gl.constexpr, GROUP_BLOCKS: gl.constexpr, PDL: gl.constexpr,
-                                ADD: gl.constexpr = False, H: gl.constexpr = 2, LATE: gl.constexpr = 0):
+                                H: gl.constexpr = 2, LATE: gl.constexpr = 0):
         """Program c: y[32 c : 32 c + 32] over all of K, n_bands bands through a ring of STAGES slots (the module
         docstring). BANDS: a power of two at least n_bands; GROUP_BLOCKS: blocks a group (1 or 2); H: blocks a warp
-        a band (2 or 4). LATE: the ring's slots filled after x's loads are issued, the rest before the wait. ADD: Y is an fp32 row that y is added to (the program owns its
-        columns: a plain load and store, no atomics)."""
+        a band (2 or 4). LATE: the ring's slots filled after x's loads are issued, the rest before the wait."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = H * WARPS_ // GROUP_BLOCKS  # scale rows a band
         c = gl.program_id(0)
@@ -274,8 +272,6 @@ if GLUON_USABLE:
                            s_smem.index(s), z_smem.index(s).slice(0, GROUPS))
         y = gl.sum(gl.sum(out, axis=1), axis=0)  # the warps' blocks meet (through shared memory)
         n = c * _COLS + gl.arange(0, _COLS, layout=y.type.layout)
-        if ADD:
-            y = y + gl.load(Y + n, mask=n < N, other=0.0)
         gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
 
 
@@ -306,11 +302,10 @@ def ring_bytes(warps: int, stages: int, blocks: int) -> int:
 
 def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                     out: torch.Tensor, pdl: bool = True, warps: int = WARPS, stages: int = STAGES,
-                    blocks: int = BLOCKS, add: bool = False, late: int = 0) -> None:
+                    blocks: int = BLOCKS, late: int = 0) -> None:
     """y = x @ W into ``out`` [1, N] bf16 (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128): a program
     a 32-column tile, ``warps`` warps sharing out K in bands of 64 ``blocks`` ``warps`` inputs (``blocks`` blocks of
-    64 a warp: 2 or 4), ``stages`` bands in flight. ``add``: ``out`` is an fp32 row [1, N] and y is added to it.
-    ``late``: ring slots filled after x's loads are issued, not before the wait."""
+    64 a warp: 2 or 4), ``stages`` bands in flight. ``late``: ring slots filled after x's loads are issued, not before the wait."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     reason = unsupported(k, n, group, x.dtype, x.shape[0])
     if reason:
@@ -323,15 +318,13 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                          f"zero-point rows a band, too few to view (8 at least, or 2 blocks a warp at group 128)")
     if not 0 <= late <= stages:
         raise ValueError(f"late counts ring slots filled after x's loads: 0 to stages={stages}, got {late}")
-    want = torch.float32 if add else torch.bfloat16
-    if out.dtype != want or out.shape != (1, n) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [1, {n}] {want} row{' (add=True: y is added to it)' * add}, got "
-                         f"{list(out.shape)} {out.dtype}")
+    if out.dtype != torch.bfloat16 or out.shape != (1, n) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [1, {n}] torch.bfloat16 row, got {list(out.shape)} {out.dtype}")
     numbers = plan(k, warps, blocks)
     _w4_gemv_columns_kernel[(n // COLS,)](x.view(torch.int32),
                                           *_descriptors(qweight, scales, zeros, group, warps, blocks),
                                           out, n, k // 8, numbers["n_bands"], STAGES=stages, BANDS=numbers["BANDS"],
-                                          GROUP_BLOCKS=group // 64, PDL=pdl, ADD=add, H=blocks, LATE=late,
+                                          GROUP_BLOCKS=group // 64, PDL=pdl, H=blocks, LATE=late,
                                           num_warps=warps, launch_pdl=pdl)
 
 

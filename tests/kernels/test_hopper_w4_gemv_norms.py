@@ -16,12 +16,13 @@ import re
 import pytest
 import torch
 
-from minillm.kernels import split_k, w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
+from minillm.kernels import split_k
+from minillm.kernels.hopper import w4_gemv as hopper, w4_gemv_fused as fused_forms
 from minillm.kernels.quant_pack import dequantize_int4
 from minillm.kernels.fused_layer_ops import Norm, Rms
 
 from test_quant_matmul import counters_are_clean, int4_problem, poisoned
-from test_w4_gemv_hopper import needs_sm90
+from test_hopper_w4_gemv import needs_sm90
 
 EPS = 1e-5
 # k, n, group: Llama-2-7B's o_proj and down_proj (many splits, 16 column tiles), one tile and no split, SmolLM2's
