@@ -113,7 +113,7 @@ class Workspace:
 def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Epochs, PeerBuffers, rank, n_rows, n_cols, max_rows, eps,
                                 WORLD: tl.constexpr, BLOCK: tl.constexpr, WORDS: tl.constexpr, PHASE: tl.constexpr,
                                 MAX_SPIN: tl.constexpr, PDL: tl.constexpr):
-    let_next_start(PDL)  # the next GEMV may warm L2 while this waits for its peers (pdl.py)
+    let_next_start(PDL)  # the next GEMV may warm L2 while this waits for its peers (hopper/pdl.py)
     p = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)

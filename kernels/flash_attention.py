@@ -74,7 +74,7 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
     cache (KV_QUANT, paged only) is dequantized as ``kv_dequant.py`` explains; int8 / fp8 scales come for
     SCALE_HEADS KV heads at once (``kv_dequant.per_token_scales``: one head's 2-byte scale a token would be a
     load too narrow for the pipeline). With TMA, K and V are tensor descriptors over this sequence's rows of one
-    KV head (``flash_attention_tma.py``)."""
+    KV head (``hopper/tma.py``)."""
     if KV_QUANT == INT4_GROUPS:
         offs_d = tl.arange(0, HEAD_DIM // 2)  # tiles of packed bytes, each loaded once (kv_dequant.py)
     else:
@@ -211,7 +211,7 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
         head_scales = tl.multiple_of(kv_h * stride_sh, 2)  # even, as scale_rows there
         KScale += head_scales
         VScale += head_scales
-    if TMA:  # non-paged, unquantized only (the wrapper checks): flash_attention_tma.py
+    if TMA:  # non-paged, unquantized only (the wrapper checks): hopper/tma.py
         K = sequence_descriptor(K, k_start, k_len, stride_kt, BLOCK_N, HEAD_DIM)
         V = sequence_descriptor(V, k_start, k_len, stride_vt, BLOCK_N, HEAD_DIM)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, 0, unmasked_end, k_len, diag, K, V, KScale,
@@ -384,10 +384,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     max_seqlen_q must be at least the longest q_len (it sizes the grid; with a smaller one some rows stay unwritten).
     causal is bottom-right aligned. scale defaults to 1/sqrt(D). Returns out [Tq_total, H, D] in q's
     dtype. config pins e.g. {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}; adding
-    "TMA": True loads K/V tiles through TMA descriptors (sm_90+, ``flash_attention_tma.py``).
+    "TMA": True loads K/V tiles through TMA descriptors (sm_90+, ``hopper/tma.py``).
 
     Without a config, an sm_90 GPU (H100/H200) runs bf16/fp16 inputs of head_dim 64 or 128 through the
-    FlashAttention-3-style Gluon kernel (``flash_attention_hopper.py``), anything else through the
+    FlashAttention-3-style Gluon kernel (``hopper/flash_attention.py``), anything else through the
     autotuned Triton kernel; config={"HOPPER": True} demands the Gluon kernel (a ValueError says why not), and
     {"HOPPER": False, ...} the Triton one (with the rest of the config, if any).
     """

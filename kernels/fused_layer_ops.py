@@ -54,7 +54,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    let_next_start(PDL)  # the GEMV after a norm may start warming L2 now (pdl.py)
+    let_next_start(PDL)  # the GEMV after a norm may start warming L2 now (hopper/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -233,7 +233,7 @@ def holds_squares(slots: torch.Tensor, device: torch.device, at_least: int = 1) 
 # to the fp32 stream after it for o_proj to add to. Each kernel is ~2-3 us of an INT4 llama2-7b token's ~1.57 ms on an
 # H200, where each launch, not its bytes, is the cost (figures/h200/sweeps/decode_graph_deferred_norms.json's
 # step_in_order). Here the memset, the gather and the copy are one kernel; layer 0's qkv_proj GEMV normalises the row
-# itself, as every later layer's does, and starts its weight copies while this kernel runs (PDL, ``pdl.py``).
+# itself, as every later layer's does, and starts its weight copies while this kernel runs (PDL, ``hopper/pdl.py``).
 
 BLOCK = 2048  # elements a program zeroes (and gathers, for the programs the row spans)
 

@@ -70,7 +70,7 @@ def _gemv_kernel(X, W, Y, Partials, Counters, N, K, stride_wn,
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     start, end = split_range(K, BLOCK_K, SPLIT_K)
     rows = W + n.to(tl.int64)[:, None] * stride_wn
-    if PDL:  # launched early (pdl.py): warm L2 with the first lines of this program's rows, then wait for x
+    if PDL:  # launched early (hopper/pdl.py): warm L2 with the first lines of this program's rows, then wait for x
         if PREFETCH_LINES > 0:
             line = tl.arange(0, PREFETCH_LINES) * (1024 // W.dtype.element_ty.primitive_bitwidth)  # 128 B apart
             first = W + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn  # clamped: never past the weight

@@ -84,7 +84,7 @@ def int8_words_to_fp16(words):
 # so a weight costs a shift, a LOP3 and one FMA (about 5.5 instructions per weight in all on sm_90, by
 # the SASS); the dot forms (1 + q/16 - (1 + z/16)) * 16 s = (q - z) s. Computing 1 + q / 16 rather
 # than q keeps the products and sums near 1, so fp32 loses nothing. (The 16-bit variants,
-# ``w4_gemv_pairs.py`` and ``w4_dot_pairs.py``, work on pairs of 16-bit floats instead.)
+# ``w4_pairs.py``, work on pairs of 16-bit floats instead.)
 
 ONE_BITS = 0x3F800000  # the float 1.0: mantissa bits 19..22 under its exponent count sixteenths
 

@@ -11,7 +11,7 @@ waits. The pools get ``rope_store_kv``'s bits; the output can differ in its last
 reaches the dot from registers rather than from memory (``paged_decode_attention``'s docstring).
 
 With the norms folded into the INT4 GEMVs, q, k and v may arrive as qkv_proj's fp32 row before its norm's 1 / rms
-(PENDING; ``w4_gemv_norms.py``): each program forms 1 / rms from the sums of squares the GEMV stored and scales the
+(PENDING; ``hopper/w4_gemv_norms.py``): each program forms 1 / rms from the sums of squares the GEMV stored and scales the
 values as it loads them, rounded to the cache's dtype as the GEMV would have written them.
 
 Measured on the H200 (figures/h200/sweeps/latency_rope_in_decode.json, engines ABBA ABBA): 1.029x the INT4 batch-1
@@ -32,7 +32,7 @@ from .fused_layer_ops import holds_squares
 @triton.jit
 def stored_inv_rms(Squares, slots, SLOTS: tl.constexpr, width, eps):
     """1 / rms of a row of ``width`` inputs from the ``slots`` sums of squares at Squares (SLOTS: a power of two at
-    least as large): the norm that qkv_proj's GEMV left to this kernel (``w4_gemv_norms.py``; its Gluon twin there)."""
+    least as large): the norm that qkv_proj's GEMV left to this kernel (``hopper/w4_gemv_norms.py``; its Gluon twin there)."""
     lanes = tl.arange(0, SLOTS)
     return 1.0 / tl.sqrt(tl.sum(tl.load(Squares + lanes, mask=lanes < slots, other=0.0), axis=0) / width + eps)
 

@@ -13,7 +13,7 @@ torch reference, says how; exercise ex04 writes it) can run in two places, and b
 
 How many splits (``choose_num_splits``) and where their partials live between the stages
 (``PagedAttentionWorkspace``) are decided here too: both decode kernels, ``paged_attention.py``'s and
-``paged_decode_hopper.py``'s, write into the one workspace and are merged by ``merge_by_kernel``.
+``hopper/paged_decode.py``'s, write into the one workspace and are merged by ``merge_by_kernel``.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _merge_kernel(O_part, Lse, Out, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Stage 2 (merge="kernel"): program (b, h) merges the num_splits partials of one query head."""
-    let_next_start(PDL)  # o_proj's GEMV may start warming L2 now (pdl.py)
+    let_next_start(PDL)  # o_proj's GEMV may start warming L2 now (hopper/pdl.py)
     b = tl.program_id(0)
     row = tl.arange(0, 1)  # one row, for merge_splits's [rows, BLOCK_D] tiles; its mask folds to true
     head = tl.program_id(1) + row

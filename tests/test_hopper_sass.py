@@ -1,4 +1,4 @@
-"""The Hopper prefill kernel (kernels/flash_attention_hopper.py) compiled for sm_90 on the CPU: its wgmma loops are
+"""The Hopper prefill kernel (kernels/hopper/flash_attention.py) compiled for sm_90 on the CPU: its wgmma loops are
 pipelined (not one wait per product, ptxas's fallback when registers run short), and the register operand it keeps
 across a loop's trips, Q, is not overwritten inside the loop. The second property is what threading Q through
 ``warpgroup_mma_wait``'s deps buys: with Triton 3.6's toolchain (the H200's) the kernel without it reused Q's

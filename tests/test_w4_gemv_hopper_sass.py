@@ -1,6 +1,6 @@
-"""The Gluon W4A16 GEMV (kernels/w4_gemv_hopper_kernel.py) compiled for sm_90 on the CPU: what lets it keep up with HBM
+"""The Gluon W4A16 GEMV (kernels/hopper/w4_gemv_split_k.py) compiled for sm_90 on the CPU: what lets it keep up with HBM
 is visible in its instructions, so they are counted here (Gluon has no interpreter; the numbers are tested on an
-H200, tests/kernels/test_w4_gemv_hopper.py).
+H200, tests/kernels/test_hopper_w4_gemv.py).
 
 Per program: three TMA copies a tile (weights, scales, zero points), issued before the wait for the kernel ahead,
 but for the late tiles' (after x's loads); the HFMA2 body's

@@ -27,7 +27,7 @@ path, a TMA ring and consumers that only wait, read the same pools at 99 % of co
   reduction), which ldmatrix can transpose only for 16-bit elements: so V is read as int16 pairs of channels,
   transposed, and a PRMT splits each register's two tokens x two channels into the even channels' and the odd
   channels' fp16 pairs, accumulated as two halves of O^T. No converted tile goes back through shared memory
-  (the first version stored V as fp16 in a scratch tile: 77 % of copy bandwidth).
+  (V stored as fp16 in a scratch tile would cost a quarter of the copy bandwidth).
 - **Codes biased, not converted.** Four codes become four fp16s of value code + 1152 by a LOP3 and two PRMTs
   (``int_float.int8_words_to_fp16``'s trick without its two subtractions): each score starts from -1152 sum(q),
   computed once by the same product, and each step's output from -1152 sum(weights).

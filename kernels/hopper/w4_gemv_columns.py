@@ -106,7 +106,7 @@ if GLUON_USABLE:
     def _band_tables(words):
         """x as the bands want it, in shared memory, from its words (``_x_words``): pairs[j] [2 BANDS, 4, WARPS, H]
         (int32), index i BANDS + band holding rows 4 i .. 4 i + 3 of the band's blocks (block H w + h at [:, w, h]),
-        pair j of each as ``w4_gemv_hopper_kernel.word_pairs`` makes it; and sums [BANDS, WARPS, H], each block's sum
+        pair j of each as ``w4_gemv_split_k.word_pairs`` makes it; and sums [BANDS, WARPS, H], each block's sum
         of x."""
         BANDS: gl.constexpr = words.shape[0]
         WARPS_: gl.constexpr = words.shape[1]
@@ -342,7 +342,7 @@ def shape_unsupported(warps: int, stages: int, blocks: int) -> str | None:
 
 def unsupported(k: int, n: int, group: int, dtype: torch.dtype, rows: int) -> str | None:
     """Why the column GEMV cannot take a K x N weight at ``group`` with x of ``dtype`` and ``rows`` rows, or None if
-    it can (``w4_gemv_hopper.unsupported`` checks the rest: the device, alignment, Gluon)."""
+    it can (``w4_gemv.unsupported`` checks the rest: the device, alignment, Gluon)."""
     if dtype != torch.bfloat16 or rows != 1:
         return f"it takes one bf16 row, not {rows} of {dtype}"
     if k % 64 or k == 0 or n % COLS or n == 0 or group not in (64, 128):

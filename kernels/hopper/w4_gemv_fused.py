@@ -1,8 +1,8 @@
 """A batch-1 decoder layer's INT4 GEMV with what surrounds it folded in, from Python: ``fused_gemv`` runs
-``w4_gemv_hopper``'s kernel with SiLU-and-multiply applied to its input (the MLP's down projection), the RMSNorm ahead
+``w4_gemv``'s split-K kernel with SiLU-and-multiply applied to its input (the MLP's down projection), the RMSNorm ahead
 of it applied to its input, or the residual added to its output (``w4_gemv_norms.py``), and ``fused_unsupported``
 says why it cannot. ``QuantLinear`` calls them; each form is tested against the unfused kernels it replaces
-(tests/kernels/test_w4_gemv_hopper.py, test_w4_gemv_norms.py).
+(tests/kernels/test_hopper_w4_gemv.py, test_hopper_w4_gemv_norms.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the residual stream, the GEMV behind normalises its input.
 Why: a batch-1 INT4 Llama-2-7B layer runs two RMSNorm kernels (each with the residual add before it) between its
 GEMVs. They do almost no work, but each is a kernel boundary on the token's critical path: 0.23 ms of a 2.30 ms
 token (figures/h200/sweeps/latency_what_if.json), where bf16's longer GEMVs hide them (0.04 ms). A norm needs two
-things of the row: the sum of the squares of all of it, and each input's own value. So (``w4_gemv_hopper.py`` runs
+things of the row: the sum of the squares of all of it, and each input's own value. So (``w4_gemv.py`` runs
 both):
 
 - **The GEMV ahead** (o_proj, down_proj) adds y to the residual stream, kept in fp32 for the step, where each
@@ -18,9 +18,8 @@ both):
   inputs of s. A norm is one factor for the whole row, so it comes after the product:
   RMSNorm(s) @ W = (s * weight) @ W / rms(s). The split-K fix-up sums the splits' squares with their partials and
   scales y by 1 / rms (``inv_rms``). No program reads the whole row, and none waits for another beyond what the
-  fix-up already does. (Session 20's normed GEMV had every program read the whole row for its RMS: 2.4 us a GEMV
-  against the norm kernel's 1.4, figures/h200/sweeps/normed_gemv.json; session 22's fold had the GEMV ahead store
-  the sums of squares of each 256 columns beside s, which needed its fix-up.)
+  fix-up already does (a GEMV whose every program read the whole row for its RMS would be slower than the norm
+  kernel it replaces: figures/h200/sweeps/normed_gemv.json).
 
 gate_up_proj and qkv_proj go one step further (``fused_gemv(norm=..., residual=..., squares=...)``,
 ``norm_folding.PendingNorm``): their splits add their unnormalised parts of y to a zeroed fp32 row with reductions
@@ -32,7 +31,7 @@ RoPE (``rope_in_decode.py``). So no GEMV of the layer has a fix-up: 1.072x a tok
 Numerics: the stream holds s in fp32 where the unfolded layer (and transformers) round it to bf16 at every add;
 the input is s * weight rounded to bf16 once, where transformers rounds s / rms, then the product with the weight.
 So the folded layer is not bit for bit the unfolded one: its errors are of the size of one bf16 rounding (tested
-against the norm computed in fp64 in tests/kernels/test_w4_gemv_norms.py).
+against the norm computed in fp64 in tests/kernels/test_hopper_w4_gemv_norms.py).
 """
 
 from __future__ import annotations

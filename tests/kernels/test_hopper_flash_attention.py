@@ -1,4 +1,4 @@
-"""The Gluon prefill kernel for Hopper (kernels/flash_attention_hopper.py) against the plain-torch reference, and
+"""The Gluon prefill kernel for Hopper (kernels/hopper/flash_attention.py) against the plain-torch reference, and
 when ``flash_attention`` picks it.
 
 Gluon has no interpreter, so the numerical tests need an sm_90 GPU; on the CPU the dispatch and its reasons are

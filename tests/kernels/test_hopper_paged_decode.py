@@ -1,4 +1,4 @@
-"""The Gluon INT8 decode kernel for Hopper (kernels/paged_decode_hopper.py) against the plain-torch reference, and
+"""The Gluon INT8 decode kernel for Hopper (kernels/hopper/paged_decode.py) against the plain-torch reference, and
 when ``paged_decode_attention`` picks it.
 
 Gluon has no interpreter, so the numerical tests need an sm_90 GPU; on the CPU the dispatch and its reasons are

@@ -184,7 +184,7 @@ def test_int4_engine_decodes_the_same_tokens_with_the_gated_gemv(monkeypatch):
     calls, fused = [], fused_forms.fused_gemv
     monkeypatch.setattr(fused_forms, "fused_gemv", lambda *a, **kw: calls.append(kw.get("gated")) or fused(*a, **kw))
     # Without the norms folded: their fp32 stream's reductions run in any order, so two engines' greedy tokens may
-    # part at a near tie (tests/kernels/test_w4_gemv_norms.py compares those engines by their logits).
+    # part at a near tie (tests/kernels/test_hopper_w4_gemv_norms.py compares those engines by their logits).
     monkeypatch.setattr(norm_folding, "ENABLED", False)
     prompts = [list(range(5, 40)), list(range(300, 317))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The RMSNorm between two batch-1 INT4 GEMVs folded into them (kernels/w4_gemv_norms.py): the GEMV ahead adds its
+"""The RMSNorm between two batch-1 INT4 GEMVs folded into them (kernels/hopper/w4_gemv_norms.py): the GEMV ahead adds its
 output to the residual stream's fp32 row, the GEMV behind normalises its input, 1 / rms applied where its fix-up
 writes y.
 
@@ -28,7 +28,7 @@ EPS = 1e-5
 # k, n, group: Llama-2-7B's o_proj and down_proj (many splits, 16 column tiles), one tile and no split, SmolLM2's
 # width (576: K ending inside a tile, N = 2.25 column tiles), a group of 64.
 CASES = [(4096, 4096, 128), (11008, 4096, 128), (128, 256, 128), (576, 576, 128), (1536, 576, 64)]
-# The HFMA2 body's error relative to max |y| is ~6e-3 at most (w4_gemv_hopper.py); a folded form that dropped its
+# The HFMA2 body's error relative to max |y| is ~6e-3 at most (hopper/w4_gemv.py); a folded form that dropped its
 # add, its norm or the norm's weight would be off by about max |y| or more.
 TOLERANCE = 1e-2
 # Two such GEMVs in a chain (gate_up_proj, then down_proj on silu(gate) * up rounded to bf16): each adds its error.

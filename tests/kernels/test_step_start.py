@@ -1,4 +1,4 @@
-"""A one-row decode step's first kernel (kernels/step_start.py) against the three torch ops it replaces. Under
+"""A one-row decode step's first kernel (kernels/fused_layer_ops.py) against the three torch ops it replaces. Under
 TRITON_INTERPRET=1 on CPU (tests/conftest.py)."""
 
 from __future__ import annotations
