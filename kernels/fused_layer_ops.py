@@ -203,8 +203,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # -------------------- A norm folded into its neighbours (the Hopper INT4 GEMVs and the decode attention kernel)
 
 class Norm(NamedTuple):
-    """An RMSNorm the GEMV applies to its input row as it reads it (``hopper/w4_gemv_norms.py``): the norm's ``weight`` [K] and
-    ``eps``; the row is the residual stream's fp32 row."""
+    """An RMSNorm the GEMV applies to its input row as it reads it (``hopper/w4_gemv_norms.py``): the norm's
+    ``weight`` [K] and ``eps``; the row is the residual stream's fp32 row."""
     weight: torch.Tensor
     eps: float
 

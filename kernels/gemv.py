@@ -8,7 +8,7 @@ TP=2 decode shows those GEMVs at ~3.0 TB/s where the whole-model ones run at 3.6
 (``figures/h200/latency_tp_fused.json``). This kernel splits both N and K so that every shape gets a
 few hundred programs, each streaming contiguous runs of its weight rows; the last program of a
 column tile sums the K-splits' partials (``split_k.py``). ``minillm/model/dense.py`` sends the model's
-one-row products here on every GPU (MINILLM_GEMV=cublas keeps cuBLAS).
+one-row products here on every GPU.
 
 The tiles are a fixed function of the shape (``default_config``), not a timing: the tiles set the
 summation order, so a config picked by an autotuner could round differently from one run, or one

@@ -129,8 +129,8 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
     weights per instruction in x's 16-bit dtype, summed in 16 bits over runs of RUN packed rows
     (ONE_GROUP, EVEN_N: see there). TILES (with HFMA2): the same math on 2-d tiles,
     the next tile loaded ahead (``gemv_pairs_tiles``). The autotuner's list holds the configs of each that won an
-    H200 sweep. PDL: launched early (``hopper/pdl.py``), the program asks L2 for its first PREFETCH_ROWS packed rows, then
-    waits for the kernel ahead (which writes x) before it reads anything else."""
+    H200 sweep. PDL: launched early (``hopper/pdl.py``), the program asks L2 for its first PREFETCH_ROWS packed rows,
+    then waits for the kernel ahead (which writes x) before it reads anything else."""
     m = tl.program_id(0) % M  # the M programs of a column tile run side by side and share its weights in L2
     n = tl.program_id(0) // M * BLOCK_N + tl.arange(0, BLOCK_N)
     start, end = split_range(K // 8, BLOCK_KP, SPLIT_K)

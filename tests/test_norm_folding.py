@@ -52,7 +52,8 @@ def test_folded_decode_gives_the_unfolded_tokens(monkeypatch):
     """Each decode step (one row) folds 2L norms: every layer's post-attention and input norm (the first layer's
     on the embedding); the GEMVs add the residual 2L - 1 times (not the last down_proj: the final norm follows it);
     prefills (many rows) fold none. The tokens are the unfolded engine's."""
-    # On a GPU the Gluon GEMV would fold for real (tests/kernels/test_hopper_w4_gemv_norms.py): here every fold falls back.
+    # On a GPU the Gluon GEMV would fold for real (tests/kernels/test_hopper_w4_gemv_norms.py); here every fold
+    # falls back.
     monkeypatch.setattr(QuantLinear, "_fused_refusal", lambda self: "falls back (a test)")
     from minillm.kernels import fused_layer_ops as step_start
 

@@ -1,5 +1,6 @@
 """The column W4A16 GEMV (kernels/hopper/w4_gemv_columns.py) compiled for sm_90 on the CPU at the warps, ring slots and
-groups it takes (Gluon has no interpreter; its numbers are tested on an H200, tests/kernels/test_hopper_w4_gemv_columns.py).
+groups it takes (Gluon has no interpreter; its numbers are tested on an H200,
+tests/kernels/test_hopper_w4_gemv_columns.py).
 
 What is checked: a band is three TMA copies (its weights in one box, its scales, its zero points), issued slot by slot
 at the ring's first fill (the late slots' after x's loads) and once more at each refill; x is read in 16-byte loads,

@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent('''
     cases["4 128 add"] = counts(4, 128, add=True)  # o_proj
     cases["4 128 normed add"] = counts(4, 128, normed=True, add=True)  # gate_up_proj leaving 1 / rms to down_proj
     cases["4 128 gated scaled add"] = counts(4, 128, gated=True, scaled=True, add=True)  # that down_proj
-    # the decode step's forms with the last tile copied after x's tables (MINILLM_GEMV_LATE, one by default), and not
+    # the decode step's forms with the last tile copied after x's tables (``w4_gemv.LATE_TILES``, one), and not
     cases["order"] = {f"{form} late {late}": pdl_order(compiled(4, 128, add=True, late=late, **kw))
                       for form, kw in (("add", {}), ("normed add", dict(normed=True)),
                                        ("gated scaled add", dict(gated=True, scaled=True))) for late in (0, 1, 3)}

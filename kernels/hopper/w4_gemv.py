@@ -36,7 +36,8 @@ GROUP_SIZES = (64, 128)
 # (figures/h200/sweeps/decode_graph_tiles.json).
 TILES = 4
 # Programs an SM below which a GEMV takes fewer tiles a program: Llama-2-7B's o_proj (4096 x 4096) at 4 tiles is 128
-# programs, one an SM, whose math after the wait nothing hides (figures/h200/sweeps/decode_graph_tiles_by_projection.json).
+# programs, one an SM, whose math after the wait nothing hides
+# (figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
 # Split-K tiles a program copies after x's loads are issued, not before the wait for the kernel ahead: copies issued
 # before it are queued ahead of x's loads (figures/h200/sweeps/latency_late.json).

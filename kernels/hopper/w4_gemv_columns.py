@@ -26,8 +26,8 @@ had. So only the first slots are filled before the wait, and the last ``late`` a
 one x-sum table a block keeps a program small enough for three to share an SM at K = 4096.
 
 What it takes (``unsupported``): one bf16 row, K a multiple of 64, N of 32, group 64 or 128. Not under Triton's
-interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_hopper_w4_gemv_columns.py); compiled for sm_90 on
-the CPU by tests/test_w4_gemv_columns_sass.py.
+interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_hopper_w4_gemv_columns.py); compiled for
+sm_90 on the CPU by tests/test_w4_gemv_columns_sass.py.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ if GLUON_USABLE:
         """x's packed rows as [band, w, h, i, r, word] (int32, two bf16 a word; zeros past K_ROWS), row 8 H WARPS
         band + 8 H w + 8 h + 4 i + r, in row order: a packed row's four words (16 bytes) a thread, a warp 512
         contiguous bytes. Each program reads all of x, and read in the tables' order (a warp's words 2 KB apart, one
-        sector each) they would leave the ring full and idle for microseconds. The loads are issued here; ``_band_tables`` waits for
-        them."""
+        sector each) they would leave the ring full and idle for microseconds. The loads are issued here;
+        ``_band_tables`` waits for them."""
         # x's packed rows as [band, w, h, i, r, word]: row 8 H WARPS band + 8 H w + 8 h + 4 i + r, its words 4 row ..;
         # a warp's 32 threads take 32 consecutive rows (H = 2: of two warps' blocks; H = 4: of one warp's)
         TW: gl.constexpr = 4 // H
@@ -305,7 +305,8 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     blocks: int = BLOCKS, late: int = 0) -> None:
     """y = x @ W into ``out`` [1, N] bf16 (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128): a program
     a 32-column tile, ``warps`` warps sharing out K in bands of 64 ``blocks`` ``warps`` inputs (``blocks`` blocks of
-    64 a warp: 2 or 4), ``stages`` bands in flight. ``late``: ring slots filled after x's loads are issued, not before the wait."""
+    64 a warp: 2 or 4), ``stages`` bands in flight. ``late``: ring slots filled after x's loads are issued, not
+    before the wait."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     reason = unsupported(k, n, group, x.dtype, x.shape[0])
     if reason:

@@ -1,5 +1,5 @@
-"""The RMSNorm between two batch-1 INT4 GEMVs folded into them (kernels/hopper/w4_gemv_norms.py): the GEMV ahead adds its
-output to the residual stream's fp32 row, the GEMV behind normalises its input, 1 / rms applied where its fix-up
+"""The RMSNorm between two batch-1 INT4 GEMVs folded into them (kernels/hopper/w4_gemv_norms.py): the GEMV ahead adds
+its output to the residual stream's fp32 row, the GEMV behind normalises its input, 1 / rms applied where its fix-up
 writes y.
 
 Against fp64 references: the folded forms round differently from the unfolded ones by design (fp32 stream, one
