@@ -200,7 +200,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], n)
 
 
-# -------------------- A norm folded into its neighbours (the Hopper INT4 GEMVs and the decode attention kernel)
+# ----------------------------------------------------------------------------- a norm folded into its neighbours
+# (the Hopper INT4 GEMVs, ``hopper/w4_gemv_norms.py``, and the decode attention kernel, ``rope_in_decode.py``)
+
 
 class Norm(NamedTuple):
     """An RMSNorm the GEMV applies to its input row as it reads it (``hopper/w4_gemv_norms.py``): the norm's
@@ -224,18 +226,20 @@ def holds_squares(slots: torch.Tensor, device: torch.device, at_least: int = 1) 
     return (slots.dtype == torch.float32 and slots.device == device and slots.dim() == 1 and slots.is_contiguous()
             and slots.numel() >= at_least)
 
-# -------------------- The first kernel of a batch-1 decode step with the norms folded
+
+# ----------------------------------------------------------------------------- the step's first kernel
 # The first kernel of a batch-1 decode step with the norms folded: the token's embedding row gathered into the
 # residual stream's fp32 row, and the model's pending rows zeroed, in one launch.
 #
-# Why it exists: with the norms folded (``minillm/model/norm_folding.py``) a one-row step started with the memset of
-# the rows gate_up_proj and qkv_proj add to, the embedding's gather and layer 0's input norm, and copied the embedding
-# to the fp32 stream after it for o_proj to add to. Each kernel is ~2-3 us of an INT4 llama2-7b token's ~1.57 ms on an
+# Why it exists: with the norms folded (``minillm/model/norm_folding.py``) a one-row step would otherwise start with
+# the memset of the rows gate_up_proj and qkv_proj add to, the embedding's gather and layer 0's input norm, and copy
+# the embedding to the fp32 stream after it for o_proj to add to. Each kernel is ~2-3 us of an INT4 llama2-7b token's ~1.57 ms on an
 # H200, where each launch, not its bytes, is the cost (figures/h200/sweeps/decode_graph_deferred_norms.json's
 # step_in_order). Here the memset, the gather and the copy are one kernel; layer 0's qkv_proj GEMV normalises the row
 # itself, as every later layer's does, and starts its weight copies while this kernel runs (PDL, ``hopper/pdl.py``).
 
-BLOCK = 2048  # elements a program zeroes (and gathers, for the programs the row spans)
+
+STEP_START_BLOCK = 2048  # elements a program of step_start zeroes (and gathers, for the programs the row spans)
 
 
 @triton.jit
@@ -276,7 +280,8 @@ def step_start(token_id: torch.Tensor, table: torch.Tensor, to_zero: torch.Tenso
           f"to_zero must be a contiguous fp32 buffer, got {to_zero.dtype} strides {to_zero.stride()}")
     hidden = table.shape[1]
     row = torch.empty(1, 1, hidden, dtype=torch.float32, device=table.device)
-    grid = (triton.cdiv(max(hidden, to_zero.numel()), BLOCK),)
-    _step_start_kernel[grid](token_id, table, row, to_zero, table.stride(0), hidden, to_zero.numel(), BLOCK=BLOCK,
+    grid = (triton.cdiv(max(hidden, to_zero.numel()), STEP_START_BLOCK),)
+    _step_start_kernel[grid](token_id, table, row, to_zero, table.stride(0), hidden, to_zero.numel(),
+                             BLOCK=STEP_START_BLOCK,
                              PDL=pdl_supported(table.device))
     return row

@@ -1,4 +1,5 @@
-"""Integer <-> float conversions by bit tricks, shared by the kernels that need them.
+"""Integer <-> float conversions by bit tricks, shared by the kernels that need them: int8 codes, and INT4 weights
+read as 1 + q / 16 for the fp32 bodies of the W4A16 GEMV and dot (the second part of this file).
 
 Why: on Hopper an int->float conversion (I2F) issues at 1/8 of the FMA rate (CUDA C Programming
 Guide, arithmetic instruction throughput, cc 9.0). A kernel that converts one int8 per byte it
@@ -71,7 +72,7 @@ def int8_words_to_fp16(words):
     return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [N, 4 * W])
 
 
-# -------------------- INT4 nibbles in fp32 math: 1 + q / 16
+# ----------------------------------------------------------------------------- INT4 nibbles as 1 + q / 16
 # INT4 weights in fp32 math: a nibble read as the float 1 + q / 16, for the W4A16 GEMV and dot (``quant_matmul.py``).
 #
 # Why: an int->float conversion (I2F) issues at 1/8 of the FMA rate (CUDA C Programming Guide,
@@ -85,6 +86,7 @@ def int8_words_to_fp16(words):
 # the SASS); the dot forms (1 + q/16 - (1 + z/16)) * 16 s = (q - z) s. Computing 1 + q / 16 rather
 # than q keeps the products and sums near 1, so fp32 loses nothing. (The 16-bit variants,
 # ``w4_pairs.py``, work on pairs of 16-bit floats instead.)
+
 
 ONE_BITS = 0x3F800000  # the float 1.0: mantissa bits 19..22 under its exponent count sixteenths
 

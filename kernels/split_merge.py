@@ -1,4 +1,6 @@
-"""Flash-decoding's second stage: merging the per-split partial outputs of ``paged_attention.py``.
+"""Flash-decoding's second stage: merging the per-split partial outputs of ``paged_attention.py``; and, at the end,
+the first stage's plain-torch reference split by split (``split_partials_ref``), which the kernel tests compare the
+kernel's own partials with.
 
 Why a file of its own: stage 1 leaves, for each (sequence, query head) and each split of the context,
 the split's normalised output and its log-sum-exp. The exact merge (``merge_attention_partials``, the
@@ -130,13 +132,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(wanted, max_context // min_split_tokens))
 
 
-# -------------------- Stage 1's reference: each split's partial output
+# ----------------------------------------------------------------------------- stage 1's reference
 # The paged decode kernel's first stage in plain torch: each split's attention over its part of the context.
-#
-# Why it exists apart from ``paged_attention.py``: it is that kernel's reference, split by split, and nothing else
-# (one mechanism a file). ``paged_attention.paged_decode_attention_ref`` merges its partials with
-# ``paged_attention.merge_attention_partials`` (exercise 04 swaps that one in), and the kernel tests compare the
-# kernel's own partials with it.
+# ``paged_attention.paged_decode_attention_ref`` merges its partials with ``paged_attention.merge_attention_partials``
+# (exercise 04 swaps that one in), and the kernel tests compare the kernel's own partials with it.
+
 
 def _gather_sequence(cache: torch.Tensor, table: torch.Tensor, length: int, scales: torch.Tensor | None,
                      dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The W4A16 GEMV's body in packed 16-bit math, two weights per instruction: ``quant_matmul``'s HFMA2 variant.
+"""INT4 weights in packed 16-bit math, two weights per instruction: the W4A16 GEMV's HFMA2 body (``gemv_pairs``,
+``gemv_pairs_tiles``) and the dot's PAIRS tile (``dequant_tile_pairs``, below) of ``quant_matmul``.
 
 Why it exists: the fp32 GEMV spends about 5.5 instructions per weight in the sm_90 SASS (a shift, a
 LOP3 and an FFMA each, plus x loads and zero points), while an H200 issues only ~3.5 per weight at
@@ -273,7 +274,7 @@ def gemv_pairs_tiles(X, QW, S, Z, start, end, n, N, stride_q, stride_s, stride_z
     return tl.sum(acc, axis=0)  # [BLOCK_N]
 
 
-# -------------------- The W4A16 dot's weight tile in pairs: quant_matmul's PAIRS variant
+# -----------------------------------------------------------------------------
 # The W4A16 dot's weight tile dequantized two weights per instruction: ``quant_matmul``'s PAIRS variant.
 #
 # Why it exists: from M = 16 to 64 the dot path was never faster than bf16 ``torch.matmul`` on an H200
@@ -295,9 +296,9 @@ def gemv_pairs_tiles(X, QW, S, Z, start, end, n, N, stride_q, stride_s, stride_z
 # its high half). What that join and the tensor-core operand layout cost is in the SASS:
 # figures/cpu/w4a16_dot_sass.json. Dequantization drops from 7-9.5 to 5.4-6.8 instructions per weight, but
 # one of those is now a 16-bit shared-memory store (STS.U16): each thread holds eight consecutive k of one
-# column, while Triton lays the tile out in shared memory with n fastest. Building the tile transposed
-# ([N, K], so a K-major layout would take 16-byte stores) did not change Triton 3.9's choice with SWAP_AB,
-# and without it failed to compile ("Illegal shared layout"); an explicit layout (Gluon) is the next step.
+# column, while Triton lays the tile out in shared memory with n fastest (an explicit layout, as Gluon
+# allows, would be needed to change that).
+
 
 @triton.jit
 def _bits16(v):
