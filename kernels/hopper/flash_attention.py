@@ -1,7 +1,7 @@
 """FlashAttention-3's structure for Hopper (sm_90), in Gluon: the prefill kernel ``flash_attention`` runs
 on an H100/H200 for bf16 and fp16 with head_dim 64 or 128.
 
-Why it exists: the Triton kernel (``flash_attention.py``) reaches about 75 % of cuDNN's attention on
+Why it exists: the Triton kernel (``../flash_attention.py``) reaches about 75 % of cuDNN's attention on
 the H200 (figures/h200/prefill_tma.json). What it cannot say in ``tl.dot``'s language is how
 FlashAttention-3 (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, 2024, https://arxiv.org/abs/2407.08608)
 keeps Hopper's tensor cores busy. Gluon, Triton's explicit-layout dialect
@@ -39,7 +39,7 @@ cuDNN's TFLOP/s at B=8, H=32, S=2048, D=128 causal (86-88 % in three runs); the 
 (figures/h200/prefill_tma.json).
 
 Causal masking is bottom-right aligned (query i sees keys j <= i + k_len - q_len), as in
-``flash_attention.py``; rows outside a sequence are computed over zeros or a neighbour's rows and
+``../flash_attention.py``; rows outside a sequence are computed over zeros or a neighbour's rows and
 never stored. Not under Triton's interpreter (Gluon has none): its tests run on an sm_90 GPU, and on
 the CPU the kernel is compiled for sm_90 and its loops are checked: pipelined, Q kept (tests/test_hopper_sass.py).
 """
@@ -151,7 +151,7 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale):
-        """One block of the online softmax in base 2 (``flash_attention.py`` explains it): weights p, the
+        """One block of the online softmax in base 2 (``../flash_attention.py`` explains it): weights p, the
         factor alpha that rescales what was accumulated, and the new running max and sum."""
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))

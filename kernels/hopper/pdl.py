@@ -18,7 +18,7 @@ GEMV has finished, and the copy in is joined before the layer's first kernel, a 
 and every such kernel waits before it ends, so completion still follows stream order. ``let_next_start`` in
 the kernel ahead changes only when the next one may be scheduled, never what it sees.
 
-Only the GEMVs are launched early, the dense one (``gemv.py``) and W4A16's (``quant_matmul.py``, the Gluon
+Only the GEMVs are launched early, the dense one (``../gemv.py``) and W4A16's (``../quant_matmul.py``, the Gluon
 GEMVs): they are the kernels with work to do before their wait. Launching every kernel of the chain early (each
 letting the next start, then waiting) makes batch-1 decode slower (``figures/h200/sweeps/pdl_chain.json``).
 

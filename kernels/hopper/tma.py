@@ -1,5 +1,5 @@
 """K/V tiles through Hopper's tensor memory accelerator (TMA) for the prefill kernel
-(``flash_attention.py``, the non-paged, unquantized path): the descriptor it loads from, the scratch
+(``../flash_attention.py``, the non-paged, unquantized path): the descriptor it loads from, the scratch
 memory Triton needs to build one on the device, and the checks a tensor must pass to be described.
 
 Why it exists: with pointer loads, every K/V tile of the main loop is gathered by cp.async (LDGSTS)

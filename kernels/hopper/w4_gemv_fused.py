@@ -75,7 +75,7 @@ def fused_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                squares: torch.Tensor | None = None, rms: Rms | None = None) -> torch.Tensor:
     """x @ W for one row x [..., K] of a batch-1 decoder layer, with what surrounds the product folded in:
     ``gated``: x is the MLP's gate_up row [..., 2K] (K gates, then K ups) and the product's input silu(gate) * up,
-    bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV (one kernel where there were two; ``gemv.py``
+    bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV (one kernel where there were two; ``../gemv.py``
     does the same for bf16 weights); ``norm``: x is the residual stream's fp32 row s and the input RMSNorm(s);
     ``residual``: the residual stream's fp32 row [..., N], to which x @ W is added in place, and which is returned
     instead of y (``w4_gemv_norms.py``: the norm between two GEMVs folded into them). ``norm``, ``residual`` and

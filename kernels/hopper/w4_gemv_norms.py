@@ -25,7 +25,7 @@ gate_up_proj and qkv_proj go one step further (``fused_gemv(norm=..., residual=.
 ``norm_folding.PendingNorm``): their splits add their unnormalised parts of y to a zeroed fp32 row with reductions
 too, and store their sums of squares beside it; the kernel that reads that row whole anyway applies 1 / rms as it
 loads it: down_proj's GEMV before SiLU-and-multiply (``Rms``, ``scaled_bf16``), the decode attention kernel before
-RoPE (``rope_in_decode.py``). So no GEMV of the layer has a fix-up: 1.072x a token
+RoPE (``../rope_in_decode.py``). So no GEMV of the layer has a fix-up: 1.072x a token
 (figures/h200/sweeps/decode_graph_deferred_norms.json).
 
 Numerics: the stream holds s in fp32 where the unfolded layer (and transformers) round it to bf16 at every add;

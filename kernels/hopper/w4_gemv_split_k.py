@@ -2,7 +2,7 @@
 what it takes, chooses its tiles and launches it (``w4a16_matmul`` runs it for one row of bf16 x on an H100/H200,
 the matmul a batch-1 decode step of an INT4 model mostly runs).
 
-Why it exists: the Triton GEMVs (``quant_matmul.py``) read Llama-2-7B's INT4 weights at about half of the copy
+Why it exists: the Triton GEMVs (``../quant_matmul.py``) read Llama-2-7B's INT4 weights at about half of the copy
 bandwidth. The H200's counters said why: 4.9 warps an SM, each waiting on its own loads
 (figures/h200/sweeps/ncu_kernels.json). A plain-pointer GEMV keeps only the loads its warps have issued in flight, a
 few KB an SM, where HBM wants ~30 KB an SM in flight to stream at full rate (bandwidth x latency: 4.8 TB/s x ~0.8 us
@@ -39,7 +39,7 @@ in shared memory while it computes. The design:
   program holds it, the GEMV behind weights its inputs as the tables are built and applies 1 / rms where its fix-up
   writes y (``w4_gemv_norms.py``). gate_up_proj leaves its norm's 1 / rms to down_proj: it adds its parts of y to a
   zeroed fp32 row with the sums of squares beside it, and down_proj scales that row as it loads it.
-- **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
+- **Split-K fix-up** as ``../split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
   sums them, FIX_CHUNK partials a load, and writes y. A GEMV adding to the residual stream has none: its programs'
   reductions in L2 (``red.global.add.f32``) are the sum.
 
