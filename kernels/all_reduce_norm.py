@@ -16,8 +16,8 @@ the stores), with NCCL's "LL" (low-latency) protocol for the handshake:
 2. wait: it reads its rows of each peer's slot in this GPU's memory until every word carries the
    epoch. An aligned 8-byte store lands whole (NCCL's LL protocol relies on the same; it issues its
    stores volatile, these are plain), so a word with the epoch holds this call's data: no flag, no
-   fence and no second trip over NVLink, which a flag written after a release fence costs (the first
-   version of this kernel: 6.3 us a call on two H200s, ``figures/h200/latency_tp_fused.json``);
+   fence and no second trip over NVLink, which a flag written after a release fence costs
+   (``figures/h200/latency_tp_fused.json``);
 3. reduce: sum the partials in rank order, so every rank computes the same bits; round to the dtype
    as an all-reduce's output is; then the residual add and the norm of ``fused_layer_ops.rms_norm``.
 

@@ -365,8 +365,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's minimum), got {block_n}")
     if num_splits is None:
         # Counted in the Triton kernel's programs (one per KV head) for the Gluon kernel too, whose programs take a
-        # pair: counting pairs gave B=64 two splits (two waves, 72 -> 82 us) and B=1 twice the splits (17.7 -> 20.3
-        # us at 16k tokens) on the H200 (figures/h200/sweeps/decode_int8_gluon_run10.json).
+        # pair: counting pairs would give B=64 two waves and B=1 twice the splits, both slower on the H200
+        # (figures/h200/sweeps/decode_int8_gluon_run10.json).
         num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")

@@ -48,9 +48,7 @@ def merge_splits(part_ptrs, lse_ptrs, num_splits, stride_ps, row_ok, mask):
     where ``row_ok`` is false: zeros).
 
     The loads of MERGE_CHUNK splits are issued before any of them is needed (an unrolled inner loop), so a
-    pass waits for L2 once a chunk. A loop issuing one split's loads after the other's sum waited once a
-    split, which made the merge kernel of a batch-1 decode step take 3-4 us at 16 splits
-    (``figures/h200/latency_tp_launches.json``, its timelines). Loads bypass L1 (".cg"): the last split
+    pass waits for L2 once a chunk, not once a split (``figures/h200/latency_tp_launches.json``, its timelines). Loads bypass L1 (".cg"): the last split
     program reads partials that programs on other SMs wrote during the same launch."""
     chunk = tl.arange(0, MERGE_CHUNK)
     top = tl.full(row_ok.shape, float("-inf"), tl.float32)

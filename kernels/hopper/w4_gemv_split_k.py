@@ -20,9 +20,8 @@ in shared memory while it computes. The design:
   before the program waits for the kernel ahead (which writes x), as ``pdl.py`` describes. Each program then lets a
   kernel launched early behind it start (``griddepcontrol.launch_dependents``): the gated down_proj behind gate_up
   (both W4A16 GEMVs) issues its copies during gate_up's tail, as it did behind the SiLU kernel it replaces. But not
-  every copy: x's loads after the wait queued behind them, so the last LATE tiles (one, ``w4_gemv.LATE_TILES``)
-  are copied once x's tables are built. In the batch-1 decode of llama2-7b that took rtn-int4 from 648 to 704 tok/s
-  (figures/h200/sweeps/latency_late_default.json).
+  every copy: x's loads after the wait would queue behind them, so the last LATE tiles (one,
+  ``w4_gemv.LATE_TILES``) are copied once x's tables are built (figures/h200/sweeps/latency_late_default.json).
 - **x once per program.** x's pairs, scaled for the 16-bit products, and its sums per row are computed once per
   program into shared memory (``_x_tables``), where the weight loop reads them as broadcasts.
 - **The HFMA2 body** of ``w4_pairs.py``: a packed int32 holds nibbles j and j + 4 as two bf16 subnormals, one
@@ -43,14 +42,10 @@ in shared memory while it computes. The design:
   sums them, FIX_CHUNK partials a load, and writes y. A GEMV adding to the residual stream has none: its programs'
   reductions in L2 (``red.global.add.f32``) are the sum.
 
-Measured on the H200 at 2 tiles (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 9.9 us at
-4096 x 11008 (2.50x the bf16 matmul; the Triton GEMV 12.7 us), 10.5 us at 11008 x 4096 (2.43x), 5.2 us at
-4096 x 4096 (2.39x). RUN = 2 against 1, launched alike: 9.97 against 10.23 us and 10.57 against 10.98 us (its
-largest error relative to max |y| 6.1e-3 against 4.3e-3 at 4096 x 4096). Gated at 11008 x 4096: 11.4 us against 11.7
-for silu_and_mul and the GEMV. Where the rest goes (figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's
-copies with no math): the copies alone take about 70 % of the kernel's time; the fix-up (a fenced atomic, then the
-partials' round trip to L2, behind the last program) and the math of the tiles that land last share the rest. That
-fix-up is why a bf16 y (the plain form) runs the column kernel (``w4_gemv_columns.py``) instead where it can.
+Where its time goes (figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's copies with no math): the copies take
+most of it; the fix-up (a fenced atomic, then the partials' round trip to L2, behind the last program) and the math of
+the tiles that land last share the rest. That fix-up is why a bf16 y (the plain form) runs the column kernel
+(``w4_gemv_columns.py``) instead where it can; ``minillm bench kernels`` measures both against torch's bf16 matmul.
 Not under Triton's interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_hopper_w4_gemv.py);
 on the CPU it is compiled for sm_90 and its instructions counted (tests/test_w4_gemv_hopper_sass.py).
 """
