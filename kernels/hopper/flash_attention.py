@@ -21,8 +21,7 @@ asynchronous warpgroup matrix products (wgmma) and which warps run what. The des
   have each.
 - **Q in registers.** A 64x64x16 wgmma with both operands in shared memory reads 4 KB per 32
   tensor-core cycles: the SM's whole shared-memory bandwidth (128 B/clk). With Q as the register
-  operand only K is read. Measured in one call: 438 -> 457 TFLOP/s at S=2048
-  (figures/h200/sweeps/prefill_gluon, run 15).
+  operand only K is read.
 - **Register operands live until their wait.** wgmma reads its register operand after it is issued,
   and it is the program's job to keep that value alive until the product is retired:
   ``warpgroup_mma_wait(deps=...)`` returns its dependencies, so threading Q and P through the wait
