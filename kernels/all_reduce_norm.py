@@ -16,8 +16,8 @@ the stores), with NCCL's "LL" (low-latency) protocol for the handshake:
 2. wait: it reads its rows of each peer's slot in this GPU's memory until every word carries the
    epoch. An aligned 8-byte store lands whole (NCCL's LL protocol relies on the same; it issues its
    stores volatile, these are plain), so a word with the epoch holds this call's data: no flag, no
-   fence and no second trip over NVLink, which a flag written after a release fence costs (the first
-   version of this kernel: 6.3 us a call on two H200s, ``figures/h200/latency_tp_fused.json``);
+   fence and no second trip over NVLink, which a flag written after a release fence costs
+   (``figures/h200/latency_tp_fused.json``);
 3. reduce: sum the partials in rank order, so every rank computes the same bits; round to the dtype
    as an all-reduce's output is; then the residual add and the norm of ``fused_layer_ops.rms_norm``.
 
@@ -46,10 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import check, interpreter_on
-from minillm.kernels.fused_layer_ops import rms_norm_ref
-from minillm.kernels.int_float import ASM
-from minillm.kernels.pdl import let_next_start, supported as pdl_supported
+from .checks import check, interpreter_on
+from .fused_layer_ops import rms_norm_ref
+from .int_float import ASM
+from .hopper.pdl import let_next_start, supported as pdl_supported
 
 INTERPRET = interpreter_on()
 MAX_SPIN = 1 << 30  # polls of a peer's row before the kernel traps: ~30 min at ~1-2 us a poll
@@ -113,7 +113,7 @@ class Workspace:
 def _all_reduce_rms_norm_kernel(X, R, W, Y, S, Buffer, Epochs, PeerBuffers, rank, n_rows, n_cols, max_rows, eps,
                                 WORLD: tl.constexpr, BLOCK: tl.constexpr, WORDS: tl.constexpr, PHASE: tl.constexpr,
                                 MAX_SPIN: tl.constexpr, PDL: tl.constexpr):
-    let_next_start(PDL)  # the next GEMV may warm L2 while this waits for its peers (pdl.py)
+    let_next_start(PDL)  # the next GEMV may warm L2 while this waits for its peers (hopper/pdl.py)
     p = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)

@@ -26,12 +26,6 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
 
 
-def switched_on(name: str) -> bool:
-    """An environment switch that is on unless set to 0, false, off or no: how the A/B switches (MINILLM_PDL,
-    MINILLM_ROPE_IN_DECODE, MINILLM_NORM_IN_GEMV) turn a default path off."""
-    return os.environ.get(name, "1").lower() not in ("0", "false", "off", "no")
-
-
 def check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)

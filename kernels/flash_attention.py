@@ -37,15 +37,14 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
-from minillm.kernels.checks import check as _check
-from minillm.kernels.checks import check_runnable, interpreter_on
-from minillm.kernels import flash_attention_hopper as hopper
-from minillm.kernels.flash_attention_tma import check_describable, sequence_descriptor, use_scratch_allocator
-from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
+from .checks import FLOAT_DTYPES as DTYPES
+from .checks import check as _check
+from .checks import check_runnable, interpreter_on
+from .hopper import flash_attention as hopper
+from .kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, dequantize_as_kernels_do,
                                         kv_quant_mode, per_token_codes, per_token_rows, per_token_scales,
                                         scale_heads, scale_strides)
-from minillm.kv.quant import INT4_GROUP_SIZE
+from .kv_formats import INT4_GROUP_SIZE
 
 INTERPRET = interpreter_on()
 LOG2E = 1.4426950408889634
@@ -68,13 +67,12 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
                    stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, stride_sb, stride_st, kv_h,
                    stride_sh, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                   KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr, SCALE_HEADS: tl.constexpr):
+                   KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, SCALE_HEADS: tl.constexpr):
     """Fold keys [lo, hi) into the running (acc, m_i, l_i) of one query tile, BLOCK_N at a time.
     MASKED=False is the fast path: every key in range is real and visible to every row. A quantized
     cache (KV_QUANT, paged only) is dequantized as ``kv_dequant.py`` explains; int8 / fp8 scales come for
     SCALE_HEADS KV heads at once (``kv_dequant.per_token_scales``: one head's 2-byte scale a token would be a
-    load too narrow for the pipeline). With TMA, K and V are tensor descriptors over this sequence's rows of one
-    KV head (``flash_attention_tma.py``)."""
+    load too narrow for the pipeline)."""
     if KV_QUANT == INT4_GROUPS:
         offs_d = tl.arange(0, HEAD_DIM // 2)  # tiles of packed bytes, each loaded once (kv_dequant.py)
     else:
@@ -83,28 +81,25 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
         start = tl.multiple_of(start, BLOCK_N)  # lo is a multiple of BLOCK_N: aligned tiles
         offs_n = start + tl.arange(0, BLOCK_N)
         in_range = offs_n < k_len
-        if TMA:  # one copy per tile from the descriptor; rows past k_len arrive as zeros
-            k = tl.trans(K.load([start, 0]))  # K^T tile: [HEAD_DIM, BLOCK_N]
-        else:
-            if PAGED:
-                # Key position p lives in page table[p // PAGE_SIZE], slot p % PAGE_SIZE; one tile may
-                # span several pages or part of one. Table entries past the context are never loaded.
-                if MASKED:
-                    page = tl.load(table + offs_n // PAGE_SIZE, mask=in_range, other=0)
-                else:
-                    page = tl.load(table + offs_n // PAGE_SIZE)
-                page = page.to(tl.int64)  # page * stride overflows int32 on large pools
-                k_rows = page * stride_kb + (offs_n % PAGE_SIZE) * stride_kt
-                v_rows = page * stride_vb + (offs_n % PAGE_SIZE) * stride_vt
-            else:
-                k_rows = (k_start + offs_n).to(tl.int64) * stride_kt
-                v_rows = (k_start + offs_n).to(tl.int64) * stride_vt
-            k_ptrs = K + k_rows[None, :] + offs_d[:, None] * stride_kd  # K^T tile: [HEAD_DIM, BLOCK_N]
-            v_ptrs = V + v_rows[:, None] + offs_d[None, :] * stride_vd  # [BLOCK_N, HEAD_DIM]
+        if PAGED:
+            # Key position p lives in page table[p // PAGE_SIZE], slot p % PAGE_SIZE; one tile may
+            # span several pages or part of one. Table entries past the context are never loaded.
             if MASKED:
-                k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+                page = tl.load(table + offs_n // PAGE_SIZE, mask=in_range, other=0)
             else:
-                k = tl.load(k_ptrs)
+                page = tl.load(table + offs_n // PAGE_SIZE)
+            page = page.to(tl.int64)  # page * stride overflows int32 on large pools
+            k_rows = page * stride_kb + (offs_n % PAGE_SIZE) * stride_kt
+            v_rows = page * stride_vb + (offs_n % PAGE_SIZE) * stride_vt
+        else:
+            k_rows = (k_start + offs_n).to(tl.int64) * stride_kt
+            v_rows = (k_start + offs_n).to(tl.int64) * stride_vt
+        k_ptrs = K + k_rows[None, :] + offs_d[:, None] * stride_kd  # K^T tile: [HEAD_DIM, BLOCK_N]
+        v_ptrs = V + v_rows[:, None] + offs_d[None, :] * stride_vd  # [BLOCK_N, HEAD_DIM]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
         if KV_QUANT == PER_TOKEN:  # scales go on the scores and weights (kv_dequant.py)
             scale_rows = per_token_rows(page, offs_n % PAGE_SIZE, stride_sb, stride_st, SCALE_HEADS)
             k_scale = per_token_scales(KScale, scale_rows, in_range, kv_h, stride_sh, SCALE_HEADS)
@@ -130,9 +125,7 @@ def _attend_blocks(acc, m_i, l_i, q, offs_m, lo, hi, k_len, diag, K, V, KScale, 
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            v = V.load([start, 0])
-        elif MASKED:
+        if MASKED:
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)  # 0, not garbage: 0 * NaN = NaN
         else:
             v = tl.load(v_ptrs)
@@ -165,8 +158,7 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
                       KScale, VScale, stride_sb, stride_st, stride_sh,
                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, TMA: tl.constexpr = False,
-                      SCALE_HEADS: tl.constexpr = 1):
+                      KV_QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, SCALE_HEADS: tl.constexpr = 1):
     # Tiles in reverse order: under causal masking the last tiles of a sequence do the most work,
     # and starting them first leaves short ones to fill the tail of the grid.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -211,19 +203,16 @@ def _attention_kernel(Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, context_lens, bl
         head_scales = tl.multiple_of(kv_h * stride_sh, 2)  # even, as scale_rows there
         KScale += head_scales
         VScale += head_scales
-    if TMA:  # non-paged, unquantized only (the wrapper checks): flash_attention_tma.py
-        K = sequence_descriptor(K, k_start, k_len, stride_kt, BLOCK_N, HEAD_DIM)
-        V = sequence_descriptor(V, k_start, k_len, stride_vt, BLOCK_N, HEAD_DIM)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, 0, unmasked_end, k_len, diag, K, V, KScale,
                                    VScale, k_start, table, stride_kb, stride_kt, stride_kd, stride_vb,
                                    stride_vt, stride_vd, stride_sb, stride_st, kv_h, stride_sh, qk_scale, HEAD_DIM,
                                    BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, MASKED=False, KV_QUANT=KV_QUANT,
-                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA, SCALE_HEADS=SCALE_HEADS)
+                                   QUANT_GROUP=QUANT_GROUP, SCALE_HEADS=SCALE_HEADS)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, offs_m, unmasked_end, masked_end, k_len, diag,
                                    K, V, KScale, VScale, k_start, table, stride_kb, stride_kt, stride_kd,
                                    stride_vb, stride_vt, stride_vd, stride_sb, stride_st, kv_h, stride_sh, qk_scale,
                                    HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, MASKED=True, KV_QUANT=KV_QUANT,
-                                   QUANT_GROUP=QUANT_GROUP, TMA=TMA, SCALE_HEADS=SCALE_HEADS)
+                                   QUANT_GROUP=QUANT_GROUP, SCALE_HEADS=SCALE_HEADS)
     out = acc / l_i[:, None]
     tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=offs_m[:, None] < q_len)
@@ -339,11 +328,6 @@ def _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables
             *scales, *scale_strides(k_scale))
     consts = dict(HEAD_DIM=q.shape[2], CAUSAL=causal, PAGED=paged, PAGE_SIZE=page_size, KV_QUANT=quant,
                   QUANT_GROUP=INT4_GROUP_SIZE, SCALE_HEADS=scale_heads(k.shape[-2], k_scale))
-    if config is not None and config.get("TMA"):
-        _check(not paged, f"config {config} asks for TMA, which only the non-paged flash_attention has")
-        check_describable("k", k)
-        check_describable("v", v)
-        use_scratch_allocator()
     if config is None and INTERPRET:
         config = INTERPRETER_CONFIG
     elif config is None and q.dtype == torch.float32:
@@ -383,11 +367,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and its keys cu_seqlens_k[b]:cu_seqlens_k[b+1].
     max_seqlen_q must be at least the longest q_len (it sizes the grid; with a smaller one some rows stay unwritten).
     causal is bottom-right aligned. scale defaults to 1/sqrt(D). Returns out [Tq_total, H, D] in q's
-    dtype. config pins e.g. {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}; adding
-    "TMA": True loads K/V tiles through TMA descriptors (sm_90+, ``flash_attention_tma.py``).
+    dtype. config pins e.g. {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}.
 
     Without a config, an sm_90 GPU (H100/H200) runs bf16/fp16 inputs of head_dim 64 or 128 through the
-    FlashAttention-3-style Gluon kernel (``flash_attention_hopper.py``), anything else through the
+    FlashAttention-3-style Gluon kernel (``hopper/flash_attention.py``), anything else through the
     autotuned Triton kernel; config={"HOPPER": True} demands the Gluon kernel (a ValueError says why not), and
     {"HOPPER": False, ...} the Triton one (with the rest of the config, if any).
     """

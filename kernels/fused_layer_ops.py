@@ -20,22 +20,24 @@ row (token); rows are short (hidden size ≤ 8192), so a row fits in one tile.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES as DTYPES
-from minillm.kernels.checks import check as _check
-from minillm.kernels.checks import check_runnable, interpreter_on
-from minillm.kernels.pdl import let_next_start, supported as pdl_supported
+from .checks import FLOAT_DTYPES as DTYPES
+from .checks import check
+from .checks import check_runnable, interpreter_on
+from .hopper.pdl import let_next_start, supported as pdl_supported
 
 INTERPRET = interpreter_on()
 
 
 def _check_tensor(name: str, t: torch.Tensor) -> None:
-    _check(t.dtype in DTYPES, f"{name}.dtype is {t.dtype}; expected one of {DTYPES}")
+    check(t.dtype in DTYPES, f"{name}.dtype is {t.dtype}; expected one of {DTYPES}")
     check_runnable(name, t)
-    _check(t.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {t.stride()}")
+    check(t.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {t.stride()}")
 
 
 # ----------------------------------------------------------------------------- RMSNorm (+ residual)
@@ -52,7 +54,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    let_next_start(PDL)  # the GEMV after a norm may start warming L2 now (pdl.py)
+    let_next_start(PDL)  # the GEMV after a norm may start warming L2 now (hopper/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -74,13 +76,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     fp32 where x is 16-bit (the folded norms' residual stream, ``model/norm_folding.py``): it is rounded to x's dtype
     as it is loaded, the result ``rms_norm_ref(x, weight, eps, residual.to(x.dtype))``'s bit for bit."""
     _check_tensor("x", x)
-    _check(weight.shape == (x.shape[-1],), f"weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},)")
-    _check(weight.dtype == x.dtype, f"weight.dtype is {weight.dtype} but x.dtype is {x.dtype}; they must match")
+    check(weight.shape == (x.shape[-1],), f"weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},)")
+    check(weight.dtype == x.dtype, f"weight.dtype is {weight.dtype} but x.dtype is {x.dtype}; they must match")
     rows = x.reshape(-1, x.shape[-1])  # a view for the model's [1, tokens, hidden] activations
     y = torch.empty_like(rows)
     s = r = rows
     if residual is not None:
-        _check(residual.shape == x.shape and residual.dtype in (x.dtype, torch.float32),
+        check(residual.shape == x.shape and residual.dtype in (x.dtype, torch.float32),
                f"residual is {residual.dtype} {tuple(residual.shape)}; expected {x.dtype} (or float32) "
                f"{tuple(x.shape)}")
         r = residual.reshape(-1, x.shape[-1])
@@ -136,13 +138,13 @@ def check_rope_inputs(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.
     """x [tokens, heads, head_dim] (head_dim twice a power of two, contiguous along it) and its cos/sin
     [tokens, head_dim], as ``rope`` and ``kv_store.rope_store_kv`` take them."""
     _check_tensor(name, x)
-    _check(x.dim() == 3, f"{name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
+    check(x.dim() == 3, f"{name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
     tokens, heads, dim = x.shape
-    _check(dim % 2 == 0 and (dim // 2) & (dim // 2 - 1) == 0,
+    check(dim % 2 == 0 and (dim // 2) & (dim // 2 - 1) == 0,
            f"head_dim is {dim}; expected twice a power of two")
-    _check(cos.shape == sin.shape == (tokens, dim), f"cos/sin have shapes {tuple(cos.shape)}, {tuple(sin.shape)}; "
+    check(cos.shape == sin.shape == (tokens, dim), f"cos/sin have shapes {tuple(cos.shape)}, {tuple(sin.shape)}; "
            f"expected ({tokens}, {dim})")
-    _check(cos.stride() == sin.stride() and cos.stride(-1) == 1, "cos and sin need equal strides ending in 1")
+    check(cos.stride() == sin.stride() and cos.stride(-1) == 1, "cos and sin need equal strides ending in 1")
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,7 +152,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
     check_rope_inputs("x", x, cos, sin)
     tokens, heads, dim = x.shape
     out = torch.empty_like(x) if out is None else out
-    _check(out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1,
+    check(out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1,
            f"out is {out.dtype} {tuple(out.shape)}; expected {x.dtype} {tuple(x.shape)} with a contiguous last dim")
     _rope_kernel[(tokens,)](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
                             heads, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads))
@@ -188,7 +190,7 @@ def silu_mul(gate, up):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _check_tensor("gate_up", gate_up)
-    _check(gate_up.shape[-1] % 2 == 0, f"gate_up's last dim is {gate_up.shape[-1]}; expected an even size")
+    check(gate_up.shape[-1] % 2 == 0, f"gate_up's last dim is {gate_up.shape[-1]}; expected an even size")
     rows = gate_up.reshape(-1, gate_up.shape[-1])
     n = rows.shape[1] // 2
     out = torch.empty(rows.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
@@ -196,3 +198,90 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), out.stride(0), n,
                                                                  BLOCK=block, PDL=pdl_supported(gate_up.device))
     return out.view(*gate_up.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------- a norm folded into its neighbours
+# (the Hopper INT4 GEMVs, ``hopper/w4_gemv_norms.py``, and the decode attention kernel, ``rope_in_decode.py``)
+
+
+class Norm(NamedTuple):
+    """An RMSNorm the GEMV applies to its input row as it reads it (``hopper/w4_gemv_norms.py``): the norm's
+    ``weight`` [K] and ``eps``; the row is the residual stream's fp32 row."""
+    weight: torch.Tensor
+    eps: float
+
+
+class Rms(NamedTuple):
+    """The 1 / rms of a norm whose GEMV left it to the kernel behind it (gate_up_proj's to down_proj, qkv_proj's to
+    the decode attention kernel: ``hopper/w4_gemv_norms.py``): ``squares``, fp32, the sums of squares the
+    producer's splits stored (zeros in the slots it did not use), the norm's input ``width`` and ``eps``."""
+    squares: torch.Tensor
+    width: int
+    eps: float
+
+
+def holds_squares(slots: torch.Tensor, device: torch.device, at_least: int = 1) -> bool:
+    """Whether ``slots`` can hold (or give) a GEMV's sums of squares: a contiguous fp32 vector on ``device`` of at
+    least ``at_least`` slots (the checks of ``w4_gemv_fused`` and ``rope_in_decode``)."""
+    return (slots.dtype == torch.float32 and slots.device == device and slots.dim() == 1 and slots.is_contiguous()
+            and slots.numel() >= at_least)
+
+
+# ----------------------------------------------------------------------------- the step's first kernel
+# The first kernel of a batch-1 decode step with the norms folded: the token's embedding row gathered into the
+# residual stream's fp32 row, and the model's pending rows zeroed, in one launch.
+#
+# Why it exists: with the norms folded (``minillm/model/norm_folding.py``) a one-row step would otherwise start with
+# the memset of the rows gate_up_proj and qkv_proj add to, the embedding's gather and layer 0's input norm, and copy
+# the embedding to the fp32 stream after it for o_proj to add to. Each kernel is ~2-3 us of an INT4 llama2-7b token's ~1.57 ms on an
+# H200, where each launch, not its bytes, is the cost (figures/h200/sweeps/decode_graph_deferred_norms.json's
+# step_in_order). Here the memset, the gather and the copy are one kernel; layer 0's qkv_proj GEMV normalises the row
+# itself, as every later layer's does, and starts its weight copies while this kernel runs (PDL, ``hopper/pdl.py``).
+
+
+STEP_START_BLOCK = 2048  # elements a program of step_start zeroes (and gathers, for the programs the row spans)
+
+
+@triton.jit
+def _step_start_kernel(Ids, Table, Row, ToZero, stride_table, hidden, zero_numel, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+    let_next_start(PDL)  # the GEMV behind waits for this kernel's writes before it reads them
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ToZero + offsets, tl.zeros([BLOCK], tl.float32), mask=offsets < zero_numel)
+    token = tl.load(Ids).to(tl.int64)
+    in_row = offsets < hidden
+    values = tl.load(Table + token * stride_table + offsets, mask=in_row, other=0.0)
+    tl.store(Row + offsets, values.to(tl.float32), mask=in_row)
+
+
+def step_start_ref(token_id: torch.Tensor, table: torch.Tensor, to_zero: torch.Tensor) -> torch.Tensor:
+    """The three ops this kernel replaces, in torch: zero ``to_zero``, return the embedding row [1, 1, hidden] in
+    fp32."""
+    to_zero.zero_()
+    return torch.nn.functional.embedding(token_id.reshape(1, 1), table).float()
+
+
+def step_start(token_id: torch.Tensor, table: torch.Tensor, to_zero: torch.Tensor | None) -> torch.Tensor:
+    """``step_start_ref`` in one kernel: the embedding ``table``'s row [vocab, hidden] for the one ``token_id`` (an
+    integer tensor of one element, on the device) as a new fp32 row [1, 1, hidden], and the fp32 buffer ``to_zero``
+    (contiguous; None: nothing to zero) set to zeros. The id is not range-checked on the device (as torch's
+    embedding asserts): the engine's tokenizer and sampler produce ids below the vocabulary size."""
+    check(token_id.numel() == 1 and not token_id.is_floating_point(),
+          f"token_id must be one integer id, got {token_id.dtype} {tuple(token_id.shape)}")
+    check(table.dim() == 2 and table.stride(1) == 1, f"table must be [vocab, hidden] with contiguous rows, got "
+          f"shape {tuple(table.shape)} strides {table.stride()}")
+    others = (("to_zero", to_zero),) if to_zero is not None else ()
+    for name, t in (("token_id", token_id), ("table", table)) + others:
+        check_runnable(name, t)
+        check(t.device == table.device, f"{name} is on {t.device}, the table on {table.device}")
+    if to_zero is None:
+        to_zero = torch.empty(0, dtype=torch.float32, device=table.device)
+    check(to_zero.dtype == torch.float32 and to_zero.is_contiguous(),
+          f"to_zero must be a contiguous fp32 buffer, got {to_zero.dtype} strides {to_zero.stride()}")
+    hidden = table.shape[1]
+    row = torch.empty(1, 1, hidden, dtype=torch.float32, device=table.device)
+    grid = (triton.cdiv(max(hidden, to_zero.numel()), STEP_START_BLOCK),)
+    _step_start_kernel[grid](token_id, table, row, to_zero, table.stride(0), hidden, to_zero.numel(),
+                             BLOCK=STEP_START_BLOCK,
+                             PDL=pdl_supported(table.device))
+    return row

@@ -8,7 +8,7 @@ TP=2 decode shows those GEMVs at ~3.0 TB/s where the whole-model ones run at 3.6
 (``figures/h200/latency_tp_fused.json``). This kernel splits both N and K so that every shape gets a
 few hundred programs, each streaming contiguous runs of its weight rows; the last program of a
 column tile sums the K-splits' partials (``split_k.py``). ``minillm/model/dense.py`` sends the model's
-one-row products here on every GPU (MINILLM_GEMV=cublas keeps cuBLAS).
+one-row products here on every GPU.
 
 The tiles are a fixed function of the shape (``default_config``), not a timing: the tiles set the
 summation order, so a config picked by an autotuner could round differently from one run, or one
@@ -33,10 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
-from minillm.kernels.fused_layer_ops import silu_and_mul_ref, silu_mul
-from minillm.kernels.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
-from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
+from .checks import FLOAT_DTYPES, check, check_runnable, interpreter_on
+from .fused_layer_ops import silu_and_mul_ref, silu_mul
+from .hopper.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
+from .split_k import MAX_TILES, finish, split_range, tile_counters
 
 INTERPRET = interpreter_on()
 _INTERPRETER = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)
@@ -70,7 +70,7 @@ def _gemv_kernel(X, W, Y, Partials, Counters, N, K, stride_wn,
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     start, end = split_range(K, BLOCK_K, SPLIT_K)
     rows = W + n.to(tl.int64)[:, None] * stride_wn
-    if PDL:  # launched early (pdl.py): warm L2 with the first lines of this program's rows, then wait for x
+    if PDL:  # launched early (hopper/pdl.py): warm L2 with the first lines of this program's rows, then wait for x
         if PREFETCH_LINES > 0:
             line = tl.arange(0, PREFETCH_LINES) * (1024 // W.dtype.element_ty.primitive_bitwidth)  # 128 B apart
             first = W + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn  # clamped: never past the weight

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check, check_runnable
-from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
+from .checks import FLOAT_DTYPES, check, check_runnable
+from .split_k import MAX_TILES, last_arrival, tile_counters
 
 CHUNK = 1024  # logits a program reads: 32 programs for llama2-7b's vocabulary
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import check, check_operand, interpreter_on
+from .checks import check, check_operand, interpreter_on
 
 INTERPRET = interpreter_on()
 

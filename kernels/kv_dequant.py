@@ -17,17 +17,13 @@ code; with ``NO_QUANT`` none of it is compiled, and the kernel is the one it was
   reduction axis, so they cannot be factored out: the tile itself is dequantized (``dequant_int4``).
 
 How an int4 tile is read. Each packed byte is loaded once, as a [BLOCK_N, head_dim / 2] tile; its
-low nibbles are channels 0..D/2-1 and its high nibbles D/2..D-1 (``kv/quant.py``), so the two halves
+low nibbles are channels 0..D/2-1 and its high nibbles D/2..D-1 (``kv_formats.py``), so the two halves
 come out side by side and are joined into one [BLOCK_N, D] tile for ``tl.dot`` (a relabelling of
 registers, no data movement). The (scale, minimum) pairs come as a small [BLOCK_N, groups] tile, one
-4-byte load per pair, broadcast over their channels. The first version indexed every channel of a
-[BLOCK_N, D] tile instead: each byte loaded twice, and two scalar 2-byte loads of its pair per
-*value*, outside the software pipeline. Compiled for the H200 (sm_90, D=128, BLOCK_N=64, 4 warps,
-``figures/h200/sweeps/kv_quant_sass.json``), the decode loop went from 2343 instructions (256 of
-them 2-byte LDGs; 255 registers and a stack; 53.5 KB of shared memory) to 1223 (2 16-byte LDGs and
-12 cp.async; 144 registers; 31 KB): 0.76 -> 0.40 warp-instructions per K/V byte. The H200 measured
-3.8 ms for the first version at B=64, 2k tokens (53 GB/s, 1 % of its bandwidth; ``git show
-160e809:figures/h200/kernels_decode_quant.json``, since rerun). What remains is
+4-byte load per pair, broadcast over their channels. Indexing every channel of a [BLOCK_N, D] tile
+instead would load each byte twice and issue two scalar 2-byte loads of its pair per *value*, outside
+the software pipeline: about twice the decode loop's instructions per K/V byte (compiled for sm_90,
+``figures/h200/sweeps/kv_quant_sass.json``). What remains is
 arithmetic: per value a nibble shift/mask, a float conversion (``int8_to_float``), an FMA, half a pack.
 """
 
@@ -37,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check
-from minillm.kernels.int_float import int8_to_float
-from minillm.kv.quant import dequantize_kv, format_of, kv_layout
+from .checks import FLOAT_DTYPES, check
+from .int_float import int8_to_float
+from .kv_formats import dequantize_kv, format_of, kv_layout
 
 # The KV_QUANT values; constexpr so that the kernels may read them as globals.
 NO_QUANT, PER_TOKEN, INT4_GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)

@@ -30,12 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES
-from minillm.kernels.checks import check as _check
-from minillm.kernels.checks import check_runnable
-from minillm.kernels.fused_layer_ops import check_rope_inputs, rotated_halves
-from minillm.kernels.int_float import round_half_even
-from minillm.kv.quant import CODE_MAX, STORAGE_DTYPES
+from .checks import FLOAT_DTYPES
+from .checks import check as _check
+from .checks import check_runnable
+from .fused_layer_ops import check_rope_inputs, rotated_halves
+from .int_float import round_half_even
+from .kv_formats import CODE_MAX, STORAGE_DTYPES
 
 # Pools store_kv quantizes into -> their largest code (quantize_kv's).
 QUANTIZED_POOLS = {STORAGE_DTYPES["int8"]: CODE_MAX["int8"]}

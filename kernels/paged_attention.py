@@ -50,19 +50,19 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check_runnable, num_sms
-from minillm.kernels.kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode,
+from .checks import FLOAT_DTYPES, check_runnable, num_sms
+from .kv_dequant import (INT4_GROUPS, NO_QUANT, PER_TOKEN, dequant_int4, kv_quant_mode,
                                         per_token_codes, per_token_query, per_token_rows, per_token_scales,
                                         reads_int8_words, scale_heads, scale_strides, tile_channels)
-from minillm.kernels.int_float import int8_words_to_fp16
-from minillm.kernels.paged_attention_ref import split_partials_ref
-from minillm.kernels.paged_decode_hopper import int8_decode, use_hopper
-from minillm.kernels.rope_in_decode import check_new_kv, check_pending_rms, rope_and_store_new_kv, stored_inv_rms
-from minillm.kernels.split_k import MAX_TILES, last_arrival, tile_counters
-from minillm.kernels.split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE,
+from .int_float import int8_words_to_fp16
+from .split_merge import split_partials_ref
+from .hopper.paged_decode import int8_decode, use_hopper
+from .rope_in_decode import check_new_kv, check_pending_rms, rope_and_store_new_kv, stored_inv_rms
+from .split_k import MAX_TILES, last_arrival, tile_counters
+from .split_merge import (MERGE_KERNEL, MERGE_LAST_SPLIT, MERGES, NO_MERGE,
                                          PagedAttentionWorkspace, choose_num_splits, merge_by_kernel,
                                          merge_splits)
-from minillm.kv.quant import INT4_GROUP_SIZE
+from .kv_formats import INT4_GROUP_SIZE
 
 _LN2 = tl.constexpr(math.log(2.0))
 
@@ -100,7 +100,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What ``paged_decode_attention`` computes, in plain torch with fp32 math; returns q's dtype.
 
-    With ``num_splits`` > 1 it goes through ``split_partials_ref`` (``paged_attention_ref.py``) and this module's
+    With ``num_splits`` > 1 it goes through ``split_partials_ref`` (``split_merge.py``) and this module's
     ``merge_attention_partials`` (looked up when called, so a replacement patched into this module
     is the one used) — the same result by the algebra in that function's docstring.
     """
@@ -112,8 +112,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # ----------------------------------------------------------------------------- Triton kernels
 
 
-# The wrapper's default merge. "kernel" until an H200 sweep (figures/h200/sweeps/decode_merge.py) shows the
-# in-kernel merge is never slower; the lead flips it from that JSON.
+# The wrapper's default merge: a second kernel ("last_split", the merge in stage 1's last program, is the other).
 DEFAULT_MERGE = "kernel"
 # The Triton kernel's launch on a GPU where the call names none of block_n, num_warps, num_stages: the defaults below
 # unless set here (a sweep's variants do: figures/h200/sweeps/decode_graph_timeline.py).
@@ -153,7 +152,7 @@ def _split_kernel(Q, K, V, BlockTables, ContextLens, O, Lse,
     rotates the new k of its KV head and stores it and v (NewK, NewV [B, Hkv, D]) at slot Slots[b] before it reads
     its tiles.
     PENDING (with NEW_KV): q, k and v are qkv_proj's fp32 row whose norm's 1 / rms its GEMV left to this kernel
-    (``w4_gemv_norms.py``): each program forms it from the ``square_slots`` sums of squares at Squares (a row of
+    (``hopper/w4_gemv_norms.py``): each program forms it from the ``square_slots`` sums of squares at Squares (a row of
     ``norm_width``, ``norm_eps``) and scales each value as it loads it (``rope_in_decode.py``)."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ContextLens + b)
@@ -334,7 +333,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     A quantized cache (int8, float8_e4m3fn, or uint8 = packed int4; ``minillm/kv/quant.py``) comes
     with its ``k_scale`` / ``v_scale`` pools and is dequantized inside the kernel.
 
-    On an sm_90 GPU an int8 cache goes to the Gluon kernel of ``paged_decode_hopper.py`` where it can run
+    On an sm_90 GPU an int8 cache goes to the Gluon kernel of ``hopper/paged_decode.py`` where it can run
     (``hopper=None``; its ``unsupported`` says where not); ``hopper=False`` keeps the Triton kernel, ``hopper=True``
     demands the Gluon one (a ValueError with the reason where it cannot run). Launch overrides (``block_n``,
     ``num_warps``, ``num_stages``) are the Triton kernel's, so they choose it. The Gluon kernel merges splits with
@@ -366,8 +365,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's minimum), got {block_n}")
     if num_splits is None:
         # Counted in the Triton kernel's programs (one per KV head) for the Gluon kernel too, whose programs take a
-        # pair: counting pairs gave B=64 two splits (two waves, 72 -> 82 us) and B=1 twice the splits (17.7 -> 20.3
-        # us at 16k tokens) on the H200 (figures/h200/sweeps/decode_int8_gluon_run10.json).
+        # pair: counting pairs would give B=64 two waves and B=1 twice the splits, both slower on the H200
+        # (figures/h200/sweeps/decode_int8_gluon_run10.json).
         num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")

@@ -21,26 +21,26 @@ Paths, chosen by M (the number of tokens):
   unpacked nibble by nibble; each nibble plane is multiplied into an fp32 accumulator with plain
   FMAs; the group's scale is applied once per packed row, and the reduction over K once, at the end.
   (The weight stays fp32 where the reference rounds it to x's dtype: 16-bit y may differ in a bit.)
-  With HFMA2=True the body works in x's 16-bit dtype two weights per instruction (``w4_gemv_pairs.py``):
+  With HFMA2=True the body works in x's 16-bit dtype two weights per instruction (``w4_pairs.py``):
   1.7 to 2.1 instructions per weight in the sm_90 SASS instead of 5.5; the autotuner has both bodies. With
   TILES=True too, that math runs on 2-d tiles with the next tile's load issued ahead (``gemv_pairs_tiles``):
   more bytes in flight a warp and fewer registers, which is what the H200's counters said the GEMV lacked
   (4.9 warps per SM waiting on loads, ``figures/h200/sweeps/ncu_kernels.json``). On Hopper the W4A16 GEMV is
-  launched with PDL (``pdl.py``): its programs start while the kernel ahead finishes and ask L2 for their first
+  launched with PDL (``hopper/pdl.py``): its programs start while the kernel ahead finishes and ask L2 for their first
   packed rows before they wait for x. On an H100/H200 one row of bf16 x takes a Gluon GEMV instead
-  (``w4_gemv_hopper.py``: TMA copies of every tile issued up front, 1.1-1.4x this one; ``hopper=False`` keeps this).
+  (``hopper/w4_gemv.py``: TMA copies of every tile issued up front, 1.1-1.4x this one; ``hopper=False`` keeps this).
   At M = 1 a tensor-core dot would be 1/16 useful work plus a shared-memory round trip. The M
   programs of a column tile are neighbours in the grid, so rows after the first find its weights
   in L2; but each dequantizes them again, which is why larger M goes to the dot.
 - **dot** (M > GEMV_MAX_M): the tile of BLOCK_K // 8 packed rows is shifted by 0, 4, .., 28 bits
   into a [BLOCK_K // 8, 8, BLOCK_N] block, whose row-major order is k's; it is dequantized to x's
   dtype, reshaped to [BLOCK_K, BLOCK_N] and fed to one ``tl.dot`` with x's contiguous
-  [BLOCK_M, BLOCK_K] tile. (An earlier version did eight dots of K = BLOCK_K / 8 per tile, one per
-  nibble plane, with x read at stride 8: 4 to 15 times slower than bf16 on an H200.) With SWAP_AB
+  [BLOCK_M, BLOCK_K] tile (eight dots of K = BLOCK_K / 8 a tile, one per nibble plane with x read at stride 8,
+  would be several times slower than bf16). With SWAP_AB
   the kernel computes y^T = W^T x^T: on Hopper a warpgroup MMA takes its second operand from shared
   memory only, but its first may come from registers, and it wants 64 rows there; swapped, those
   are BLOCK_N weight columns instead of BLOCK_M tokens. With PAIRS=True (16-bit x) the tile is
-  dequantized in x's dtype two weights per instruction (``w4_dot_pairs.py``). The autotuner's list has
+  dequantized in x's dtype two weights per instruction (``w4_pairs.py``). The autotuner's list has
   the SWAP_AB / PAIRS configs that won an H200 sweep (_W4_DOT).
 - **dequant** (W4A16 only, M >= DEQUANT_MIN_M, prefill): one kernel (``int4_dequantize.py``) writes
   the weight in x's dtype to a temporary, then ``torch.matmul`` (cuBLAS). Once M is large the GEMM
@@ -53,14 +53,14 @@ most of an H200's SMs idle: the K dimension is also split over SPLIT_K programs,
 last one to finish sums (``split_k.py``).
 
 Integer to float without the converter: an int->float conversion issues at 1/8 of the FMA rate, so
-the fp32 bodies read a nibble q as the float 1 + q / 16 (``w4_sixteenths.py``) and the 16-bit
-variants as pairs of 16-bit floats (``w4_gemv_pairs.py``, ``w4_dot_pairs.py``); an int8 v becomes a
+the fp32 bodies read a nibble q as the float 1 + q / 16 (``int_float.py``) and the 16-bit
+variants as pairs of 16-bit floats (``w4_pairs.py``); an int8 v becomes a
 float by an integer add and a float subtract (``int_float.int8_to_float``).
 
 On CUDA the tile sizes and SPLIT_K are autotuned (the lists: ``quant_matmul_configs.py``) per (N, K, bucket
 of M) for the dot and per (N, K, M, group size) for the GEMV; under Triton's CPU interpreter one small pinned
 config runs (with SPLIT_K = 2, so the fix-up path is what is tested). The GEMV's autotuner may pick the HFMA2 body for 16-bit x: its
-error is up to twice the fp32 body's (16-bit sums over short runs; ``w4_gemv_pairs.py``), well inside
+error is up to twice the fp32 body's (16-bit sums over short runs; ``w4_pairs.py``), well inside
 what 4-bit weights cost, and it needs |x| < 2**27 in bf16.
 """
 
@@ -70,20 +70,20 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import FLOAT_DTYPES, check, check_operand, check_runnable, interpreter_on
-from minillm.kernels.int4_dequantize import check_int4_layout, w4a16_dequantize
-from minillm.kernels.int_float import int8_to_float
+from .checks import FLOAT_DTYPES, check, check_operand, check_runnable, interpreter_on
+from .int4_dequantize import check_int4_layout, w4a16_dequantize
+from .int_float import int8_to_float
 # The autotuner's lists and the pinned configs (data from H200 sweeps) live in a file of their own.
-from minillm.kernels.quant_matmul_configs import (_GPU_FP32_DOT, _INTERPRETER, _W4_DOT, _W4_GEMV, _W8_DOT, _W8_GEMV,
+from .quant_matmul_configs import (_GPU_FP32_DOT, _INTERPRETER, _W4_DOT, _W4_GEMV, _W8_DOT, _W8_GEMV,
                                                   SPLIT_MAX_M, fit_dot_tiles, fit_gemv_variants, hfma2_runs_fit)
-from minillm.kernels.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
-from minillm.kernels.split_k import MAX_TILES, finish, split_range, tile_counters
-from minillm.kernels import w4_gemv_hopper
-from minillm.kernels.w4_dot_pairs import dequant_tile_pairs
-from minillm.kernels.w4_gemv_pairs import gemv_pairs, gemv_pairs_tiles
-from minillm.kernels.w4_sixteenths import ONE_BITS, dequant_tile, int4_tile, nibble
+from .hopper.pdl import prefetch_pieces, prefetch_to_l2, supported as pdl_supported, wait_for_previous
+from .split_k import MAX_TILES, finish, split_range, tile_counters
+from .hopper import w4_gemv as w4_gemv_hopper
+from .w4_pairs import dequant_tile_pairs
+from .w4_pairs import gemv_pairs, gemv_pairs_tiles
+from .int_float import ONE_BITS, dequant_tile, int4_tile, nibble
 # The layout's helpers live in a Triton-free file; re-exported so that one import serves.
-from minillm.kernels.quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
+from .quant_pack import (dequantize_int4, pack_int4, pack_int4_along_n,  # noqa: F401
                                         unpack_int4, unpack_int4_along_n)
 
 INTERPRET = interpreter_on()
@@ -125,12 +125,12 @@ def _w4_gemv_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
     """Program (row m and column tile, split): one row of x, BLOCK_N columns, a split of the K // 8 packed rows.
     PREFETCH: the next tile's weight loads are issued in this tile's iteration, masked off past the
     end (Triton's pipeliner leaves this loop's loads alone: plain LDGs in the sm_90 SASS, each
-    tile waiting out its own memory latency). HFMA2: the body is ``w4_gemv_pairs.gemv_pairs``, two
+    tile waiting out its own memory latency). HFMA2: the body is ``w4_pairs.gemv_pairs``, two
     weights per instruction in x's 16-bit dtype, summed in 16 bits over runs of RUN packed rows
     (ONE_GROUP, EVEN_N: see there). TILES (with HFMA2): the same math on 2-d tiles,
     the next tile loaded ahead (``gemv_pairs_tiles``). The autotuner's list holds the configs of each that won an
-    H200 sweep. PDL: launched early (``pdl.py``), the program asks L2 for its first PREFETCH_ROWS packed rows, then
-    waits for the kernel ahead (which writes x) before it reads anything else."""
+    H200 sweep. PDL: launched early (``hopper/pdl.py``), the program asks L2 for its first PREFETCH_ROWS packed rows,
+    then waits for the kernel ahead (which writes x) before it reads anything else."""
     m = tl.program_id(0) % M  # the M programs of a column tile run side by side and share its weights in L2
     n = tl.program_id(0) // M * BLOCK_N + tl.arange(0, BLOCK_N)
     start, end = split_range(K // 8, BLOCK_KP, SPLIT_K)
@@ -181,7 +181,7 @@ def _w4_dot_kernel(X, Y, Partials, Counters, M, N, K, stride_xm, stride_ym,
     """Program (column tile, split, row tile): y[m, n] over a split of K, BLOCK_K inputs per dot.
     M_BUCKET is only the autotuner's key; ONE_GROUP: every tile lies inside one group; SWAP_AB:
     compute y^T = W^T x^T (see the module docstring); PAIRS: dequantize in x's 16-bit dtype, two
-    weights per instruction (``w4_dot_pairs.py``)."""
+    weights per instruction (``w4_pairs.py``)."""
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     x_rows = X + m.to(tl.int64)[:, None] * stride_xm
@@ -325,7 +325,7 @@ def _launch(fmt: str, x_in: torch.Tensor, k: int, n: int, weights: tuple, path: 
           f"a split-K launch with N = {n}, M = {rows} needs more than {MAX_TILES} tile counters")
     args = (x, y, partials, tile_counters(x.device), rows, n, x.shape[1], x.stride(0), y.stride(0), *weights)
     if path == "gemv":
-        # W4A16's GEMV starts early on Hopper (pdl.py): it is what the decode step of an INT4 model mostly runs.
+        # W4A16's GEMV starts early on Hopper (hopper/pdl.py): it is what the decode step of an INT4 model mostly runs.
         early = fmt == "w4" and pdl_supported(x.device)
         consts = {"PDL": True, "launch_pdl": True} if early else {"PDL": False} if fmt == "w4" else {}
         grid = lambda meta: (rows * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
@@ -375,11 +375,11 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     "num_warps": 4} for the GEMV (BLOCK_KP: packed rows per tile, 8 inputs each), or BLOCK_M,
     BLOCK_N, BLOCK_K (inputs per tile) and SPLIT_K for the dot (all powers of two, at least 16), and
     optionally SWAP_AB=True (the dot computes y^T = W^T x^T; see the module docstring) and PAIRS=True
-    (16-bit x: the tile dequantized two weights per instruction, ``w4_dot_pairs.py``); for the GEMV,
-    HFMA2=True with RUN = 1, 2 (default) or 4 (16-bit math; ``w4_gemv_pairs.py``), HFMA2=True with TILES=True
+    (16-bit x: the tile dequantized two weights per instruction, ``w4_pairs.py``); for the GEMV,
+    HFMA2=True with RUN = 1, 2 (default) or 4 (16-bit math; ``w4_pairs.py``), HFMA2=True with TILES=True
     (the same math on 2-d tiles; BLOCK_KP must divide group_size / 8), or PREFETCH=True.
     ``out`` [..., N], contiguous, receives y if given. ``hopper``: one row of bf16 x on an H100/H200 takes the
-    Gluon GEMV (``w4_gemv_hopper.py``) unless a ``config`` is pinned; False keeps the Triton GEMV, True demands the
+    Gluon GEMV (``hopper/w4_gemv.py``) unless a ``config`` is pinned; False keeps the Triton GEMV, True demands the
     Gluon one (a ValueError says why where it cannot run).
     """
     check(qweight.dim() == 2, f"qweight must be int32 [K // 8, N], got shape {tuple(qweight.shape)}")

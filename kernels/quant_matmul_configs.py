@@ -33,7 +33,7 @@ _W4_GEMV = _configs([(64, 16, 1, 4, 3), (128, 16, 1, 4, 3), (64, 16, 2, 4, 3), (
     triton.Config(dict(BLOCK_N=128, BLOCK_KP=4, SPLIT_K=32, HFMA2=True, RUN=2), num_warps=1, num_stages=1),
     triton.Config(dict(BLOCK_N=512, BLOCK_KP=8, SPLIT_K=32, HFMA2=True, RUN=2), num_warps=2, num_stages=1),
     triton.Config(dict(BLOCK_N=512, BLOCK_KP=8, SPLIT_K=64, HFMA2=True, RUN=1), num_warps=2, num_stages=1),
-    # The HFMA2 math on 2-d tiles, the next tile loaded ahead (TILES, w4_gemv_pairs.gemv_pairs_tiles): the H200
+    # The HFMA2 math on 2-d tiles, the next tile loaded ahead (TILES, w4_pairs.gemv_pairs_tiles): the H200
     # sweep's winners (figures/h200/sweeps/w4a16_gemv_tiles.json): 11.7 us on 4096 x 11008 and 12.6 us on
     # 11008 x 4096, where the configs above take 11.7 and 13.1 in the same run.
     triton.Config(dict(BLOCK_N=128, BLOCK_KP=8, SPLIT_K=16, HFMA2=True, RUN=1, TILES=True), num_warps=1, num_stages=1),

@@ -3,7 +3,7 @@
 Why it exists: a batch-1 decode layer ran RoPE and the K/V store (``kv_store.rope_store_kv``) as a kernel of its own
 before attention, ~3 us of a ~67 us llama2-7b INT4 layer, most of it the launch and the kernel boundary. In a
 decode-only step over an unquantized cache the decode kernel does that work instead (``kv/paged_triton.py`` asks
-for it; MINILLM_ROPE_IN_DECODE=0 keeps the two kernels): each program (sequence, KV head, split) rotates its own
+for it): each program (sequence, KV head, split) rotates its own
 query heads with ``fused_layer_ops.rotated_halves``, the arithmetic ``rope_store_kv`` uses, and the one program whose
 split holds the new token (position ctx - 1) rotates its KV head's new k and stores k and v at the token's slot,
 then synchronises its threads before it reads its tiles. No other program reads that position, so nothing else
@@ -11,8 +11,8 @@ waits. The pools get ``rope_store_kv``'s bits; the output can differ in its last
 reaches the dot from registers rather than from memory (``paged_decode_attention``'s docstring).
 
 With the norms folded into the INT4 GEMVs, q, k and v may arrive as qkv_proj's fp32 row before its norm's 1 / rms
-(PENDING; ``w4_gemv_norms.py``): each program forms 1 / rms from the sums of squares the GEMV stored and scales the
-values as it loads them, rounded to the cache's dtype as the GEMV would have written them.
+(PENDING; ``hopper/w4_gemv_norms.py``): each program forms 1 / rms from the sums of squares the GEMV stored and scales
+the values as it loads them, rounded to the cache's dtype as the GEMV would have written them.
 
 Measured on the H200 (figures/h200/sweeps/latency_rope_in_decode.json, engines ABBA ABBA): 1.029x the INT4 batch-1
 decode tok/s of llama2-7b, 1.010x bf16's.
@@ -24,15 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.fused_layer_ops import check_rope_inputs, rotated, rotated_halves
-from minillm.kernels.kv_dequant import NO_QUANT
-from minillm.kernels.w4_gemv_norms import holds_squares
+from .fused_layer_ops import check_rope_inputs, rotated, rotated_halves
+from .kv_dequant import NO_QUANT
+from .fused_layer_ops import holds_squares
 
 
 @triton.jit
 def stored_inv_rms(Squares, slots, SLOTS: tl.constexpr, width, eps):
     """1 / rms of a row of ``width`` inputs from the ``slots`` sums of squares at Squares (SLOTS: a power of two at
-    least as large): the norm that qkv_proj's GEMV left to this kernel (``w4_gemv_norms.py``; its Gluon twin there)."""
+    least as large): the norm that qkv_proj's GEMV left to this kernel (``hopper/w4_gemv_norms.py``; its Gluon
+    twin there)."""
     lanes = tl.arange(0, SLOTS)
     return 1.0 / tl.sqrt(tl.sum(tl.load(Squares + lanes, mask=lanes < slots, other=0.0), axis=0) / width + eps)
 

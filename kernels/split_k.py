@@ -12,7 +12,7 @@ y it needs no zeroed output and stays deterministic. It needs a per-tile arrival
 int32 buffer per device, zeroed once and reset to zero by the last program, so CUDA-graph replays
 find it clean. (Two streams must not run these kernels on one device at once; minillm runs one.)
 The paged decode attention kernel (``paged_attention.py``) merges its context splits the same way,
-on the same counters (``last_arrival``), and so does the Gluon W4A16 GEMV (``w4_gemv_hopper.py``):
+on the same counters (``last_arrival``), and so does the Gluon W4A16 GEMV (``hopper/w4_gemv.py``):
 kernels on one stream run one after another, and each leaves every counter at zero.
 """
 
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import check
+from .checks import check
 
 MAX_TILES = 1 << 16  # arrival counters per device: the tiles of one split-K launch (see each user's check)
 COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -1,4 +1,6 @@
-"""Flash-decoding's second stage: merging the per-split partial outputs of ``paged_attention.py``.
+"""Flash-decoding's second stage: merging the per-split partial outputs of ``paged_attention.py``; and, at the end,
+the first stage's plain-torch reference split by split (``split_partials_ref``), which the kernel tests compare the
+kernel's own partials with.
 
 Why a file of its own: stage 1 leaves, for each (sequence, query head) and each split of the context,
 the split's normalised output and its log-sum-exp. The exact merge (``merge_attention_partials``, the
@@ -13,7 +15,7 @@ torch reference, says how; exercise ex04 writes it) can run in two places, and b
 
 How many splits (``choose_num_splits``) and where their partials live between the stages
 (``PagedAttentionWorkspace``) are decided here too: both decode kernels, ``paged_attention.py``'s and
-``paged_decode_hopper.py``'s, write into the one workspace and are merged by ``merge_by_kernel``.
+``hopper/paged_decode.py``'s, write into the one workspace and are merged by ``merge_by_kernel``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.pdl import let_next_start, supported as pdl_supported
+from .hopper.pdl import let_next_start, supported as pdl_supported
+from .kv_dequant import dequantize_as_kernels_do
 
 # Who merges the splits (the MERGE constexpr of paged_attention._split_kernel): nobody (one split writes
 # the output), a second kernel (_merge_kernel), or the last split program of each (sequence, KV head).
@@ -45,9 +48,7 @@ def merge_splits(part_ptrs, lse_ptrs, num_splits, stride_ps, row_ok, mask):
     where ``row_ok`` is false: zeros).
 
     The loads of MERGE_CHUNK splits are issued before any of them is needed (an unrolled inner loop), so a
-    pass waits for L2 once a chunk. A loop issuing one split's loads after the other's sum waited once a
-    split, which made the merge kernel of a batch-1 decode step take 3-4 us at 16 splits
-    (``figures/h200/latency_tp_launches.json``, its timelines). Loads bypass L1 (".cg"): the last split
+    pass waits for L2 once a chunk, not once a split (``figures/h200/latency_tp_launches.json``, its timelines). Loads bypass L1 (".cg"): the last split
     program reads partials that programs on other SMs wrote during the same launch."""
     chunk = tl.arange(0, MERGE_CHUNK)
     top = tl.full(row_ok.shape, float("-inf"), tl.float32)
@@ -77,7 +78,7 @@ def _merge_kernel(O_part, Lse, Out, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Stage 2 (merge="kernel"): program (b, h) merges the num_splits partials of one query head."""
-    let_next_start(PDL)  # o_proj's GEMV may start warming L2 now (pdl.py)
+    let_next_start(PDL)  # o_proj's GEMV may start warming L2 now (hopper/pdl.py)
     b = tl.program_id(0)
     row = tl.arange(0, 1)  # one row, for merge_splits's [rows, BLOCK_D] tiles; its mask folds to true
     head = tl.program_id(1) + row
@@ -127,3 +128,52 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     programs = batch * num_kv_heads
     wanted = triton.cdiv(2 * num_sms, programs)
     return max(1, min(wanted, max_context // min_split_tokens))
+
+
+# ----------------------------------------------------------------------------- stage 1's reference
+# The paged decode kernel's first stage in plain torch: each split's attention over its part of the context.
+# ``paged_attention.paged_decode_attention_ref`` merges its partials with ``paged_attention.merge_attention_partials``
+# (exercise 04 swaps that one in), and the kernel tests compare the kernel's own partials with it.
+
+
+def _gather_sequence(cache: torch.Tensor, table: torch.Tensor, length: int, scales: torch.Tensor | None,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """One sequence's first ``length`` tokens, [length, Hkv, D] in fp32, from the block pool
+    (dequantized with ``scales`` as the kernel does for queries of ``dtype``, if quantized)."""
+    blocks = table[: triton.cdiv(length, cache.shape[1])].long()
+    values = dequantize_as_kernels_do(cache[blocks], None if scales is None else scales[blocks], dtype)
+    return values.flatten(0, 1)[:length]
+
+
+def split_partials_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, num_splits: int, scale: float | None = None,
+                       tile: int = 1, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over each split of its context, in fp32.
+
+    Split s of a sequence of ``ctx`` tokens covers tokens [s * L, min((s + 1) * L, ctx)) with
+    L = ceil(ceil(ctx / num_splits) / tile) * tile; the kernel rounds to its tile, BLOCK_N, so pass
+    that as ``tile`` to compare its partials split by split. Returns ``out`` [B, H, num_splits, D], each split's
+    softmax-normalised output, and ``lse`` [B, H, num_splits], the natural log of its softmax
+    denominator (the log-sum-exp of its scores); an empty split has out 0 and lse -inf. A quantized
+    cache is dequantized with ``k_scale`` / ``v_scale`` first, as the kernel does
+    (``kv_dequant.dequantize_as_kernels_do``).
+    """
+    batch, heads, dim = q.shape
+    group = heads // k_cache.shape[2]
+    scale = dim ** -0.5 if scale is None else scale
+    out = q.new_zeros(batch, heads, num_splits, dim, dtype=torch.float32)
+    lse = q.new_full((batch, heads, num_splits), float("-inf"), dtype=torch.float32)
+    for b in range(batch):
+        ctx = int(context_lens[b])
+        keys = _gather_sequence(k_cache, block_tables[b], ctx, k_scale, q.dtype).repeat_interleave(group, dim=1)
+        values = _gather_sequence(v_cache, block_tables[b], ctx, v_scale, q.dtype).repeat_interleave(group, dim=1)
+        length = triton.cdiv(triton.cdiv(ctx, num_splits), tile) * tile
+        for s in range(num_splits):
+            lo, hi = s * length, min((s + 1) * length, ctx)
+            if lo >= hi:
+                continue
+            scores = torch.einsum("hd,nhd->hn", q[b].float(), keys[lo:hi]) * scale
+            lse[b, :, s] = torch.logsumexp(scores, dim=-1)
+            out[b, :, s] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), values[lo:hi])
+    return out, lse

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -15,6 +16,11 @@ BATCHING_MODES = ("static", "dynamic", "continuous")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
+
+
+def switched_on(name: str) -> bool:
+    """An environment switch that is on unless set to 0, false, off or no."""
+    return os.environ.get(name, "1").lower() not in ("0", "false", "off", "no")
 
 
 @dataclass

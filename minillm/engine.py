@@ -19,8 +19,8 @@ from functools import partial
 
 import torch
 
-from minillm.config import EngineConfig
-from minillm.kernels.checks import interpreter_on, switched_on
+from minillm.config import EngineConfig, switched_on
+from minillm.kernels.checks import interpreter_on
 from minillm.kv.budget import units_that_fit
 from minillm.cuda_graphs import DecodeGraphs
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache

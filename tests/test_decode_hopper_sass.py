@@ -1,10 +1,10 @@
-"""The Gluon INT8 decode kernel (kernels/paged_decode_hopper.py) compiled for sm_90 on the CPU: what makes it keep up
+"""The Gluon INT8 decode kernel (kernels/hopper/paged_decode.py) compiled for sm_90 on the CPU: what makes it keep up
 with HBM is visible in its loops, so they are checked here (Gluon has no interpreter; the numbers are tested on an
-H200, tests/kernels/test_paged_decode_hopper.py).
+H200, tests/kernels/test_hopper_paged_decode.py).
 
 The consumer loop: every product is an mma.sync (HMMA) of the expected count; K's codes and V's pairs come from the
 ring by ldmatrix straight into the products' operand layouts (no store back to shared memory: V is not converted
-through a scratch tile, as the first version did); codes become fp16 by PRMT, never I2F; no spills at the launch's
+through a scratch tile); codes become fp16 by PRMT, never I2F; no spills at the launch's
 register limit; at most two barriers a step (the slot's release, and the one the compiler puts before the wait). The
 producer loop issues two TMA copies a page and computes nothing else. Compiled in a subprocess without
 TRITON_INTERPRET."""
@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent('''
     import json
     from triton.experimental.gluon import language as gl
     from minillm.bench.sass import compile_gluon_sm90, inner_loops
-    from minillm.kernels import paged_decode_hopper as ph
+    from minillm.kernels.hopper import paged_decode as ph
 
     def loops(head_dim, group, split):
         box = [ph.PAGE, ph.HEADS_PER_PROGRAM, head_dim]
@@ -56,7 +56,7 @@ def _split(loops):
 
 @pytest.mark.parametrize("case", CASES)
 def test_consumer_loop_products_come_straight_from_the_ring(compiled, case):
-    from minillm.kernels import paged_decode_hopper as ph
+    from minillm.kernels.hopper import paged_decode as ph
     head_dim, group = map(int, case.split()[:2])
     consumer, _ = _split(compiled[case])
     ops = consumer["opcodes"]
@@ -73,7 +73,7 @@ def test_consumer_loop_products_come_straight_from_the_ring(compiled, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_producer_loop_only_issues_copies(compiled, case):
-    from minillm.kernels import paged_decode_hopper as ph
+    from minillm.kernels.hopper import paged_decode as ph
     _, producer = _split(compiled[case])
     ops = producer["opcodes"]
     assert ops.get("UTMALDG") == 2 * ph.ID_CHUNK, ops  # K and V of each of a chunk's pages

@@ -1,4 +1,4 @@
-"""The Hopper prefill kernel (kernels/flash_attention_hopper.py) compiled for sm_90 on the CPU: its wgmma loops are
+"""The Hopper prefill kernel (kernels/hopper/flash_attention.py) compiled for sm_90 on the CPU: its wgmma loops are
 pipelined (not one wait per product, ptxas's fallback when registers run short), and the register operand it keeps
 across a loop's trips, Q, is not overwritten inside the loop. The second property is what threading Q through
 ``warpgroup_mma_wait``'s deps buys: with Triton 3.6's toolchain (the H200's) the kernel without it reused Q's
@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent('''
     import json
     from triton.experimental.gluon import language as gl
     from minillm.bench.sass import compile_gluon_sm90, wgmma_loops
-    from minillm.kernels import flash_attention_hopper as fh
+    from minillm.kernels.hopper import flash_attention as fh
 
     def loops(head_dim, causal):
         layout = lambda rows: repr(gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16))

@@ -4,7 +4,7 @@ and that a folded forward computes what the unfolded one does.
 Here on any machine, with ``QuantLinear.folds_norms`` said true: the projections cannot run the Gluon GEMV on a CPU,
 so each takes the fallback (``ResidualRow.add``, ``NormedRow.materialize``), which must give the unfolded layer's
 values bit for bit, and the counts show the folded flow ran. The kernels themselves: tests/kernels/
-test_w4_gemv_norms.py (sm_90).
+test_hopper_w4_gemv_norms.py (sm_90).
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ def test_folded_decode_gives_the_unfolded_tokens(monkeypatch):
     """Each decode step (one row) folds 2L norms: every layer's post-attention and input norm (the first layer's
     on the embedding); the GEMVs add the residual 2L - 1 times (not the last down_proj: the final norm follows it);
     prefills (many rows) fold none. The tokens are the unfolded engine's."""
-    # On a GPU the Gluon GEMV would fold for real (tests/kernels/test_w4_gemv_norms.py): here every fold falls back.
+    # On a GPU the Gluon GEMV would fold for real (tests/kernels/test_hopper_w4_gemv_norms.py); here every fold
+    # falls back.
     monkeypatch.setattr(QuantLinear, "_fused_refusal", lambda self: "falls back (a test)")
-    from minillm.kernels import step_start
+    from minillm.kernels import fused_layer_ops as step_start
 
     starts, start = [], step_start.step_start
     monkeypatch.setattr(step_start, "step_start", lambda *args: starts.append(args) or start(*args))
@@ -131,7 +132,7 @@ def test_gate_up_and_qkv_leave_their_norms_to_the_next_kernel(monkeypatch):
     to their slots of the model's ``PendingRows`` (zeroed at the step's start), and down_proj and the decode attention
     kernel (``paged_decode_attention(rms=...)``, here under the interpreter) apply the norm's 1 / rms; the tokens are
     those of the unfolded engine and of the fold without the deferrals."""
-    from minillm.kernels import w4_gemv_fused
+    from minillm.kernels.hopper import w4_gemv_fused
 
     calls = []
 

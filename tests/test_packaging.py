@@ -16,4 +16,9 @@ def test_every_subpackage_is_listed_in_pyproject():
     assert on_disk, "found no package under minillm/"
     assert on_disk <= listed, f"missing from pyproject packages: {sorted(on_disk - listed)}"
     assert config["package-dir"]["minillm.kernels"] == "kernels"
-    assert "minillm.kernels" in listed
+    kernels = {
+        ".".join(("minillm",) + init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "kernels").rglob("__init__.py")
+    }
+    assert "minillm.kernels" in kernels, "found no kernels/__init__.py"
+    assert kernels <= listed, f"missing from pyproject packages: {sorted(kernels - listed)}"

@@ -1,4 +1,4 @@
-"""The rule programmatic dependent launch rests on (kernels/pdl.py), read from the sm_90 machine code that Triton
+"""The rule programmatic dependent launch rests on (kernels/hopper/pdl.py), read from the sm_90 machine code that Triton
 compiles on this CPU: in both GEMVs launched early, the dense one (also with SiLU-and-multiply on its input) and
 W4A16's, the L2 warm-up (CCTL, prefetch.global.L2) comes before the wait for the kernel ahead (ACQBULK,
 griddepcontrol.wait) and every global load (LDG) after it, so nothing the kernel ahead writes (x) is read early.

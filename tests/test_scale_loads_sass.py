@@ -33,8 +33,7 @@ SCRIPT = textwrap.dedent('''
                         {"Q": "*bf16", "BlockTables": "*i32", "ContextLens": "*i32", "O": "*bf16", "Lse": "*bf16",
                          "Out": "*bf16", "Counters": "*i32"}, 2, 4)
     prefill = loop_loads(fa._attention_kernel, dict(HEAD_DIM=128, CAUSAL=True, PAGED=True, PAGE_SIZE=16, BLOCK_M=128,
-                                                    BLOCK_N=64, stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1,
-                                                    TMA=False),
+                                                    BLOCK_N=64, stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1),
                          {"Q": "*bf16", "Out": "*bf16", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
                           "context_lens": "*i32", "block_tables": "*i32"}, 8, 3)
     print(json.dumps(dict(decode=decode, prefill=prefill)))

@@ -1,6 +1,6 @@
-"""The Gluon W4A16 GEMV (kernels/w4_gemv_hopper_kernel.py) compiled for sm_90 on the CPU: what lets it keep up with HBM
+"""The Gluon W4A16 GEMV (kernels/hopper/w4_gemv_split_k.py) compiled for sm_90 on the CPU: what lets it keep up with HBM
 is visible in its instructions, so they are counted here (Gluon has no interpreter; the numbers are tested on an
-H200, tests/kernels/test_w4_gemv_hopper.py).
+H200, tests/kernels/test_hopper_w4_gemv.py).
 
 Per program: three TMA copies a tile (weights, scales, zero points), issued before the wait for the kernel ahead,
 but for the late tiles' (after x's loads); the HFMA2 body's
@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent('''
     import json
     from triton.experimental.gluon import language as gl
     from minillm.bench.sass import compile_gluon_sm90, pdl_order, whole_kernel
-    from minillm.kernels import w4_gemv_hopper_kernel as wh
+    from minillm.kernels.hopper import w4_gemv_split_k as wh
 
     def compiled(tiles, group, gated=False, run=wh.RUN, add=False, normed=False, scaled=False, late=0):
         layout = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent('''
     cases["4 128 add"] = counts(4, 128, add=True)  # o_proj
     cases["4 128 normed add"] = counts(4, 128, normed=True, add=True)  # gate_up_proj leaving 1 / rms to down_proj
     cases["4 128 gated scaled add"] = counts(4, 128, gated=True, scaled=True, add=True)  # that down_proj
-    # the decode step's forms with the last tile copied after x's tables (MINILLM_GEMV_LATE, one by default), and not
+    # the decode step's forms with the last tile copied after x's tables (``w4_gemv.LATE_TILES``, one), and not
     cases["order"] = {f"{form} late {late}": pdl_order(compiled(4, 128, add=True, late=late, **kw))
                       for form, kw in (("add", {}), ("normed add", dict(normed=True)),
                                        ("gated scaled add", dict(gated=True, scaled=True))) for late in (0, 1, 3)}
@@ -71,7 +71,7 @@ def compiled(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 def test_copies_and_products(compiled, case):
-    from minillm.kernels import w4_gemv_hopper_kernel as wh
+    from minillm.kernels.hopper import w4_gemv_split_k as wh
     tiles = int(case.split()[0])
     kernel = compiled[case]
     ops = kernel["opcodes"]
@@ -103,7 +103,7 @@ def test_copies_and_products(compiled, case):
 def test_runs_of_two_rows_halve_the_conversions_to_fp32(compiled):
     """RUN = 2: two packed rows share a 16-bit sum, so a thread's 64 int32s a program make 32 conversions to fp32 (an
     FADD of the halves) and 32 fewer fp32 additions than at RUN = 1: 64 FADDs fewer."""
-    from minillm.kernels import w4_gemv_hopper_kernel as wh
+    from minillm.kernels.hopper import w4_gemv_split_k as wh
     assert wh.RUN == 2
     packed_a_thread = 2 * wh.TILE_ROWS * wh.BLOCK_N // (32 * wh.WARPS)
     run1, run2 = compiled["2 128 run 1"]["opcodes"], compiled["2 128"]["opcodes"]

@@ -194,7 +194,7 @@ def paged_copy(contiguous: torch.Tensor, block_size: int, generator: torch.Gener
 
 def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, bandwidth_gbs: float) -> dict:
     from minillm.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
-    from minillm.kernels.paged_decode_hopper import use_hopper
+    from minillm.kernels.hopper.paged_decode import use_hopper
 
     B, H, Hkv, S, D = shape.batch, shape.heads, shape.kv_heads, shape.context, shape.head_dim
     quantized = shape.kv_cache_dtype != "auto"
@@ -222,13 +222,13 @@ def bench_decode(shape: DecodeShape, device: torch.device, dtype: torch.dtype, b
     # What the kernel reads: K and V of every token and head, scales included.
     kv_bytes = 2 * B * S * Hkv * kv_layout(shape.kv_cache_dtype, D, dtype).bytes_per_token_head()
     row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes,
-           # which kernel paged_decode_attention ran: the Gluon one for int8 on sm_90 (paged_decode_hopper.py)
+           # which kernel paged_decode_attention ran: the Gluon one for int8 on sm_90 (hopper/paged_decode.py)
            "kernel": "gluon_hopper" if use_hopper(q, k_pool, v_pool, scales.get("k_scale"), None, shape.block_n or
                                                   shape.num_warps) else "triton"}
     qb, kb, vb = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)  # SDPA reads contiguous K/V: no paging
     if quantized:
         # SDPA cannot read a quantized cache. The same K/V unquantized (bf16 on a GPU), timed in the same rounds, is
-        # the comparison issue 6 asks for: the quantized kernel should keep the unquantized kernel's utilisation.
+        # the comparison that says whether the quantized kernel keeps the unquantized kernel's utilisation.
         plain_bytes = 2 * B * S * Hkv * D * k.element_size()
         plain_out = torch.empty_like(q)
         times = time_interleaved({"triton": triton_call, "unquantized": lambda: paged_decode_attention(

@@ -74,18 +74,28 @@ def bytes_moved(fmt: str, shape: QuantShape, element_size: int) -> int:
     return weight + (m * k + m * n) * element_size
 
 
+def gluon_gemv_label(k: int, n: int, sms: int) -> str:
+    """Which Gluon kernel the plain W4A16 GEMV of a K x N weight runs, and its shape."""
+    from minillm.kernels.hopper import w4_gemv, w4_gemv_columns
+
+    if w4_gemv_columns.unsupported(k, n, GROUP_SIZE, torch.bfloat16, 1) is None:
+        warps, stages, blocks, _ = w4_gemv_columns.choose_shape(k, n, sms)
+        return f"column kernel, {warps} warps x {stages} slots x {blocks} blocks"
+    return f"split-K kernel, {w4_gemv.choose_tiles(k, n, sms)} tiles a program"
+
+
 def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dtype, bandwidth_gbs: float) -> dict:
     from minillm.kernels.checks import num_sms
     from minillm.kernels.quant_matmul import DEQUANT_MIN_M, GEMV_MAX_M, autotuned_config, w4a16_matmul, \
         w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref
-    from minillm.kernels.w4_gemv_hopper import choose_tiles, use_hopper
+    from minillm.kernels.hopper.w4_gemv import use_hopper
 
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(shape.m, shape.k, dtype=dtype, device=device, generator=gen)
     size = x.element_size()
     copies = _copies(bytes_moved("w4a16", shape, size), device)
     sets = [_weights(shape, dtype, device, gen) for _ in range(copies)]
-    # "gemv_triton": W4A16's Triton GEMV where the Gluon one (w4_gemv_hopper.py) is what "gemv" runs, side by side.
+    # "gemv_triton": W4A16's Triton GEMV where the Gluon one (hopper/w4_gemv.py) is what "gemv" runs, side by side.
     calls = {"bf16": lambda w, path: torch.matmul(x, w),
              "w8a16": lambda q, s, path: w8a16_matmul(x, q, s, path=path),
              "w4a16": lambda q, s, z, path: w4a16_matmul(x, q, s, z, GROUP_SIZE, path=path.removesuffix("_triton"),
@@ -101,7 +111,7 @@ def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dty
 
     row = {"shape": vars(shape), "dtype": str(dtype).removeprefix("torch."), "weight_copies": copies,
            "torch": timed("bf16", None)}
-    tiles = choose_tiles(shape.k, shape.n, num_sms(device))  # the Gluon GEMV's, for its config label
+    kernel = gluon_gemv_label(shape.k, shape.n, num_sms(device))  # the Gluon GEMV's, for its config label
     for fmt, ref in refs.items():
         dequant = fmt == "w4a16" and shape.m >= DEQUANT_MIN_M
         paths = ("gemv", "dot") if shape.m <= GEMV_BENCH_MAX_M else ("dot", "dequant") if dequant else ("dot",)
@@ -112,7 +122,7 @@ def bench_quant_matmul(shape: QuantShape, device: torch.device, dtype: torch.dty
             run = timed(fmt, path)
             run["speedup"] = row["torch"]["ms"] / run["ms"]
             run["config"] = "dequantize + cuBLAS" if path == "dequant" else \
-                f"Gluon (w4_gemv_hopper.py), {tiles} tiles a program" if gluon and path == "gemv" else \
+                f"Gluon (hopper/w4_gemv.py), {kernel}" if gluon and path == "gemv" else \
                 autotuned_config(fmt[:2], path.removesuffix("_triton")) if device.type == "cuda" else \
                 "interpreter (pinned)"
             error = (calls[fmt](*sets[0][fmt], path=path).float() - ref.float()).abs().max()

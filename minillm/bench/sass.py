@@ -178,7 +178,7 @@ def wgmma_loops(kernel) -> list[dict]:
     """Every innermost loop that issues wgmma (HGMMA): its "start", the number of "hgmma" and of waits for them
     ("waits", WARPGROUP.DEPBAR), and its "clobbers": register operands (A, four registers each) that the loop
     overwrites after the product reads them and does not write again before it, so that the next trip's
-    product reads what was written there instead. A value kept in registers across trips (flash_attention_hopper's
+    product reads what was written there instead. A value kept in registers across trips (hopper/flash_attention.py's
     Q) must show none. A loop whose every product waits alone (waits == hgmma) is what ptxas makes of wgmma it
     cannot pipeline (warning C7512, e.g. too few registers). ``kernel`` may also be a parsed listing
     (``parse_sass``)."""

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kernels.checks import switched_on
+from minillm.config import switched_on
 from minillm.kernels.flash_attention import paged_prefill_attention
 from minillm.kernels.kv_store import QUANTIZED_POOLS, rope_store_kv, store_kv
 from minillm.kernels.paged_attention import paged_decode_attention
-from minillm.kernels.w4_gemv_norms import Rms
+from minillm.kernels.fused_layer_ops import Rms
 from minillm.kv.paged import PagedKVCache, PagedStep, write_kv
 
 

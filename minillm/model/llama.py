@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.kernels.checks import switched_on
+from minillm.config import switched_on
 from minillm.model.config import ModelConfig
 from minillm.model import norm_folding
 from minillm.model.dense import Linear, gemv_choice, takes_gated
@@ -315,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp_slot = attn.pending_slot = None
         self.pending_rows = None
         if mlp_deferred or attention_deferred:
-            from minillm.kernels.w4_gemv_hopper import splits_needed  # (folds_norms said the kernels run here)
+            from minillm.kernels.hopper.w4_gemv import splits_needed  # (folds_norms said the kernels run here)
 
             # A slot for each split a GEMV can have: the most, at one tile a program.
             parts = {name: (proj.out_features, splits_needed(proj.in_features, 1)) for name, proj, deferred in
@@ -361,7 +361,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [B, T] -> final hidden states [B, T, hidden]."""
         one_row, embed, residual = positions.numel() == 1, self.model.embed_tokens, None
         if one_row and self.fold_first_norm and type(embed) is nn.Embedding:
-            from minillm.kernels.step_start import step_start  # (fold_first_norm: the fused kernels are on)
+            from minillm.kernels.fused_layer_ops import step_start  # (fold_first_norm: the fused kernels are on)
 
             cos, sin = self.rope(positions, embed.weight.dtype)  # first: the GEMV behind step_start may start early
             to_zero = None if self.pending_rows is None else self.pending_rows.buffer

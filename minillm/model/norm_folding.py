@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minillm.kernels.checks import switched_on
+from minillm.config import switched_on
 
 # MINILLM_NORM_IN_GEMV=0: the norms between INT4 GEMVs stay kernels of their own.
 ENABLED = switched_on("MINILLM_NORM_IN_GEMV")

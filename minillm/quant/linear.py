@@ -149,8 +149,8 @@ class QuantLinear(nn.Module):
         defer = normed and into is not None and add_to is None
         row = x.row.total if normed else x.row if pending else x
         if self._fused_refusal() is None:  # (fused_unsupported says where the device is why not)
-            from minillm.kernels.w4_gemv_fused import fused_gemv, fused_unsupported
-            from minillm.kernels.w4_gemv_norms import Norm, Rms
+            from minillm.kernels.hopper.w4_gemv_fused import fused_gemv, fused_unsupported
+            from minillm.kernels.fused_layer_ops import Norm, Rms
 
             fused = dict(gated=gated, residual=into.total if defer else add_to,
                          norm=Norm(x.norm.weight, x.norm.eps) if normed else None,
@@ -171,7 +171,7 @@ class QuantLinear(nn.Module):
         if self._fused_refusal() or not self.qweight.is_cuda:
             return False
         from minillm.kernels.int4_dequantize import check_int4_layout
-        from minillm.kernels.w4_gemv_hopper import weight_unsupported
+        from minillm.kernels.hopper.w4_gemv import weight_unsupported
 
         group = check_int4_layout(self.qweight, self.scales, self.zeros, self.group_size, self.scales)[2]
         return (weight_unsupported(self.qweight, self.scales, group) is None
@@ -182,7 +182,7 @@ class QuantLinear(nn.Module):
         original order, no bias, and one gate_up row the Gluon GEMV takes (``w4_gemv_fused.fused_unsupported``)."""
         if self._fused_refusal() or not gate_up.is_cuda:
             return False
-        from minillm.kernels.w4_gemv_fused import fused_unsupported
+        from minillm.kernels.hopper.w4_gemv_fused import fused_unsupported
 
         return fused_unsupported(gate_up, self.qweight, self.scales, self.zeros, self.group_size, gated=True) is None
 
@@ -193,7 +193,7 @@ class QuantLinear(nn.Module):
         if reason:
             raise ValueError(f"gated=True needs an INT4 layer without act-order or bias (see takes_gated); this one "
                              f"{reason}")
-        from minillm.kernels.w4_gemv_fused import fused_gemv
+        from minillm.kernels.hopper.w4_gemv_fused import fused_gemv
 
         return fused_gemv(gate_up, self.qweight, self.scales, self.zeros, self.group_size, gated=True)
 

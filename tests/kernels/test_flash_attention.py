@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from minillm.kernels.flash_attention import (
-    _attention_kernel,
     flash_attention,
     flash_attention_ref,
     paged_prefill_attention,
@@ -163,60 +162,6 @@ def test_paged_with_explicit_config():
     out = paged_prefill_attention(q, k_cache, v_cache, tables, cu_q, ctx, 40, out=nans_like(q),
                                   config={"BLOCK_M": 32, "BLOCK_N": 32})
     assert_close(out, paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu_q, ctx))
-
-
-TMA_CASES = [
-    # q_lens, k_lens, heads, kv_heads, head_dim, causal, dtype, config (TMA added)
-    ([1, 7, 33], [1, 7, 33], 2, 2, 32, True, torch.float32, {"BLOCK_M": 16, "BLOCK_N": 16}),
-    ([5, 17, 1], [20, 17, 9], 4, 2, 16, True, torch.float16, {"BLOCK_M": 16, "BLOCK_N": 16}),  # bottom-right
-    ([7, 33], [12, 5], 4, 1, 64, False, torch.float32, {"BLOCK_M": 16, "BLOCK_N": 16}),  # GQA 4, unmasked
-    ([33, 6], [50, 6], 4, 2, 16, True, torch.float32, {"BLOCK_M": 32, "BLOCK_N": 16}),  # BLOCK_M > BLOCK_N
-    ([21, 3], [37, 3], 2, 2, 32, False, torch.float16, {"BLOCK_M": 16, "BLOCK_N": 32}),
-]
-if CUDA:
-    TMA_CASES += [
-        ([1000, 1, 77, 513], [1000, 300, 1077, 600], 8, 2, 128, True, torch.bfloat16,
-         {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
-        ([257, 1024], [257, 1500], 4, 4, 64, False, torch.float16,
-         {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}),
-        ([130, 64], [200, 64], 4, 1, 128, True, torch.float32, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4}),
-    ]
-
-
-def nan_tailed(t, rows):
-    """``t`` as the head of a buffer whose next ``rows`` rows are NaN: a tile that reads past the last
-    sequence's end (rather than getting zeros from the descriptor's bounds) poisons its output."""
-    buffer = torch.cat([t, torch.full_like(t[:1], float("nan")).expand(rows, *t.shape[1:])])
-    return buffer[: t.shape[0]]
-
-
-@pytest.mark.parametrize("q_lens,k_lens,heads,kv_heads,head_dim,causal,dtype,config", TMA_CASES)
-def test_tma_variant_matches_ref(q_lens, k_lens, heads, kv_heads, head_dim, causal, dtype, config):
-    q, k, v, cu_q, cu_k = make_varlen(q_lens, k_lens, heads, kv_heads, head_dim, dtype, seed=len(q_lens) + head_dim)
-    k, v = nan_tailed(k, config["BLOCK_N"]), nan_tailed(v, config["BLOCK_N"])
-    launches = []
-    hook = lambda *args, **kwargs: launches.append(kwargs)  # noqa: E731
-    _attention_kernel.add_pre_run_hook(hook)
-    try:
-        out = flash_attention(q, k, v, cu_q, cu_k, max(q_lens), causal=causal, out=nans_like(q),
-                              config={**config, "TMA": True})
-    finally:
-        _attention_kernel.pre_run_hooks.remove(hook)
-    assert [launch.get("TMA") for launch in launches] == [True]  # the descriptor path ran, not the pointer one
-    assert_close(out, flash_attention_ref(q, k, v, cu_q, cu_k, causal=causal))
-
-
-def test_tma_refuses_what_it_cannot_describe():
-    q, k, v, cu_q, cu_k = make_varlen([3, 4], [3, 4], 4, 2, 16, torch.float16, seed=0)
-    config = {"BLOCK_M": 16, "BLOCK_N": 16, "TMA": True}
-    padded = torch.cat([k, k[..., :1]], -1)[..., :16]  # rows of 2 heads x 17 halves: 68 bytes apart
-    with pytest.raises(ValueError, match=r"k.stride\(0\) is 34 elements of 2 bytes; TMA needs a multiple of 16"):
-        flash_attention(q, padded, v, cu_q, cu_k, 4, config=config)
-    with pytest.raises(ValueError, match="v has strides .* contiguous last dim"):
-        flash_attention(q, k, v.transpose(1, 2).contiguous().transpose(1, 2), cu_q, cu_k, 4, config=config)
-    _, _, _, k_cache, v_cache, tables, cu_q, _, ctx = make_paged([3, 4], [3, 4], 4, 2, 16, 4, torch.float16, 0)
-    with pytest.raises(ValueError, match="only the non-paged flash_attention"):
-        paged_prefill_attention(q, k_cache, v_cache, tables, cu_q, ctx, 4, config=config)
 
 
 def _varlen_inputs(**changes):

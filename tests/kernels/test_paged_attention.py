@@ -323,7 +323,7 @@ def test_pending_rms_scales_q_k_and_v_as_they_are_loaded(lens, heads, kv_heads, 
     the kernel forms 1 / rms from the sums of squares and scales each value as it loads it, rounding to the cache's
     dtype: the output and pools of new_kv on the rows scaled and rounded first (to the last bit of 1 / rms, whose
     sum runs in another order)."""
-    from minillm.kernels.w4_gemv_norms import Rms
+    from minillm.kernels.fused_layer_ops import Rms
     q, k_pool, v_pool, tables, ctx = make_inputs(lens, heads, kv_heads, dim, 8, dtype, seed=dim + splits)
     g = torch.Generator().manual_seed(dim)
     raw_q = torch.randn(1, heads, dim, generator=g).to(DEVICE) * 40

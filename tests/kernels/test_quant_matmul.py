@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernels import quant_matmul, quant_matmul_configs, split_k
-from minillm.kernels.w4_dot_pairs import dequant_tile_pairs
+from minillm.kernels.w4_pairs import dequant_tile_pairs
 from minillm.kernels.quant_matmul import (pack_int4, pack_int4_along_n, unpack_int4, unpack_int4_along_n,
                                           w4a16_matmul, w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref)
 
@@ -236,7 +236,7 @@ HFMA2_DTYPES = [torch.float16, torch.bfloat16]
     (200, 40, -1, dict(BLOCK_N=16, BLOCK_KP=4, SPLIT_K=2, RUN=2)),
 ])
 def test_hfma2_gemv_matches_reference(dtype, k, n, group_size, config):
-    """Two weights per HFMA2 in x's dtype (kernels/w4_gemv_pairs.py), 16-bit sums over runs of RUN packed rows."""
+    """Two weights per HFMA2 in x's dtype (kernels/w4_pairs.py), 16-bit sums over runs of RUN packed rows."""
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group_size, dtype, seed=k + n)
     y = w4a16_matmul(x, qweight, scales, zeros, group_size, path="gemv", config={**config, "HFMA2": True},
                      out=poisoned((1, n), dtype))
@@ -291,7 +291,7 @@ class OutOfBounds:
     (72, 16, 24, dict(BLOCK_N=16, BLOCK_KP=1, SPLIT_K=2)),
 ])
 def test_hfma2_tiles_gemv_matches_reference(dtype, k, n, group_size, config, monkeypatch):
-    """The HFMA2 math on 2-d tiles with the next tile loaded ahead (w4_gemv_pairs.gemv_pairs_tiles), which clamps
+    """The HFMA2 math on 2-d tiles with the next tile loaded ahead (w4_pairs.gemv_pairs_tiles), which clamps
     rows and columns instead of masking them: every load must stay inside its operands."""
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group_size, dtype, seed=k + n + 1)
     out = poisoned((1, n), dtype)
@@ -411,7 +411,7 @@ def test_pairs_tile_is_the_reference_weight_bit_for_bit(dtype):
     (3, -1, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, SWAP_AB=True)),  # one group, swapped
 ])
 def test_w4a16_pairs_dot_matches_reference(dtype, m, group_size, config):
-    """The dot with its tile dequantized two weights per HFMA2 (kernels/w4_dot_pairs.py): N = 40 over tiles of
+    """The dot with its tile dequantized two weights per HFMA2 (kernels/w4_pairs.py): N = 40 over tiles of
     16 or 32 columns (a masked tile), K = 576 (9 tiles of 64, a ragged last group of 128)."""
     x, qweight, scales, zeros, _, _ = int4_problem(m, 576, 40, group_size, dtype, seed=m + 1)
     y = w4a16_matmul(x, qweight, scales, zeros, group_size, path="dot", config={**config, "PAIRS": True},

@@ -1,4 +1,4 @@
-"""A one-row decode step's first kernel (kernels/step_start.py) against the three torch ops it replaces. Under
+"""A one-row decode step's first kernel (kernels/fused_layer_ops.py) against the three torch ops it replaces. Under
 TRITON_INTERPRET=1 on CPU (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kernels.step_start import BLOCK, step_start, step_start_ref
+from minillm.kernels.fused_layer_ops import STEP_START_BLOCK as BLOCK, step_start, step_start_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])

@@ -1,4 +1,4 @@
-"""The column W4A16 GEMV (kernels/w4_gemv_columns.py: a program 32 columns over all of K, no fix-up) against
+"""The column W4A16 GEMV (kernels/hopper/w4_gemv_columns.py: a program 32 columns over all of K, no fix-up) against
 ``w4a16_matmul_ref``: Llama-2-7B's shapes, a ragged last band, groups of 64 and 128, one program, fewer bands than
 slots, each warp count and ring depth it takes, bit-equal reruns, and a CUDA graph.
 
@@ -8,12 +8,10 @@ and the kernel is compiled for sm_90 (tests/test_w4_gemv_columns_sass.py).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from minillm.kernels import w4_gemv_columns as columns
+from minillm.kernels.hopper import w4_gemv_columns as columns
 from minillm.kernels.checks import num_sms
 from minillm.kernels.quant_matmul import w4a16_matmul_ref
 
@@ -83,24 +81,6 @@ def test_it_refuses_too_few_zero_point_rows_a_band(warps, blocks, group, refused
     assert ("zero-point rows a band, too few" in str(error.value)) == refused, error.value
 
 
-@pytest.mark.parametrize("compute,probe,refused", [(False, ("scales",), False), (False, ("scales", "tables"), False),
-                                                   (True, ("refills",), False), (True, ("scales",), True),
-                                                   (False, ("refills",), True), (True, ("refills", "tables"), True),
-                                                   (False, ("math",), True), (True, ("x early",), False),
-                                                   (False, ("x early",), True),
-                                                   (True, ("x early", "refills"), True)])
-def test_it_takes_only_the_probes_it_has(compute, probe, refused):
-    """The copies-only probes leave out scales or tables; the math-only probe ("refills") and the early-x probe
-    compute, one at a time. Anything else is refused with what was asked; what passes fails later on the CPU (no
-    scales were given)."""
-    x = torch.zeros(1, 1024, dtype=torch.bfloat16)
-    qweight = torch.zeros(128, 64, dtype=torch.int32)
-    with pytest.raises((ValueError, AttributeError, TypeError)) as error:
-        columns.w4_gemv_columns(x, qweight, None, None, 128, torch.zeros(1, 64, dtype=torch.bfloat16),
-                                compute=compute, probe=probe)
-    assert (f"got probe={probe} with compute={compute}" in str(error.value)) == refused, error.value
-
-
 @pytest.mark.parametrize("warps,stages,blocks", [(3, 2, 2), (8, 3, 2), (8, 16, 2), (8, 2, 3)])
 def test_it_refuses_warps_stages_and_blocks_it_has_no_views_for(warps, stages, blocks):
     x = torch.zeros(1, 1024, dtype=torch.bfloat16)
@@ -121,20 +101,6 @@ def test_column_gemv_matches_ref_and_repeats_its_bits(k, n, group, warps, stages
     again = poisoned((1, n), torch.bfloat16)
     columns.w4_gemv_columns(x, qweight, scales, zeros, group, again, warps=warps, stages=stages, blocks=blocks)
     assert torch.equal(again, out), "no atomics, sums in a fixed order: the same bits every run"
-
-
-@needs_sm90
-@pytest.mark.parametrize("k,n,group,warps,stages,blocks", [CASES[0], CASES[3], CASES[5], CASES[9]])
-def test_column_gemv_adds_y_to_an_fp32_row(k, n, group, warps, stages, blocks):
-    x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n + 7)
-    row = torch.randn(1, n, dtype=torch.float32, device=x.device)
-    want = row + w4a16_matmul_ref(x, qweight, scales, zeros, group).float()
-    out = row.clone()
-    columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, warps=warps, stages=stages, blocks=blocks,
-                            add=True)
-    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    with pytest.raises(ValueError, match="float32 row"):
-        columns.w4_gemv_columns(x, qweight, scales, zeros, group, poisoned((1, n), torch.bfloat16), add=True)
 
 
 @needs_sm90
@@ -182,35 +148,6 @@ def test_column_gemv_replays_in_a_cuda_graph():
     assert_replays_in_a_graph(run, x, qweight, scales, zeros, 128)
 
 
-@pytest.mark.parametrize("value,forms", [("", ("plain",)), ("0", ()), ("add", ("add",)), ("1", ("plain", "add")),
-                                         ("plain, add", ("plain", "add")), ("gated", None)])
-def test_the_routing_switch_takes_the_forms_the_kernel_has(value, forms):
-    """MINILLM_GEMV_COLUMNS: forms by name among the two this kernel computes (plain and add); the plain form by
-    default (what ``hopper.COLUMNS`` holds when the variable is unset)."""
-    from minillm.kernels import w4_gemv_hopper as hopper
-    if forms is None:
-        with pytest.raises(ValueError, match="MINILLM_GEMV_COLUMNS must be 0, 1 or forms among plain, add, comma"):
-            hopper.forms_switch("MINILLM_GEMV_COLUMNS", value, hopper.COLUMNS_FORMS, ("plain",))
-    else:
-        assert hopper.forms_switch("MINILLM_GEMV_COLUMNS", value, hopper.COLUMNS_FORMS, ("plain",)) == forms
-    if value == "" and "MINILLM_GEMV_COLUMNS" not in os.environ:
-        assert hopper.COLUMNS == forms
-
-
-@pytest.mark.parametrize("value,shape", [("", None), ("8x4x2", (8, 4, 2, 3)), (" 16X4x2 ", (16, 4, 2, 3)),
-                                         ("8x4x4", (8, 4, 4, 3)), ("4x8x4x0", (4, 8, 4, 0)), ("4x8x4x7", (4, 8, 4, 7)),
-                                         ("8x4", "8x4"), ("8x16x2", "8x16x2"), ("16x8x2", "16x8x2"),
-                                         ("3x2x2", "3x2x2"), ("8x4x3", "8x4x3"), ("4x8x4x8", "4x8x4x8"),
-                                         ("4x8x4x1x1", "4x8x4x1x1"), ("eight", "eight")])
-def test_the_shape_switch_takes_warps_by_slots_by_blocks_that_fit(value, shape):
-    if isinstance(shape, str):
-        with pytest.raises(ValueError, match=f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots x blocks.*got "
-                                             f"{value!r}"):
-            columns.shape_switch(value)
-    else:
-        assert columns.shape_switch(value) == shape
-
-
 @pytest.mark.parametrize("k,n,slots", [(1024, 11008, 1), (4096, 11008, 4), (8192, 8192, 4), (11008, 8192, 4),
                                        (4096, 4096, 8), (11008, 4096, 8), (1024, 32, 8)])
 def test_the_chosen_ring_holds_a_columns_bands_up_to_four_or_an_sm_to_itself(k, n, slots):
@@ -223,25 +160,25 @@ def test_the_chosen_ring_holds_a_columns_bands_up_to_four_or_an_sm_to_itself(k, 
 
 
 @needs_sm90
-@pytest.mark.parametrize("form", ["plain", "add"])
-def test_gemv_runs_the_forms_the_switch_names_on_the_column_kernel(monkeypatch, form):
-    """``w4_gemv_hopper.gemv`` with COLUMNS naming the form: the column kernel's bits (it is called, and the answer is
-    what it gives alone); with COLUMNS empty, the same answer within rounding from the other kernels."""
-    from minillm.kernels import w4_gemv_hopper as hopper
+def test_gemv_runs_the_plain_form_on_the_column_kernel():
+    """``w4_gemv.gemv``'s plain form (a bf16 y): the column kernel's bits (the answer it gives alone), and within
+    rounding the split-K kernel's."""
+    from minillm.kernels.hopper import w4_gemv as hopper
+    from minillm.kernels.hopper.pdl import supported as pdl_supported
+    from minillm.kernels.split_k import tile_counters
     k, n = 4096, 4096
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=21)
-    dtype = torch.float32 if form == "add" else torch.bfloat16
-    start = torch.randn(1, n, device=x.device) if form == "add" else None
-    answers = {}
-    for routed in (True, False):
-        monkeypatch.setattr(hopper, "COLUMNS", (form,) if routed else ())
-        out = start.clone() if form == "add" else poisoned((1, n), dtype)
-        hopper.gemv(x, qweight, scales, zeros, 128, out, add=form == "add")
-        answers[routed] = out
-    alone = start.clone() if form == "add" else poisoned((1, n), dtype)
+    routed = poisoned((1, n), torch.bfloat16)
+    hopper.gemv(x, qweight, scales, zeros, 128, routed)
+    alone = poisoned((1, n), torch.bfloat16)
     warps, stages, blocks, late = columns.choose_shape(k, n, num_sms(x.device))
     columns.w4_gemv_columns(x, qweight, scales, zeros, 128, alone, warps=warps, stages=stages, blocks=blocks,
-                            add=form == "add", late=late)
-    assert torch.equal(answers[True], alone)
-    scale = answers[False].abs().max().item()
-    torch.testing.assert_close(answers[True], answers[False], rtol=0, atol=2e-2 * scale)
+                            late=late)
+    assert torch.equal(routed, alone)
+    split_k = poisoned((1, n), torch.bfloat16)
+    tiles = hopper.choose_tiles(k, n, num_sms(x.device))
+    partials = torch.empty(max(hopper.partials_needed(k, n, tiles), 1), dtype=torch.float32, device=x.device)
+    hopper.w4_gemv(x, qweight, scales, zeros, 128, split_k, partials, tile_counters(x.device),
+                   pdl_supported(x.device), tiles=tiles)
+    scale = split_k.abs().max().item()
+    torch.testing.assert_close(routed, split_k, rtol=0, atol=2e-2 * scale)

@@ -1,4 +1,4 @@
-"""The Gluon prefill kernel for Hopper (kernels/flash_attention_hopper.py) against the plain-torch reference, and
+"""The Gluon prefill kernel for Hopper (kernels/hopper/flash_attention.py) against the plain-torch reference, and
 when ``flash_attention`` picks it.
 
 Gluon has no interpreter, so the numerical tests need an sm_90 GPU; on the CPU the dispatch and its reasons are
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kernels import flash_attention_hopper as hopper
+from minillm.kernels.hopper import flash_attention as hopper
 from minillm.kernels.flash_attention import _attention_kernel, flash_attention, flash_attention_ref
 
-from test_flash_attention import assert_close, make_varlen, nan_tailed, nans_like
+from test_flash_attention import assert_close, make_varlen, nans_like
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and hopper.gluon is not None
 needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm_90 GPUs only (no interpreter)")
@@ -28,6 +28,13 @@ CASES = [
     ([5, 65, 129], [5, 65, 129], 32, 8, 128, True, torch.bfloat16),  # shorter than a tile
     ([300, 70], [100, 10], 8, 2, 64, False, torch.bfloat16),  # fewer keys than queries (unmasked)
 ]
+
+
+def nan_tailed(t, rows):
+    """``t`` as the head of a buffer whose next ``rows`` rows are NaN: a tile that reads past the last
+    sequence's end (rather than getting zeros from the descriptor's bounds) poisons its output."""
+    buffer = torch.cat([t, torch.full_like(t[:1], float("nan")).expand(rows, *t.shape[1:])])
+    return buffer[: t.shape[0]]
 
 
 @needs_sm90

@@ -4,7 +4,7 @@ the residual stream, the GEMV behind normalises its input.
 Why: a batch-1 INT4 Llama-2-7B layer runs two RMSNorm kernels (each with the residual add before it) between its
 GEMVs. They do almost no work, but each is a kernel boundary on the token's critical path: 0.23 ms of a 2.30 ms
 token (figures/h200/sweeps/latency_what_if.json), where bf16's longer GEMVs hide them (0.04 ms). A norm needs two
-things of the row: the sum of the squares of all of it, and each input's own value. So (``w4_gemv_hopper.py`` runs
+things of the row: the sum of the squares of all of it, and each input's own value. So (``w4_gemv.py`` runs
 both):
 
 - **The GEMV ahead** (o_proj, down_proj) adds y to the residual stream, kept in fp32 for the step, where each
@@ -18,53 +18,25 @@ both):
   inputs of s. A norm is one factor for the whole row, so it comes after the product:
   RMSNorm(s) @ W = (s * weight) @ W / rms(s). The split-K fix-up sums the splits' squares with their partials and
   scales y by 1 / rms (``inv_rms``). No program reads the whole row, and none waits for another beyond what the
-  fix-up already does. (Session 20's normed GEMV had every program read the whole row for its RMS: 2.4 us a GEMV
-  against the norm kernel's 1.4, figures/h200/sweeps/normed_gemv.json; session 22's fold had the GEMV ahead store
-  the sums of squares of each 256 columns beside s, which needed its fix-up.)
+  fix-up already does (a GEMV whose every program read the whole row for its RMS would be slower than the norm
+  kernel it replaces: figures/h200/sweeps/normed_gemv.json).
 
 gate_up_proj and qkv_proj go one step further (``fused_gemv(norm=..., residual=..., squares=...)``,
 ``norm_folding.PendingNorm``): their splits add their unnormalised parts of y to a zeroed fp32 row with reductions
 too, and store their sums of squares beside it; the kernel that reads that row whole anyway applies 1 / rms as it
 loads it: down_proj's GEMV before SiLU-and-multiply (``Rms``, ``scaled_bf16``), the decode attention kernel before
-RoPE (``rope_in_decode.py``). So no GEMV of the layer has a fix-up: 1.072x a token
+RoPE (``../rope_in_decode.py``). So no GEMV of the layer has a fix-up: 1.072x a token
 (figures/h200/sweeps/decode_graph_deferred_norms.json).
 
 Numerics: the stream holds s in fp32 where the unfolded layer (and transformers) round it to bf16 at every add;
 the input is s * weight rounded to bf16 once, where transformers rounds s / rms, then the product with the weight.
 So the folded layer is not bit for bit the unfolded one: its errors are of the size of one bf16 rounding (tested
-against the norm computed in fp64 in tests/kernels/test_w4_gemv_norms.py).
+against the norm computed in fp64 in tests/kernels/test_hopper_w4_gemv_norms.py).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
-
-from minillm.kernels.flash_attention_hopper import GLUON_USABLE, gluon
-
-
-class Norm(NamedTuple):
-    """An RMSNorm the GEMV applies to its input row as it reads it (this module): the norm's ``weight`` [K] and
-    ``eps``; the row is the residual stream's fp32 row."""
-    weight: torch.Tensor
-    eps: float
-
-
-class Rms(NamedTuple):
-    """The 1 / rms of a norm whose GEMV left it to the kernel behind it (gate_up_proj's to down_proj, qkv_proj's to
-    the decode attention kernel: the module docstring's last part): ``squares``, fp32, the sums of squares the
-    producer's splits stored (zeros in the slots it did not use), the norm's input ``width`` and ``eps``."""
-    squares: torch.Tensor
-    width: int
-    eps: float
-
-
-def holds_squares(slots: torch.Tensor, device: torch.device, at_least: int = 1) -> bool:
-    """Whether ``slots`` can hold (or give) a GEMV's sums of squares: a contiguous fp32 vector on ``device`` of at
-    least ``at_least`` slots (the checks of ``w4_gemv_fused`` and ``rope_in_decode``)."""
-    return (slots.dtype == torch.float32 and slots.device == device and slots.dim() == 1 and slots.is_contiguous()
-            and slots.numel() >= at_least)
+from .gluon import GLUON_USABLE, gluon
 
 
 if GLUON_USABLE:

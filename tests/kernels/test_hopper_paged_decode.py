@@ -1,4 +1,4 @@
-"""The Gluon INT8 decode kernel for Hopper (kernels/paged_decode_hopper.py) against the plain-torch reference, and
+"""The Gluon INT8 decode kernel for Hopper (kernels/hopper/paged_decode.py) against the plain-torch reference, and
 when ``paged_decode_attention`` picks it.
 
 Gluon has no interpreter, so the numerical tests need an sm_90 GPU; on the CPU the dispatch and its reasons are
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kernels import paged_decode_hopper as hopper
+from minillm.kernels.hopper import paged_decode as hopper
 from minillm.kernels.paged_attention import PagedAttentionWorkspace, paged_decode_attention, paged_decode_attention_ref
 
 from test_quantized_kv import TOL, quantized_paged

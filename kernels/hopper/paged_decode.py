@@ -1,7 +1,7 @@
 """Decode attention over an INT8 paged KV cache for Hopper (sm_90), in Gluon: ``paged_decode_attention`` runs it
 for int8 caches on an H100/H200.
 
-Why it exists: the Triton kernel (``paged_attention.py``) reads bf16 pools at the copy bandwidth but int8 pools at
+Why it exists: the Triton kernel (``../paged_attention.py``) reads bf16 pools at the copy bandwidth but int8 pools at
 about half of it, so an INT8 cache halved the bytes and bought no time. Two things held it back, both measured on
 the H200 (ncu, figures/h200/sweeps/ncu_decode_int8_source.json): 0.17 warp-instructions per byte read, against
 bf16's 0.065, most of them moving the converted tiles through shared memory into ``tl.dot``'s layout (6.9-way bank
@@ -27,11 +27,11 @@ path, a TMA ring and consumers that only wait, read the same pools at 99 % of co
   reduction), which ldmatrix can transpose only for 16-bit elements: so V is read as int16 pairs of channels,
   transposed, and a PRMT splits each register's two tokens x two channels into the even channels' and the odd
   channels' fp16 pairs, accumulated as two halves of O^T. No converted tile goes back through shared memory
-  (the first version stored V as fp16 in a scratch tile: 77 % of copy bandwidth).
+  (V stored as fp16 in a scratch tile would cost a quarter of the copy bandwidth).
 - **Codes biased, not converted.** Four codes become four fp16s of value code + 1152 by a LOP3 and two PRMTs
   (``int_float.int8_words_to_fp16``'s trick without its two subtractions): each score starts from -1152 sum(q),
   computed once by the same product, and each step's output from -1152 sum(weights).
-- **Scales on scores and weights**, as in ``kv_dequant.py``: K's per-token scale multiplies the scores, V's the
+- **Scales on scores and weights**, as in ``../kv_dequant.py``: K's per-token scale multiplies the scores, V's the
   weights, relative to the largest V scale a column has met (so that they stay in fp16's range; the Triton kernel
   takes each tile's largest, so where a warp's V scales span more than about 1e4 this one rounds the smaller
   weights more coarsely, in fp16's subnormals), and q is divided by a power of two into fp16 (``per_token_query``'s
@@ -45,7 +45,7 @@ figures/h200/sweeps/decode_int8_gluon.json). What is left: the consumers are bou
 (ncu: the warps wait at the two barriers a step, the slot's release and one Triton 3.6 puts before the mbarrier
 wait), and registers allow two programs an SM.
 
-Split-K and the merge are ``paged_attention.py``'s: with more than one split the programs write partials and lse
+Split-K and the merge are ``../paged_attention.py``'s: with more than one split the programs write partials and lse
 to its workspace and ``merge_by_kernel`` merges them. Not under Triton's interpreter (Gluon has none): its tests
 run on an sm_90 GPU, and on the CPU the kernel is compiled for sm_90 and its loops checked
 (tests/test_decode_hopper_sass.py).
@@ -57,8 +57,8 @@ import math
 
 import torch
 
-from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON, gluon
-from minillm.kernels.flash_attention_tma import TMA_ALIGN
+from .gluon import GLUON_USABLE, MIN_TRITON, gluon
+from .tma import TMA_ALIGN
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
@@ -66,7 +66,7 @@ if GLUON_USABLE:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
+    from .gluon import reinterpret, tma_load, warps_barrier
 
 PAGE = 16  # tokens per block
 SLOT_PAGES = 4  # pages a slot: 4 x 16 tokens x 2 heads = 128 rows, 32 a warp

@@ -1,17 +1,17 @@
 """A batch-1 decoder layer's INT4 GEMV with what surrounds it folded in, from Python: ``fused_gemv`` runs
-``w4_gemv_hopper``'s kernel with SiLU-and-multiply applied to its input (the MLP's down projection), the RMSNorm ahead
+``w4_gemv``'s split-K kernel with SiLU-and-multiply applied to its input (the MLP's down projection), the RMSNorm ahead
 of it applied to its input, or the residual added to its output (``w4_gemv_norms.py``), and ``fused_unsupported``
 says why it cannot. ``QuantLinear`` calls them; each form is tested against the unfused kernels it replaces
-(tests/kernels/test_w4_gemv_hopper.py, test_w4_gemv_norms.py).
+(tests/kernels/test_hopper_w4_gemv.py, test_hopper_w4_gemv_norms.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from minillm.kernels.int4_dequantize import check_int4_layout
-from minillm.kernels.w4_gemv_hopper import gemv, splits_needed, unsupported
-from minillm.kernels.w4_gemv_norms import Norm, Rms, holds_squares
+from ..int4_dequantize import check_int4_layout
+from .w4_gemv import gemv, splits_needed, unsupported
+from ..fused_layer_ops import Norm, Rms, holds_squares
 
 
 def fused_unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -75,7 +75,7 @@ def fused_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                squares: torch.Tensor | None = None, rms: Rms | None = None) -> torch.Tensor:
     """x @ W for one row x [..., K] of a batch-1 decoder layer, with what surrounds the product folded in:
     ``gated``: x is the MLP's gate_up row [..., 2K] (K gates, then K ups) and the product's input silu(gate) * up,
-    bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV (one kernel where there were two; ``gemv.py``
+    bit for bit ``fused_layer_ops.silu_and_mul`` followed by the GEMV (one kernel where there were two; ``../gemv.py``
     does the same for bf16 weights); ``norm``: x is the residual stream's fp32 row s and the input RMSNorm(s);
     ``residual``: the residual stream's fp32 row [..., N], to which x @ W is added in place, and which is returned
     instead of y (``w4_gemv_norms.py``: the norm between two GEMVs folded into them). ``norm``, ``residual`` and

@@ -1,7 +1,7 @@
 """FlashAttention-3's structure for Hopper (sm_90), in Gluon: the prefill kernel ``flash_attention`` runs
 on an H100/H200 for bf16 and fp16 with head_dim 64 or 128.
 
-Why it exists: the Triton kernel (``flash_attention.py``) reaches about 75 % of cuDNN's attention on
+Why it exists: the Triton kernel (``../flash_attention.py``) reaches about 75 % of cuDNN's attention on
 the H200 (figures/h200/prefill_tma.json). What it cannot say in ``tl.dot``'s language is how
 FlashAttention-3 (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, 2024, https://arxiv.org/abs/2407.08608)
 keeps Hopper's tensor cores busy. Gluon, Triton's explicit-layout dialect
@@ -21,8 +21,7 @@ asynchronous warpgroup matrix products (wgmma) and which warps run what. The des
   have each.
 - **Q in registers.** A 64x64x16 wgmma with both operands in shared memory reads 4 KB per 32
   tensor-core cycles: the SM's whole shared-memory bandwidth (128 B/clk). With Q as the register
-  operand only K is read. Measured in one call: 438 -> 457 TFLOP/s at S=2048
-  (figures/h200/sweeps/prefill_gluon, run 15).
+  operand only K is read.
 - **Register operands live until their wait.** wgmma reads its register operand after it is issued,
   and it is the program's job to keep that value alive until the product is retired:
   ``warpgroup_mma_wait(deps=...)`` returns its dependencies, so threading Q and P through the wait
@@ -39,7 +38,7 @@ cuDNN's TFLOP/s at B=8, H=32, S=2048, D=128 causal (86-88 % in three runs); the 
 (figures/h200/prefill_tma.json).
 
 Causal masking is bottom-right aligned (query i sees keys j <= i + k_len - q_len), as in
-``flash_attention.py``; rows outside a sequence are computed over zeros or a neighbour's rows and
+``../flash_attention.py``; rows outside a sequence are computed over zeros or a neighbour's rows and
 never stored. Not under Triton's interpreter (Gluon has none): its tests run on an sm_90 GPU, and on
 the CPU the kernel is compiled for sm_90 and its loops are checked: pipelined, Q kept (tests/test_hopper_sass.py).
 """
@@ -50,17 +49,18 @@ import torch
 
 import triton
 
-from minillm.kernels.checks import num_sms
-from minillm.kernels.flash_attention_tma import not_describable
+from ..checks import num_sms
+from .tma import not_describable
 
-try:
-    from triton.experimental import gluon
+from .gluon import GLUON_USABLE, MIN_TRITON, gluon
+
+if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # a Triton without Gluon (before 3.4): flash_attention keeps its Triton kernel
-    gluon = None
+
+    from .gluon import tma_load
 
 PART_M = 64  # query rows per consumer warpgroup: one wgmma's M
 CONSUMERS = 3
@@ -71,9 +71,6 @@ CONSUMER_REGS = 160  # per thread, for the two worker consumers; the default par
 LOADER_REGS = 24
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-# Gluon's API moved between releases (warp_specialize's arguments in 3.6, the TMA load's name in 3.9): written for 3.6+.
-MIN_TRITON = (3, 6)
-GLUON_USABLE = gluon is not None and tuple(int(part) for part in triton.__version__.split(".")[:2]) >= MIN_TRITON
 
 
 def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> str | None:
@@ -104,29 +101,6 @@ if gluon is not None:
     _PART_M, _CONSUMERS, _BLOCK_M = gl.constexpr(PART_M), gl.constexpr(CONSUMERS), gl.constexpr(BLOCK_M)
     _BLOCK_N, _STAGES = gl.constexpr(BLOCK_N), gl.constexpr(STAGES)
     _CONSUMER_REGS, _LOADER_REGS = gl.constexpr(CONSUMER_REGS), gl.constexpr(LOADER_REGS)
-
-    # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions call it async_load.
-    tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-    # And the barrier of a partition's (or a program's) warps thread_barrier; later versions barrier.
-    _THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))
-
-    @gluon.jit
-    def warps_barrier():
-        if _THREAD_BARRIER:
-            gl.thread_barrier()
-        else:
-            gl.barrier()
-
-    # And the reinterpreting view of shared memory _reinterpret; later versions reinterpret.
-    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-
-    @gluon.jit
-    def reinterpret(view, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
-        """``view``'s bytes as a [shape] tensor of ``dtype`` laid out by ``layout``."""
-        if _PUBLIC_REINTERPRET:
-            return view.reinterpret(dtype, shape, layout)
-        else:
-            return view._reinterpret(dtype, shape, layout)
 
     @gluon.jit
     def _tile(t, schedule, CAUSAL: gl.constexpr):
@@ -176,7 +150,7 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale):
-        """One block of the online softmax in base 2 (``flash_attention.py`` explains it): weights p, the
+        """One block of the online softmax in base 2 (``../flash_attention.py`` explains it): weights p, the
         factor alpha that rescales what was accumulated, and the new running max and sum."""
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))

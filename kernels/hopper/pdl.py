@@ -18,30 +18,29 @@ GEMV has finished, and the copy in is joined before the layer's first kernel, a 
 and every such kernel waits before it ends, so completion still follows stream order. ``let_next_start`` in
 the kernel ahead changes only when the next one may be scheduled, never what it sees.
 
-Only the GEMVs are launched early, the dense one (``gemv.py``) and W4A16's (``quant_matmul.py``): they are
-the kernels with work to do before their wait. Launching every
-kernel of the chain early (each letting the next start, then waiting) was measured on two H200s and
-made batch-1 decode slower, one GPU 251.9 -> 240.4 tok/s (``figures/h200/sweeps/pdl_chain.json``).
+Only the GEMVs are launched early, the dense one (``../gemv.py``) and W4A16's (``../quant_matmul.py``, the Gluon
+GEMVs): they are the kernels with work to do before their wait. Launching every kernel of the chain early (each
+letting the next start, then waiting) makes batch-1 decode slower (``figures/h200/sweeps/pdl_chain.json``).
 
-Under Triton's interpreter, and on GPUs before Hopper, the flag is off and these calls do nothing.
-MINILLM_PDL=0 turns it off too (to measure what it buys).
+Under Triton's interpreter, and on GPUs before Hopper, the flag is off and these calls do nothing. ``ENABLED =
+False`` (set before the first launch, e.g. by minillm's configuration) turns it off too, to measure what it buys.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from minillm.kernels.checks import interpreter_on, switched_on
+from ..checks import interpreter_on
 
-
-# What a GEMV's programs ask L2 for before they wait for x, in all (MINILLM_GEMV_PREFETCH_MB): dense (gemv.py) and W4A16
-# (quant_matmul.py). Beyond L2's share, lines would evict each other before they are read.
-PREFETCH_BYTES = int(float(os.environ.get("MINILLM_GEMV_PREFETCH_MB", "8")) * 2**20)
+# Whether kernels launch with PDL where the device has it; a caller may set it False before the first launch.
+ENABLED = True
+# What a GEMV's programs ask L2 for before they wait for x, in all: dense (gemv.py) and W4A16 (quant_matmul.py).
+# Beyond L2's share, lines would evict each other before they are read.
+PREFETCH_BYTES = 8 * 2**20
 
 
 def prefetch_pieces(count: int, piece_bytes: int, most: int) -> int:
@@ -51,12 +50,15 @@ def prefetch_pieces(count: int, piece_bytes: int, most: int) -> int:
     return 0 if pieces < 1 else 1 << (pieces.bit_length() - 1)
 
 
-@functools.cache
 def supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` use PDL: CUDA with compute capability 9.0 or later, not under the
-    interpreter, and not turned off by MINILLM_PDL=0."""
-    return (device.type == "cuda" and not interpreter_on() and switched_on("MINILLM_PDL")
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    interpreter, and ENABLED."""
+    return ENABLED and device.type == "cuda" and not interpreter_on() and _hopper_or_later(device)
+
+
+@functools.cache
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit

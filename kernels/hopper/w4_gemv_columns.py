@@ -1,12 +1,10 @@
 """A W4A16 GEMV (M = 1) for Hopper (sm_90), in Gluon, with no split-K fix-up: each program owns 32 columns of y and
 streams all of K for them through a ring of TMA slots; its warps share out K, and their sums meet in shared memory.
-ADD: y is added to an fp32 row (the residual stream) instead, a plain load and store, since no other program
-writes those columns.
+``w4_gemv.gemv`` runs it for the plain form (a bf16 y), the one ``QuantLinear`` runs by default.
 
-Why it exists: the split-K and stream-K GEMVs (``w4_gemv_hopper_kernel.py``, ``w4_gemv_stream.py``) cut K among
-programs, so a bf16 y needs a fix-up after the last math: partials through L2 and a fence and counter, or a poll,
-1.2-2 us of a 7-9 us kernel at Llama-2-7B's shapes (figures/h200/sweeps/w4a16_gemv_stream_poll.json: the stream
-kernel 8.61 / 9.16 us with its poll, 7.40 / 7.15 with the fix-up left out). Here a program's columns are its own from
+Why it exists: the split-K GEMV (``w4_gemv_split_k.py``) cuts K among programs, so a bf16 y needs a fix-up after
+the last math: partials through L2, a fence and a counter, a sizable part of a 7-9 us kernel at Llama-2-7B's shapes.
+Here a program's columns are its own from
 the first input to the last, so y is written where it is summed. Columns are what there are many of: 32 a program
 gives 344 programs at N = 11008 and 128 at N = 4096, enough to fill the H200's 132 SMs, where split-K's 256-column
 tiles give 43 and 16.
@@ -15,81 +13,37 @@ The work: a program takes column tile c (32 columns: 128-byte rows of packed wei
 8 H WARPS packed rows (64 H WARPS inputs), STAGES bands in flight, a band one TMA copy of [8 H WARPS, 32] (32 KB at 8
 warps and H = 4). A band is H WARPS blocks of 8 packed rows (64 inputs: a group of 64, half a group of 128); warp w
 computes blocks H w .. H w + H - 1, a half-warp H / 2 of them, two columns a thread, with the split-K kernel's HFMA2
-body (``w4_gemv_hopper_kernel``'s docstring): rows r and r + 4 of a block share their 16-bit sums (RUN = 2). A thread
+body (``w4_gemv_split_k``'s docstring): rows r and r + 4 of a block share their 16-bit sums (RUN = 2). A thread
 reads its rows of both halves of its blocks from the landed band in one load, the band's rows seen as [r, w, h,
 column, i] (band row 8 H w + 8 h + 4 i + r), and ``split`` parts the halves in its registers. Each thread keeps its
 blocks' sums, scaled per group, until the last band; then one sum over the program's threads (in shared memory)
 makes its 32 columns of y.
 
-History (H200; 20 calls in a CUDA graph, L2-cold). Session 32's first form (commit d11bda5) fetched a band in eight
-copies of [16, 32] boxes of the weight viewed as [K / 64, 8 N], one per row of a block, so that each thread's loads
-of rows r and r + 4 were alike. It was slower where it was meant to win: 11.63 / 14.09 us at 4096 x 11008 /
-11008 x 4096 against the stream kernel's 8.62 / 9.27 (figures/h200/sweeps/w4a16_gemv_columns.json); its copies alone
-7.58 / 11.20 against 6.13 / 6.01 (w4a16_gemv_columns_probe.json). Session 33 found the boxes to blame, not the layout:
-32-column strips copied a program a strip take 6.95 / 11.18 us in 16-row boxes but 6.53 / 6.64 in boxes of 128 rows
-through 4 slots (w4a16_strip_copies.json), hence one box a band here. Session 34 ran it (its GPU tests pass):
-
-| us, 4096 x 11008 / 11008 x 4096 / 4096 x 4096 | kernel, 8 warps x 4 slots, H = 2 | its copies alone |
-|---|---:|---:|
-| x's tables read in their own order (w4a16_gemv_columns_boxes.json) | 11.30 / 17.20 / 5.70 | 8.08 / 15.78 / 4.42 |
-| x read in row order, 16 bytes a load (w4a16_gemv_columns_coalesced.json) | 9.67 / 11.64 / 4.88 | 6.06 / 7.71 / 3.04 |
-| zero points read where they are used (w4a16_gemv_columns_direct_z.json) | 9.49 / 10.89 / 4.54 | 6.09 / 7.67 / 2.97 |
-
-(each row's stream kernel, bf16 y: 8.62-8.66 / 9.22-9.27 / 6.29-6.43 with its poll, 8.97-9.06 at 11008 x 4096 with
-its counter; torch's bf16 matmul 24.1-24.7 / 24.7-25.3 / 12.2-12.4). Every program reads all of x, and read in the
-tables' order (a warp's words 2 KB apart) the loads took 3-6 us with the ring full and idle
-(w4a16_gemv_columns_probes.json: the copies alone 5.94 / 9.27 us with the tables built of zeros). Now the copies
-alone are near the strips', but the math does not keep up with them: at 11008 x 4096 a program an SM, 8 warps, has
-about 0.8 us of math a 16 KB band where the copies bring one every 0.6 (8 x 8 slots: 9.86 us); at 4096 x 11008 two
-programs an SM fit (104 KB of shared memory each), so 80 of the 344 wait for a second wave. Four blocks a warp a
-band (H = 4: twice a thread's words a band, half the bands' barriers and copies) helped a little, on a slower
-machine: 9.43 / 9.81 / 4.44 us against H = 2's best 9.78 / 10.00 / 4.58, the stream kernel 8.94 poll / 9.20 counter
-(w4a16_gemv_columns_blocks.json; 2.67x and 2.56x torch, where issue 6 asks 3x). It wins at 4096 x 4096 only
-(4.44-4.54 us against split-K's 5.50-5.64), but with Llama-2-7B's o_proj on it (the add form, y added to the
-residual row; H = 2) the decode was no faster: 650.1-650.3 tok/s against 650.8-651.4 (latency_columns_add.json).
-
-Session 35 found it math-bound after the wait: its ring, filled during the kernel ahead (PDL), holds most of a
-column's weight, so what follows the wait is x's loads, the tables and every band's math. Computing every band from
-the first fill, never refilled (``probe=("refills",)``), took 9.05 us at 11008 x 4096 against the kernel's 9.72
-(w4a16_gemv_columns_math.json). Nsight Compute (ncu_columns_session35.json) showed x's tables stored with 8-way bank
-conflicts (``_shared``); stored r fastest, 9.03 / 9.05 us (w4a16_gemv_columns_tables.json). And one x-sum table a
-block (not one a half) brought a program of 8 x 2 x 4 at K = 4096 to 76,560 bytes, 240 under the third of an SM's
-shared memory it must fit: three programs an SM, all 344 of 4096 x 11008 resident at once, 8.57 us; 11008 x 4096
-9.21 (w4a16_gemv_columns_three.json: 2.87x and 2.77x torch's bf16 matmul, the stream kernel 8.68 / 9.26). With no
-barrier where no refill follows, 8.59 / 8.83 us, 2.86x / 2.82x (w4a16_gemv_columns_barriers.json); reading a band
-into registers before its refill was slower (80 registers a thread: w4a16_gemv_columns_early_refill.json). A
-tensor-core body (mma.sync on the nibbles as bf16 subnormals, which the tensor cores keep: subnormal_mma.json) was
-slower and was reverted (w4a16_gemv_columns_mma.json).
-
-Session 36 found the wait's real cost: the whole ring's copies, issued before the wait, were queued ahead of x's
-loads after it, so x (and with it every band's math) came only once most of the weights had. Reading x before the
-wait, a probe right only where every call reads one x (``probe=("x early",)``), took 7.81 / 8.44 us; filling only the
-first slot before the wait and the rest (LATE) after x's loads are issued, 7.21 / 7.63 (w4a16_gemv_columns_late.json;
-the shapes that followed: ``choose_shape``). As ``w4a16_matmul`` runs it, 6.96 / 7.39 us, 3.43x / 3.38x torch
-(w4a16_gemv_columns_default.json): ``w4_gemv_hopper.gemv`` runs this kernel for the plain form by default, and for
-the add form where MINILLM_GEMV_COLUMNS names it (slower in the decode: 643 tok/s against 652, latency_late.json).
+Why the copies after the wait are few: the ring's copies, issued before the wait for the kernel ahead (PDL), would be
+queued ahead of x's loads after it, so x (and with it every band's math) would come only once most of the weights
+had. So only the first slots are filled before the wait, and the last ``late`` after x's loads are issued
+(``choose_shape``). x's tables are stored r fastest, so that a band's reads are free of bank conflicts, and
+one x-sum table a block keeps a program small enough for three to share an SM at K = 4096.
 
 What it takes (``unsupported``): one bf16 row, K a multiple of 64, N of 32, group 64 or 128. Not under Triton's
-interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_w4_gemv_columns.py); compiled for sm_90 on
-the CPU by tests/test_w4_gemv_columns_sass.py.
+interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_hopper_w4_gemv_columns.py); compiled for
+sm_90 on the CPU by tests/test_w4_gemv_columns_sass.py.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
-from minillm.kernels.flash_attention_hopper import GLUON_USABLE, gluon
+from .gluon import GLUON_USABLE, gluon
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from minillm.kernels.flash_attention_hopper import reinterpret, tma_load, warps_barrier
-    from minillm.kernels.w4_gemv_hopper_kernel import (_fma2, _let_next_start, _wait_for_previous, _word_sum,
+    from .gluon import reinterpret, tma_load, warps_barrier
+    from .w4_gemv_split_k import (_fma2, _let_next_start, _wait_for_previous, _word_sum,
                                                        word_pairs)
 
 COLS = 32  # columns a program: 128-byte rows of packed weights
@@ -100,36 +54,10 @@ BLOCKS = 2  # blocks a warp computes of each band, unless told (``choose_shape``
 RING_BYTES = 128 * 1024  # the most the ring's weights may take of an SM's shared memory
 
 
-def shape_switch(value: str) -> tuple[int, int, int, int] | None:
-    """MINILLM_GEMV_COLUMNS_SHAPE ("4x8x4x7": warps x ring slots x blocks a warp [x slots filled late, after x's
-    loads: one less than the slots unless given]; empty: ``choose_shape``'s) as (warps, stages, blocks, late); a
-    ValueError names what is valid."""
-    if not value.strip():
-        return None
-    try:
-        parts = [int(part) for part in value.lower().split("x")]
-    except ValueError:
-        parts = []
-    if len(parts) == 3:
-        parts.append(parts[1] - 1)
-    warps, stages, blocks, late = parts if len(parts) == 4 else (0, 0, 0, 0)
-    # (shape_unsupported first: past it, stages is 1 or more)
-    reason = shape_unsupported(warps, stages, blocks) or (
-        None if 0 <= late < stages else f"late slots from 0 to stages - 1, got {late} of {stages}")
-    if reason:
-        raise ValueError(f"MINILLM_GEMV_COLUMNS_SHAPE must be warps x slots x blocks [x late slots], e.g. 4x8x4 or "
-                         f"4x8x4x7 ({reason}); got {value!r}")
-    return warps, stages, blocks, late
-
-
-# (warps, ring slots, blocks a warp, late slots) that ``w4_gemv_hopper.gemv`` launches, if set; for sweeps
-SHAPE = shape_switch(os.environ.get("MINILLM_GEMV_COLUMNS_SHAPE", ""))
-
-
 def choose_shape(k: int, n: int, sms: int) -> tuple[int, int, int, int]:
     """(warps, ring slots, blocks a warp, late slots) for a K x N weight on ``sms`` SMs: 4 warps, 4 blocks a warp
-    (16 KB bands), every slot but the first filled after x's loads are issued (session 36: copies issued before
-    them, x's loads waited behind the whole ring's, w4a16_gemv_columns_late.json). Where the programs (N / 32) are
+    (16 KB bands), every slot but the first filled after x's loads are issued (copies issued before them would keep
+    x's loads waiting behind the whole ring's). Where the programs (N / 32) are
     no more than the SMs, 8 slots (a 128 KB ring), so that the next GEMV's programs, launched early, cannot share an
     SM: at 4096 x 4096, 4 x 8 x 4 3.96 us against 4 x 4 x 4's 4.83, which leaves room for them. Where there are
     more, as many slots as bands up to 4 (the whole column at K = 4096: three programs an SM, 344 at 4096 x 11008
@@ -151,9 +79,8 @@ if GLUON_USABLE:
         """x's packed rows as [band, w, h, i, r, word] (int32, two bf16 a word; zeros past K_ROWS), row 8 H WARPS
         band + 8 H w + 8 h + 4 i + r, in row order: a packed row's four words (16 bytes) a thread, a warp 512
         contiguous bytes. Each program reads all of x, and read in the tables' order (a warp's words 2 KB apart, one
-        sector each) it took 3-6 us of a 9-15 us kernel, its ring full and idle meanwhile
-        (figures/h200/sweeps/w4a16_gemv_columns_probes.json). The loads are issued here; ``_band_tables`` waits for
-        them."""
+        sector each) they would leave the ring full and idle for microseconds. The loads are issued here;
+        ``_band_tables`` waits for them."""
         # x's packed rows as [band, w, h, i, r, word]: row 8 H WARPS band + 8 H w + 8 h + 4 i + r, its words 4 row ..;
         # a warp's 32 threads take 32 consecutive rows (H = 2: of two warps' blocks; H = 4: of one warp's)
         TW: gl.constexpr = 4 // H
@@ -179,7 +106,7 @@ if GLUON_USABLE:
     def _band_tables(words):
         """x as the bands want it, in shared memory, from its words (``_x_words``): pairs[j] [2 BANDS, 4, WARPS, H]
         (int32), index i BANDS + band holding rows 4 i .. 4 i + 3 of the band's blocks (block H w + h at [:, w, h]),
-        pair j of each as ``w4_gemv_hopper_kernel.word_pairs`` makes it; and sums [BANDS, WARPS, H], each block's sum
+        pair j of each as ``w4_gemv_split_k.word_pairs`` makes it; and sums [BANDS, WARPS, H], each block's sum
         of x."""
         BANDS: gl.constexpr = words.shape[0]
         WARPS_: gl.constexpr = words.shape[1]
@@ -203,8 +130,8 @@ if GLUON_USABLE:
         """values [2, BANDS, 4, WARPS, H] (a pair table: [i, band, r, w, h]) in a shared-memory buffer of their own,
         seen as [2 BANDS, 4, WARPS, H] with a layout of one rank less than that: what .index() leaves. Stored r
         fastest, then h, w: a warp's 32 lanes (4 r, H h, 2 i at H = 4) then write 16 consecutive words and two banks
-        at most; stored h fastest, r's lanes fell 32 words apart, all on one bank (8-way conflicts, 2,000 wavefronts
-        a program at 11008 x 4096 on the critical path after the wait: ncu_columns_session35.json). A band's read
+        at most; stored h fastest, r's lanes would fall 32 words apart, all on one bank (8-way conflicts on the
+        critical path after the wait). A band's read
         then takes a thread's four r in one 16-byte load."""
         table = gl.allocate_shared_memory(values.dtype, values.shape, gl.SwizzledSharedLayout(1, 1, 1, [2, 4, 3, 1, 0]))
         table.store(values)
@@ -212,29 +139,25 @@ if GLUON_USABLE:
         return reinterpret(table, values.dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, [0, 2, 1]))
 
     @gluon.jit
-    def _load_band(band, c, w_desc, s_desc, z_desc, bar, w_slot, s_slot, z_slot, SCALES: gl.constexpr = True):
+    def _load_band(band, c, w_desc, s_desc, z_desc, bar, w_slot, s_slot, z_slot):
         """Band ``band`` of column tile c onto ``bar``: its packed rows in one box (8 H WARPS rows: 16 KB at 8 warps
-        and H = 2), and its scales and zero points (SCALES off: a probe's, the weights only)."""
+        and H = 2), and its scales and zero points."""
         ROWS: gl.constexpr = w_desc.block_type.shape[0]
         GROUPS: gl.constexpr = s_desc.block_type.shape[0]
-        if SCALES:
-            mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
-        else:
-            mbarrier.expect(bar, w_desc.block_type.nbytes)
+        mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
         tma_load(w_desc, [band * ROWS, c * _COLS], bar, w_slot)
-        if SCALES:
-            tma_load(s_desc, [band * GROUPS, c * _COLS], bar, s_slot)
-            tma_load(z_desc, [band * GROUPS, c * (_COLS // 2)], bar, z_slot)
+        tma_load(s_desc, [band * GROUPS, c * _COLS], bar, s_slot)
+        tma_load(z_desc, [band * GROUPS, c * (_COLS // 2)], bar, z_slot)
 
     @gluon.jit
     def _first_fill(FROM: gl.constexpr, TO: gl.constexpr, c, n_bands, w_desc, s_desc, z_desc, landed, w_smem, s_smem,
-                    z_smem, SCALES: gl.constexpr):
+                    z_smem):
         """Bands FROM .. TO - 1 (those that exist) into the ring's slots of the same numbers."""
         GROUPS: gl.constexpr = s_smem.shape[1]
         for first in gl.static_range(FROM, TO):
             if first < n_bands:
                 _load_band(first, c, w_desc, s_desc, z_desc, landed.index(first), w_smem.index(first),
-                           s_smem.index(first), z_smem.index(first).slice(0, GROUPS), SCALES)
+                           s_smem.index(first), z_smem.index(first).slice(0, GROUPS))
 
     @gluon.jit
     def _band_halves(w_slot, band_l: gl.constexpr, WARPS_: gl.constexpr, H: gl.constexpr):
@@ -307,16 +230,10 @@ if GLUON_USABLE:
     @gluon.jit
     def _w4_gemv_columns_kernel(XW, w_desc, s_desc, z_desc, Y, N, K_ROWS, n_bands, STAGES: gl.constexpr,
                                 BANDS: gl.constexpr, GROUP_BLOCKS: gl.constexpr, PDL: gl.constexpr,
-                                COMPUTE: gl.constexpr = True, ADD: gl.constexpr = False, SCALES: gl.constexpr = True,
-                                H: gl.constexpr = 2, REFILL: gl.constexpr = True, X_EARLY: gl.constexpr = False,
-                                LATE: gl.constexpr = 0):
+                                H: gl.constexpr = 2, LATE: gl.constexpr = 0):
         """Program c: y[32 c : 32 c + 32] over all of K, n_bands bands through a ring of STAGES slots (the module
         docstring). BANDS: a power of two at least n_bands; GROUP_BLOCKS: blocks a group (1 or 2); H: blocks a warp
-        a band (2 or 4). COMPUTE off: a probe (the copies alone; y is wrong), and with it SCALES off (the weights'
-        copies alone). REFILL off: a probe, the math alone (every band computed from the ring's first fill; y is
-        wrong). X_EARLY: a probe, x read before the wait for the kernel ahead. LATE: the ring's slots filled after x's
-        loads are issued, the rest before the wait. ADD: Y is an fp32 row that y is added to (the program owns its
-        columns: a plain load and store, no atomics)."""
+        a band (2 or 4). LATE: the ring's slots filled after x's loads are issued, the rest before the wait."""
         WARPS_: gl.constexpr = gl.num_warps()
         GROUPS: gl.constexpr = H * WARPS_ // GROUP_BLOCKS  # scale rows a band
         c = gl.program_id(0)
@@ -331,16 +248,12 @@ if GLUON_USABLE:
             mbarrier.init(landed.index(first), count=1)
         fence_async_shared()
         EARLY: gl.constexpr = STAGES - LATE
-        _first_fill(0, EARLY, c, n_bands, w_desc, s_desc, z_desc, landed, w_smem, s_smem, z_smem, SCALES)
-        if X_EARLY:  # a probe: x read before the wait, what x's loads after it cost (racy where the kernel ahead
-            # writes x; a sweep's calls all read one x)
-            words = _x_words(XW, K_ROWS, BANDS, WARPS_, H)
+        _first_fill(0, EARLY, c, n_bands, w_desc, s_desc, z_desc, landed, w_smem, s_smem, z_smem)
         _let_next_start(PDL)  # (the copies read weights only; x, which the kernel ahead writes, comes after the wait)
         _wait_for_previous(PDL)
-        if not X_EARLY:
-            words = _x_words(XW, K_ROWS, BANDS, WARPS_, H)
+        words = _x_words(XW, K_ROWS, BANDS, WARPS_, H)
         # (x's loads then queue ahead of these copies)
-        _first_fill(EARLY, STAGES, c, n_bands, w_desc, s_desc, z_desc, landed, w_smem, s_smem, z_smem, SCALES)
+        _first_fill(EARLY, STAGES, c, n_bands, w_desc, s_desc, z_desc, landed, w_smem, s_smem, z_smem)
         pairs, sums = _band_tables(words)
         warps_barrier()  # the tables are written
 
@@ -348,21 +261,17 @@ if GLUON_USABLE:
         out = gl.zeros([WARPS_, H, _COLS], gl.float32, layout=gl.SliceLayout(0, band_l))
         for band in range(n_bands):
             s = band % STAGES
-            if REFILL or band < STAGES:
-                mbarrier.wait(landed.index(s), (band // STAGES) & 1)
-            if COMPUTE:
-                out = _add_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs, sums,
-                                band, BANDS, band_l, GROUP_BLOCKS, H)
-            if REFILL and band + STAGES < n_bands:
+            mbarrier.wait(landed.index(s), (band // STAGES) & 1)
+            out = _add_band(out, w_smem.index(s), s_smem.index(s), z_smem.index(s).slice(0, GROUPS), pairs, sums,
+                            band, BANDS, band_l, GROUP_BLOCKS, H)
+            if band + STAGES < n_bands:
                 # every warp done with slot s before it is refilled (no refill, no wait: a ring that holds all of K,
                 # as at 4096 x 11008, never stops its warps)
                 warps_barrier()
                 _load_band(band + STAGES, c, w_desc, s_desc, z_desc, landed.index(s), w_smem.index(s),
-                           s_smem.index(s), z_smem.index(s).slice(0, GROUPS), SCALES)
+                           s_smem.index(s), z_smem.index(s).slice(0, GROUPS))
         y = gl.sum(gl.sum(out, axis=1), axis=0)  # the warps' blocks meet (through shared memory)
         n = c * _COLS + gl.arange(0, _COLS, layout=y.type.layout)
-        if ADD:
-            y = y + gl.load(Y + n, mask=n < N, other=0.0)
         gl.store(Y + n, y.to(Y.dtype.element_ty), mask=n < N)
 
 
@@ -393,21 +302,11 @@ def ring_bytes(warps: int, stages: int, blocks: int) -> int:
 
 def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                     out: torch.Tensor, pdl: bool = True, warps: int = WARPS, stages: int = STAGES,
-                    blocks: int = BLOCKS, compute: bool = True, add: bool = False,
-                    probe: tuple[str, ...] = (), late: int = 0) -> None:
+                    blocks: int = BLOCKS, late: int = 0) -> None:
     """y = x @ W into ``out`` [1, N] bf16 (x [1, K] bf16, GPTQ-packed qweight [K / 8, N], group 64 or 128): a program
     a 32-column tile, ``warps`` warps sharing out K in bands of 64 ``blocks`` ``warps`` inputs (``blocks`` blocks of
-    64 a warp: 2 or 4), ``stages`` bands in flight. ``add``: ``out`` is an fp32 row [1, N] and y is added to it.
-    ``compute`` off: a probe, the copies alone (y is wrong), with ``probe`` naming what else to leave out: "scales"
-    (their copies), "tables" (x's loads: its tables are built of zeros). ``probe=("refills",)`` with ``compute``: the
-    math alone, every band computed from the ring's first fill (y is wrong); ``probe=("x early",)``: x read before the
-    wait for the kernel ahead (right only where that kernel does not write x, as in a sweep). ``late``: ring slots
-    filled after x's loads are issued, not before the wait."""
-    copies_probe = not compute and not set(probe) - {"scales", "tables"}
-    computing_probe = compute and len(probe) == 1 and probe[0] in ("refills", "x early")
-    if probe and not (copies_probe or computing_probe):
-        raise ValueError(f"probe leaves out 'scales' or 'tables' from a copies-only run (compute=False), or takes "
-                         f"'refills' or 'x early' alone in a computing one, got probe={probe} with compute={compute}")
+    64 a warp: 2 or 4), ``stages`` bands in flight. ``late``: ring slots filled after x's loads are issued, not
+    before the wait."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     reason = unsupported(k, n, group, x.dtype, x.shape[0])
     if reason:
@@ -420,18 +319,14 @@ def w4_gemv_columns(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                          f"zero-point rows a band, too few to view (8 at least, or 2 blocks a warp at group 128)")
     if not 0 <= late <= stages:
         raise ValueError(f"late counts ring slots filled after x's loads: 0 to stages={stages}, got {late}")
-    want = torch.float32 if add else torch.bfloat16
-    if out.dtype != want or out.shape != (1, n) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [1, {n}] {want} row{' (add=True: y is added to it)' * add}, got "
-                         f"{list(out.shape)} {out.dtype}")
+    if out.dtype != torch.bfloat16 or out.shape != (1, n) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [1, {n}] torch.bfloat16 row, got {list(out.shape)} {out.dtype}")
     numbers = plan(k, warps, blocks)
-    x_rows = 0 if "tables" in probe else k // 8  # (the tables' rows of x: none read in that probe)
     _w4_gemv_columns_kernel[(n // COLS,)](x.view(torch.int32),
                                           *_descriptors(qweight, scales, zeros, group, warps, blocks),
-                                          out, n, x_rows, numbers["n_bands"], STAGES=stages, BANDS=numbers["BANDS"],
-                                          GROUP_BLOCKS=group // 64, PDL=pdl, COMPUTE=compute, ADD=add,
-                                          SCALES="scales" not in probe, H=blocks, REFILL="refills" not in probe,
-                                          X_EARLY="x early" in probe, LATE=late, num_warps=warps, launch_pdl=pdl)
+                                          out, n, k // 8, numbers["n_bands"], STAGES=stages, BANDS=numbers["BANDS"],
+                                          GROUP_BLOCKS=group // 64, PDL=pdl, H=blocks, LATE=late,
+                                          num_warps=warps, launch_pdl=pdl)
 
 
 def shape_unsupported(warps: int, stages: int, blocks: int) -> str | None:
@@ -448,7 +343,7 @@ def shape_unsupported(warps: int, stages: int, blocks: int) -> str | None:
 
 def unsupported(k: int, n: int, group: int, dtype: torch.dtype, rows: int) -> str | None:
     """Why the column GEMV cannot take a K x N weight at ``group`` with x of ``dtype`` and ``rows`` rows, or None if
-    it can (``w4_gemv_hopper.unsupported`` checks the rest: the device, alignment, Gluon)."""
+    it can (``w4_gemv.unsupported`` checks the rest: the device, alignment, Gluon)."""
     if dtype != torch.bfloat16 or rows != 1:
         return f"it takes one bf16 row, not {rows} of {dtype}"
     if k % 64 or k == 0 or n % COLS or n == 0 or group not in (64, 128):

@@ -1,4 +1,4 @@
-"""The Gluon W4A16 GEMV for Hopper (kernels/w4_gemv_hopper.py) against ``w4a16_matmul_ref``, and when
+"""The Gluon W4A16 GEMV for Hopper (kernels/hopper/w4_gemv.py) against ``w4a16_matmul_ref``, and when
 ``w4a16_matmul`` picks it.
 
 Gluon has no interpreter, so the numerical tests need an sm_90 GPU; on the CPU the dispatch and its reasons are
@@ -10,8 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.kernels import split_k, w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
+from minillm.kernels import split_k
+from minillm.kernels.hopper import w4_gemv as hopper, w4_gemv_fused as fused_forms
+from minillm.kernels.checks import num_sms
 from minillm.kernels.fused_layer_ops import silu_and_mul
+from minillm.kernels.hopper.pdl import supported as pdl_supported
 from minillm.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
 from minillm.parallel.tp import RowParallelQuantLinear
 from minillm.quant.linear import QuantLinear
@@ -109,19 +112,28 @@ def gate_up_row(k: int, seed: int, device: torch.device) -> torch.Tensor:
     return (torch.randn(1, 2 * k, generator=g) * 3).to(torch.bfloat16).to(device)
 
 
+def split_k_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group: int) -> torch.Tensor:
+    """The plain form (a bf16 y) on the split-K kernel at its default tiles (``gemv`` runs the column kernel)."""
+    k, n = 8 * qweight.shape[0], qweight.shape[1]
+    tiles = hopper.choose_tiles(k, n, num_sms(x.device))
+    out = poisoned((1, n), torch.bfloat16)
+    partials = torch.empty(max(hopper.partials_needed(k, n, tiles), 1), dtype=torch.float32, device=x.device)
+    hopper.w4_gemv(x, qweight, scales, zeros, group, out, partials, split_k.tile_counters(x.device),
+                   pdl_supported(x.device), tiles=tiles)
+    return out
+
+
 @needs_sm90
 @pytest.mark.parametrize("k,n,group", [(11008, 4096, 128), (1536, 576, 64), (576, 608, 128)])
-def test_gated_gemv_is_silu_and_mul_then_the_gemv_bit_for_bit(k, n, group, monkeypatch):
+def test_gated_gemv_is_silu_and_mul_then_the_gemv_bit_for_bit(k, n, group):
     """The down projection with SiLU-and-multiply applied as x is loaded: bit for bit the two kernels it replaces
-    (Llama-2-7B's down_proj, a group of 64, K ending inside a tile), both on the split-K kernel (by default the plain
-    form takes the column kernel, which sums in another order)."""
-    monkeypatch.setattr(hopper, "STREAM", ())
-    monkeypatch.setattr(hopper, "COLUMNS", ())
+    (Llama-2-7B's down_proj, a group of 64, K ending inside a tile), both on the split-K kernel."""
     _, qweight, scales, zeros, _, _ = int4_problem(1, k, n, group, torch.bfloat16, seed=k + n)
     gate_up = gate_up_row(k, n, qweight.device)
     fused = fused_forms.fused_gemv(gate_up, qweight, scales, zeros, group, gated=True)
     x = silu_and_mul(gate_up)
-    assert torch.equal(fused, w4a16_matmul(x, qweight, scales, zeros, group, hopper=True))
+    assert torch.equal(fused, split_k_gemv(x, qweight, scales, zeros, group))
     assert_matches(fused, w4a16_matmul_ref(x, qweight, scales, zeros, group), torch.bfloat16)
     assert counters_are_clean()
 
@@ -129,30 +141,19 @@ def test_gated_gemv_is_silu_and_mul_then_the_gemv_bit_for_bit(k, n, group, monke
 @needs_sm90
 @pytest.mark.parametrize("late", [1, 3, 8])
 def test_split_k_tiles_copied_after_x_give_the_same_bits(monkeypatch, late):
-    """MINILLM_GEMV_LATE (``hopper.LATE_TILES``): a program's last tiles copied after x's tables, not before the
-    wait (at most all but one; one by default): the plain and gated forms' bits unchanged."""
-    monkeypatch.setattr(hopper, "STREAM", ())
-    monkeypatch.setattr(hopper, "COLUMNS", ())
+    """``hopper.LATE_TILES``: a program's last tiles copied after x's tables, not before the wait (at most all but
+    one; one by default): the plain and gated forms' bits unchanged."""
     k, n = 11008, 4096
     x, qweight, scales, zeros, _, _ = int4_problem(1, k, n, 128, torch.bfloat16, seed=31)
     gate_up = gate_up_row(k, 32, qweight.device)
     answers = {}
     for tiles in (0, late):
         monkeypatch.setattr(hopper, "LATE_TILES", tiles)
-        answers[tiles] = (w4a16_matmul(x, qweight, scales, zeros, 128, hopper=True),
+        answers[tiles] = (split_k_gemv(x, qweight, scales, zeros, 128),
                           fused_forms.fused_gemv(gate_up, qweight, scales, zeros, 128, gated=True))
     assert torch.equal(answers[0][0], answers[late][0]) and torch.equal(answers[0][1], answers[late][1])
     assert_matches(answers[late][0], w4a16_matmul_ref(x, qweight, scales, zeros, 128), torch.bfloat16)
     assert counters_are_clean()
-
-
-@pytest.mark.parametrize("value,late", [("", 1), ("0", 0), (" 3 ", 3), ("-1", None), ("two", None)])
-def test_the_late_switch_takes_a_count(value, late):
-    if late is None:
-        with pytest.raises(ValueError, match=f"MINILLM_GEMV_LATE must be a count of tiles.*got {value!r}"):
-            hopper.late_switch(value)
-    else:
-        assert hopper.late_switch(value) == late
 
 
 @needs_sm90
@@ -183,7 +184,7 @@ def test_int4_engine_decodes_the_same_tokens_with_the_gated_gemv(monkeypatch):
     calls, fused = [], fused_forms.fused_gemv
     monkeypatch.setattr(fused_forms, "fused_gemv", lambda *a, **kw: calls.append(kw.get("gated")) or fused(*a, **kw))
     # Without the norms folded: their fp32 stream's reductions run in any order, so two engines' greedy tokens may
-    # part at a near tie (tests/kernels/test_w4_gemv_norms.py compares those engines by their logits).
+    # part at a near tie (tests/kernels/test_hopper_w4_gemv_norms.py compares those engines by their logits).
     monkeypatch.setattr(norm_folding, "ENABLED", False)
     prompts = [list(range(5, 40)), list(range(300, 317))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -1,5 +1,5 @@
-"""The RMSNorm between two batch-1 INT4 GEMVs folded into them (kernels/w4_gemv_norms.py): the GEMV ahead adds its
-output to the residual stream's fp32 row, the GEMV behind normalises its input, 1 / rms applied where its fix-up
+"""The RMSNorm between two batch-1 INT4 GEMVs folded into them (kernels/hopper/w4_gemv_norms.py): the GEMV ahead adds
+its output to the residual stream's fp32 row, the GEMV behind normalises its input, 1 / rms applied where its fix-up
 writes y.
 
 Against fp64 references: the folded forms round differently from the unfolded ones by design (fp32 stream, one
@@ -16,18 +16,19 @@ import re
 import pytest
 import torch
 
-from minillm.kernels import split_k, w4_gemv_fused as fused_forms, w4_gemv_hopper as hopper
+from minillm.kernels import split_k
+from minillm.kernels.hopper import w4_gemv as hopper, w4_gemv_fused as fused_forms
 from minillm.kernels.quant_pack import dequantize_int4
-from minillm.kernels.w4_gemv_norms import Norm, Rms
+from minillm.kernels.fused_layer_ops import Norm, Rms
 
 from test_quant_matmul import counters_are_clean, int4_problem, poisoned
-from test_w4_gemv_hopper import needs_sm90
+from test_hopper_w4_gemv import needs_sm90
 
 EPS = 1e-5
 # k, n, group: Llama-2-7B's o_proj and down_proj (many splits, 16 column tiles), one tile and no split, SmolLM2's
 # width (576: K ending inside a tile, N = 2.25 column tiles), a group of 64.
 CASES = [(4096, 4096, 128), (11008, 4096, 128), (128, 256, 128), (576, 576, 128), (1536, 576, 64)]
-# The HFMA2 body's error relative to max |y| is ~6e-3 at most (w4_gemv_hopper.py); a folded form that dropped its
+# The HFMA2 body's error relative to max |y| is ~6e-3 at most (hopper/w4_gemv.py); a folded form that dropped its
 # add, its norm or the norm's weight would be off by about max |y| or more.
 TOLERANCE = 1e-2
 # Two such GEMVs in a chain (gate_up_proj, then down_proj on silu(gate) * up rounded to bf16): each adds its error.

@@ -1,8 +1,8 @@
-"""The W4A16 GEMV (M = 1) for Hopper (sm_90), in Gluon: the kernel and its tile layout. ``w4_gemv_hopper.py`` checks
+"""The W4A16 GEMV (M = 1) for Hopper (sm_90), in Gluon: the kernel and its tile layout. ``w4_gemv.py`` checks
 what it takes, chooses its tiles and launches it (``w4a16_matmul`` runs it for one row of bf16 x on an H100/H200,
 the matmul a batch-1 decode step of an INT4 model mostly runs).
 
-Why it exists: the Triton GEMVs (``quant_matmul.py``) read Llama-2-7B's INT4 weights at about half of the copy
+Why it exists: the Triton GEMVs (``../quant_matmul.py``) read Llama-2-7B's INT4 weights at about half of the copy
 bandwidth. The H200's counters said why: 4.9 warps an SM, each waiting on its own loads
 (figures/h200/sweeps/ncu_kernels.json). A plain-pointer GEMV keeps only the loads its warps have issued in flight, a
 few KB an SM, where HBM wants ~30 KB an SM in flight to stream at full rate (bandwidth x latency: 4.8 TB/s x ~0.8 us
@@ -20,12 +20,11 @@ in shared memory while it computes. The design:
   before the program waits for the kernel ahead (which writes x), as ``pdl.py`` describes. Each program then lets a
   kernel launched early behind it start (``griddepcontrol.launch_dependents``): the gated down_proj behind gate_up
   (both W4A16 GEMVs) issues its copies during gate_up's tail, as it did behind the SiLU kernel it replaces. But not
-  every copy: x's loads after the wait queued behind them, so the last LATE tiles (one, ``w4_gemv_hopper.LATE_TILES``)
-  are copied once x's tables are built. In the batch-1 decode of llama2-7b that took rtn-int4 from 648 to 704 tok/s
-  (figures/h200/sweeps/latency_late_default.json).
+  every copy: x's loads after the wait would queue behind them, so the last LATE tiles (one,
+  ``w4_gemv.LATE_TILES``) are copied once x's tables are built (figures/h200/sweeps/latency_late_default.json).
 - **x once per program.** x's pairs, scaled for the 16-bit products, and its sums per row are computed once per
   program into shared memory (``_x_tables``), where the weight loop reads them as broadcasts.
-- **The HFMA2 body** of ``w4_gemv_pairs.py``: a packed int32 holds nibbles j and j + 4 as two bf16 subnormals, one
+- **The HFMA2 body** of ``w4_pairs.py``: a packed int32 holds nibbles j and j + 4 as two bf16 subnormals, one
   LOP3 takes them out as a pair and one ``fma.rn.bf16x2`` multiplies both into a 16-bit pair of sums; the
   products of RUN = 2 packed rows are summed in 16 bits, then in fp32, and the zero point comes off once per group as
   z s sum(x) (that module's docstring has the arithmetic and its accuracy at RUN <= 2). Each thread holds two
@@ -39,21 +38,15 @@ in shared memory while it computes. The design:
   program holds it, the GEMV behind weights its inputs as the tables are built and applies 1 / rms where its fix-up
   writes y (``w4_gemv_norms.py``). gate_up_proj leaves its norm's 1 / rms to down_proj: it adds its parts of y to a
   zeroed fp32 row with the sums of squares beside it, and down_proj scales that row as it loads it.
-- **Split-K fix-up** as ``split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
+- **Split-K fix-up** as ``../split_k.py``: each program writes its fp32 partial, the last of a column tile to arrive
   sums them, FIX_CHUNK partials a load, and writes y. A GEMV adding to the residual stream has none: its programs'
   reductions in L2 (``red.global.add.f32``) are the sum.
 
-Measured on the H200 at 2 tiles (figures/h200/sweeps/w4a16_gemv_gluon.json, interleaved rounds): 9.9 us at
-4096 x 11008 (2.50x the bf16 matmul; the Triton GEMV 12.7 us), 10.5 us at 11008 x 4096 (2.43x), 5.2 us at
-4096 x 4096 (2.39x). RUN = 2 against 1, launched alike: 9.97 against 10.23 us and 10.57 against 10.98 us (its
-largest error relative to max |y| 6.1e-3 against 4.3e-3 at 4096 x 4096). Gated at 11008 x 4096: 11.4 us against 11.7
-for silu_and_mul and the GEMV. Where the rest goes, at RUN = 1 (session 18's probe)
-(figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's copies with no math): the copies alone take 7.0 us (81 %
-of the copy bandwidth the bench measures) where the kernel takes 10.1-10.3; the fix-up adds ~1.5 us (a fenced atomic,
-then the partials' round trip to L2, behind the last program) and the math ~1.5 us more, the compute of the tiles that
-land last. A kernel without split-K (each program all of K for 32 columns) copied in 6.6-6.9 us but was slower in all
-but at 4096 x 4096, its programs' compute behind their last tiles (figures/h200/sweeps/w4a16_gemv_gluon_slice.json).
-Not under Triton's interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_w4_gemv_hopper.py);
+Where its time goes (figures/h200/sweeps/w4a16_gemv_probe.json, the same grid's copies with no math): the copies take
+most of it; the fix-up (a fenced atomic, then the partials' round trip to L2, behind the last program) and the math of
+the tiles that land last share the rest. That fix-up is why a bf16 y (the plain form) runs the column kernel
+(``w4_gemv_columns.py``) instead where it can; ``minillm bench kernels`` measures both against torch's bf16 matmul.
+Not under Triton's interpreter (Gluon has none): tested on an sm_90 GPU (tests/kernels/test_hopper_w4_gemv.py);
 on the CPU it is compiled for sm_90 and its instructions counted (tests/test_w4_gemv_hopper_sass.py).
 """
 
@@ -61,21 +54,21 @@ from __future__ import annotations
 
 import torch
 
-from minillm.kernels.flash_attention_hopper import GLUON_USABLE, gluon
+from .gluon import GLUON_USABLE, gluon
 
 if GLUON_USABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from minillm.kernels.flash_attention_hopper import tma_load, warps_barrier
-    from minillm.kernels.fused_layer_ops import silu_mul
-    from minillm.kernels.w4_gemv_norms import (bf16_words, high_bf16, inv_rms, low_bf16, scaled_bf16, stored_inv_rms,
+    from .gluon import tma_load, warps_barrier
+    from ..fused_layer_ops import silu_mul
+    from .w4_gemv_norms import (bf16_words, high_bf16, inv_rms, low_bf16, scaled_bf16, stored_inv_rms,
                                                weighted_word)
 
 TILE_ROWS = 16  # packed rows a tile: 128 inputs
 SUB_ROWS = 8  # packed rows a thread holds at a time (two columns each), loaded RUN slices of SUB_ROWS / RUN rows
-RUN = 2  # packed rows whose products share 16-bit sums (rows i and i + SUB_ROWS / RUN; w4_gemv_pairs.py's accuracy)
+RUN = 2  # packed rows whose products share 16-bit sums (rows i and i + SUB_ROWS / RUN; w4_pairs.py's accuracy)
 BLOCK_N = 256  # columns a tile: TMA's largest box dimension
 WARPS = 4
 FIX_CHUNK = 32  # partials the fix-up loads at once: 64 registers a thread, after the weights' are free

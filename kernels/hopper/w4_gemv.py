@@ -1,9 +1,15 @@
-"""The W4A16 GEMV (M = 1) for Hopper (sm_90), from Python: what the Gluon kernel (``w4_gemv_hopper_kernel.py``,
-whose docstring has its design and speed) takes, how many tiles a program gets, and its launch. ``w4a16_matmul``
-runs it for one row of bf16 x on an H100/H200; ``w4_gemv_fused.fused_gemv`` runs its forms with a norm, a
-residual or SiLU-and-multiply folded in. ``gemv`` sends the forms COLUMNS names to the column kernel
-(``w4_gemv_columns.py``: by default the plain form, a bf16 y) and the others STREAM names to the stream-K kernel
-(``w4_gemv_stream.py``).
+"""The W4A16 GEMV (M = 1) for Hopper (sm_90), from Python: which Gluon kernel a form runs, how many tiles a program
+gets, and the launch. ``w4a16_matmul`` runs ``gemv`` for one row of bf16 x on an H100/H200;
+``w4_gemv_fused.fused_gemv`` runs its forms with a norm, a residual or SiLU-and-multiply folded in.
+
+Two kernels, because each is the faster one for the forms it serves on the H200:
+
+- the column kernel (``w4_gemv_columns.py``): no split of K, so no fix-up; it runs the plain form (a bf16 y), which
+  ``QuantLinear`` and ``w4a16_matmul`` run by default;
+- the split-K kernel (``w4_gemv_split_k.py``): it runs the fused forms (SiLU-and-multiply, the norm ahead, y added
+  to the residual stream), whose splits add to the fp32 stream with reductions (no fix-up either) and leave the
+  norm's sums of squares to the kernel behind; and the plain form where the column kernel cannot (K not a multiple
+  of 64).
 
 What it takes (``unsupported`` names what is missing): bf16 x, one row (M = 1), group_size 64 or 128, N a multiple of
 32 (TMA's 16-byte row strides for the packed zero points), 16-byte aligned tensors, sm_90. fp16 x, other groups and
@@ -12,89 +18,30 @@ M > 1 take the Triton kernels.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
-from minillm.kernels.checks import num_sms
-from minillm.kernels.flash_attention_hopper import GLUON_USABLE, MIN_TRITON
-from minillm.kernels.flash_attention_tma import TMA_ALIGN
-from minillm.kernels.pdl import supported as pdl_supported
-from minillm.kernels import w4_gemv_hopper_kernel as kernel  # (its kernel exists where GLUON_USABLE)
-from minillm.kernels import w4_gemv_columns as columns
-from minillm.kernels import w4_gemv_stream as stream
-from minillm.kernels.split_k import MAX_TILES, tile_counters
-from minillm.kernels.w4_gemv_hopper_kernel import BLOCK_N, RUN, TILE_ROWS, WARPS
-from minillm.kernels.w4_gemv_norms import Norm, Rms
+from ..checks import num_sms
+from ..fused_layer_ops import Norm, Rms
+from ..split_k import MAX_TILES, tile_counters
+from . import w4_gemv_columns as columns
+from . import w4_gemv_split_k as kernel  # (its kernel exists where GLUON_USABLE)
+from .gluon import GLUON_USABLE, MIN_TRITON
+from .pdl import supported as pdl_supported
+from .tma import TMA_ALIGN
+from .w4_gemv_split_k import BLOCK_N, RUN, TILE_ROWS, WARPS
 
 GROUP_SIZES = (64, 128)
-# Tiles a program. Alone and cold, 2 is the H200's best at each Llama-2-7B shape (1 and 4 were slower:
-# figures/h200/sweeps/w4a16_gemv_gluon.json); in the batch-1 decode graph 4 is: 1.814 against 1.847 ms a token (1 tile
-# 1.915, 8 tiles 2.882; 4 at K = 4096 and 2 at 11008 1.834, the other way round 1.840:
-# figures/h200/sweeps/decode_graph_tiles.json, decode_graph_variants.json).
+# Tiles a program of the split-K kernel. In the batch-1 decode graph of Llama-2-7B on an H200, 4 is the fastest
+# (figures/h200/sweeps/decode_graph_tiles.json).
 TILES = 4
-# Programs an SM below which a GEMV takes fewer tiles a program. Llama-2-7B's o_proj (4096 x 4096) at 4 tiles is 128
-# programs, one an SM of 4 warps, whose math and fix-up after the wait nothing hides; at 1 tile, 512: 1.7731 against
-# 1.8195 ms a token, 1.026x (2 tiles 1.0055x). The other projections keep 4 tiles (352-688 programs, at least 2.6 an SM;
-# qkv_proj at 2 was slower: figures/h200/sweeps/decode_graph_tiles_by_projection.json).
+# Programs an SM below which a GEMV takes fewer tiles a program: Llama-2-7B's o_proj (4096 x 4096) at 4 tiles is 128
+# programs, one an SM, whose math after the wait nothing hides
+# (figures/h200/sweeps/decode_graph_tiles_by_projection.json).
 MIN_PROGRAMS_PER_SM = 2
-# The GEMV forms ("plain": y = x W in bf16; "add", "gated", "normed": y added to an fp32 row) that run the stream-K
-# kernel (w4_gemv_stream.py) where it takes them; MINILLM_GEMV_STREAM: "0" none, "1" all, or forms by name
-# ("plain,add"). By default the plain form, where ``poll_pays``: with the norm kernels (nothing folded: tensor
-# parallelism, MINILLM_NORM_IN_GEMV=0), qkv_proj and gate_up_proj on it, 1.8073 against 1.8966 ms a token
-# (figures/h200/sweeps/decode_graph_stream_plain.json). The add forms are faster alone (7.2 against ~9 us at
-# 4096 x 11008) but slower in the batch-1 decode graph, 559 against 651 tok/s (latency_processes_stream.json).
-STREAM_FORMS = ("plain", "add", "gated", "normed")
-
-
-def forms_switch(variable: str, switch: str, valid: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
-    """The forms an environment switch (``variable``, e.g. MINILLM_GEMV_STREAM) names: 0 / off / false / no none,
-    1 / on / true / yes all of ``valid``, empty ``default``, else forms by name, comma-separated; a ValueError names
-    what is valid."""
-    value = switch.strip().lower()
-    if value in ("0", "off", "false", "no"):
-        return ()
-    if value in ("1", "on", "true", "yes"):
-        return valid
-    if not value:
-        return default
-    forms = tuple(form.strip() for form in value.split(",") if form.strip())
-    if not forms or set(forms) - set(valid):
-        raise ValueError(f"{variable} must be 0, 1 or forms among {', '.join(valid)}, comma-separated; got {switch!r}")
-    return forms
-
-
-def late_switch(value: str) -> int:
-    """MINILLM_GEMV_LATE (tiles a split-K program copies after x's loads, not before the wait; unset: 1) as a count; a
-    ValueError names what is valid."""
-    if not value.strip():
-        return 1
-    if not value.strip().isdigit():
-        raise ValueError(f"MINILLM_GEMV_LATE must be a count of tiles (0, 1, 2, ...), got {value!r}")
-    return int(value)
-
-
-# Split-K tiles a program copies after x's tables, not before the wait (at most all but one). Copied before it, they
-# kept x's loads after it waiting behind them (session 36, the column kernel: w4a16_gemv_columns_late.json). In the
-# batch-1 decode of llama2-7b (rtn-int4, every GEMV form on this kernel but the plain), one tile late 703.1-703.8
-# tok/s, three 698.7-698.9, none 652.2-652.8 (figures/h200/sweeps/latency_late.json)
-LATE_TILES = late_switch(os.environ.get("MINILLM_GEMV_LATE", ""))
-STREAM = forms_switch("MINILLM_GEMV_STREAM", os.environ.get("MINILLM_GEMV_STREAM", ""), STREAM_FORMS, ("plain",))
-# The forms that run the column kernel (w4_gemv_columns.py: no split of K, so no fix-up) where it takes them, ahead of
-# the stream kernel; MINILLM_GEMV_COLUMNS as MINILLM_GEMV_STREAM. By default the plain form: since session 36 (its
-# ring's copies after x's loads) it takes 7.08 and 7.48 us at 4096 x 11008 and 11008 x 4096, 3.51x and 3.38x torch's
-# bf16 matmul, where the stream kernel's plain form takes 8.91 and 9.44
-# (figures/h200/sweeps/w4a16_gemv_columns_late_shapes.json). Before that it was slower, and o_proj's add form on it
-# no faster in the decode graph: 650.1-650.3 tok/s against 650.8-651.4 (latency_columns_add.json).
-COLUMNS_FORMS = ("plain", "add")
-COLUMNS = forms_switch("MINILLM_GEMV_COLUMNS", os.environ.get("MINILLM_GEMV_COLUMNS", ""), COLUMNS_FORMS, ("plain",))
-
-
-def stream_takes(k: int, n: int, form: str) -> bool:
-    """Whether ``gemv`` runs a K x N weight's form ``form`` (one of STREAM_FORMS) on the stream kernel where that
-    kernel can: the forms in STREAM (a sweep may narrow it to some projections)."""
-    return form in STREAM
+# Split-K tiles a program copies after x's loads are issued, not before the wait for the kernel ahead: copies issued
+# before it are queued ahead of x's loads (figures/h200/sweeps/latency_late.json).
+LATE_TILES = 1
 
 
 def unsupported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -205,34 +152,18 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
          out: torch.Tensor, gated: bool = False, add: bool = False, norm: Norm | None = None,
          squares: torch.Tensor | None = None, rms: Rms | None = None) -> None:
-    """``w4_gemv`` at the default tiles, with the partials its splits need, the device's split-K counters, and PDL
-    where the device has it: what ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run. A form runs the stream-K
-    kernel instead (``w4_gemv_stream.py``) where it takes it if ``stream_takes`` says so (the plain form only where
-    ``poll_pays``), and the forms COLUMNS names the column kernel (``w4_gemv_columns.py``) ahead of either."""
+    """What ``w4a16_matmul`` and ``w4_gemv_fused.fused_gemv`` run: the plain form (a bf16 y) on the column kernel
+    where it takes the shape, every other form (and the plain one where the column kernel cannot) on the split-K
+    kernel at the default tiles, with the partials its splits need, the device's split-K counters, and PDL where the
+    device has it."""
     k, n = 8 * qweight.shape[0], qweight.shape[1]
-    form = "gated" if gated else "normed" if norm is not None else "add" if add else "plain"
-    if form in COLUMNS and out.dtype == (torch.float32 if add else torch.bfloat16) and not columns.unsupported(
-            k, n, group, x.dtype, x.shape[0]):
-        warps, stages, blocks, late = columns.SHAPE or columns.choose_shape(k, n, num_sms(x.device))
+    plain = not (gated or add or norm is not None or rms is not None)
+    if plain and out.dtype == torch.bfloat16 and not columns.unsupported(k, n, group, x.dtype, x.shape[0]):
+        warps, stages, blocks, late = columns.choose_shape(k, n, num_sms(x.device))
         columns.w4_gemv_columns(x, qweight, scales, zeros, group, out, pdl=pdl_supported(x.device), warps=warps,
-                                stages=stages, blocks=blocks, add=add, late=late)
+                                stages=stages, blocks=blocks, late=late)
         return
-    sms = num_sms(x.device)
-    if out.dtype == (torch.float32 if add else torch.bfloat16) and stream_takes(k, n, form) and not stream.unsupported(
-            k, n, group, x.dtype, x.shape[0], add, gated, norm is not None, rms is not None) and (
-            add or stream.poll_pays(k, n, sms)):
-        per_sm, stages = stream.choose_shape(k, n, sms)
-        fixup = stream.choose_fixup(k, n, per_sm * sms)
-        partials = None if add or fixup == stream.FIXUP_POLL else torch.empty(
-            stream.partials_needed(k, n, per_sm * sms), dtype=torch.float32, device=x.device)
-        try:
-            stream.w4_gemv_stream(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device),
-                                  pdl=pdl_supported(x.device), programs_per_sm=per_sm, stages=stages, fixup=fixup,
-                                  start=stream.START, add=add, gated=gated, norm=norm, squares=squares, rms=rms)
-            return
-        except stream.DoesNotFit:  # (its programs cannot all be resident: refused before any launch)
-            pass
-    tiles = choose_tiles(k, n, sms)
+    tiles = choose_tiles(k, n, num_sms(x.device))
     partials = torch.empty(max(partials_needed(k, n, tiles, norm is not None), 1), dtype=torch.float32,
                            device=x.device)
     w4_gemv(x, qweight, scales, zeros, group, out, partials, tile_counters(x.device), pdl_supported(x.device),
