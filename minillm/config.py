@@ -15,6 +15,7 @@ BATCHING_MODES = ("static", "dynamic", "continuous")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
+TP_ALL_REDUCES = ("auto", "nccl", "symm_mem", "fused")
 
 
 @dataclass
@@ -53,6 +54,9 @@ class EngineConfig:
     seed: int = 0  # seeds dummy weights and unseeded sampling
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; > 1 needs batching="continuous".
     #                                On GPUs every rank captures the same decode graphs, NCCL collectives inside
+    tp_all_reduce: str = "auto"  # tensor parallelism's all-reduce: "nccl" (gloo on a CPU) | "symm_mem" (one-shot,
+    #                              symmetric memory) | "fused" (into the next RMSNorm); auto = fused on GPUs that
+    #                              are peers, else nccl (parallel/all_reduce.py)
     pipeline_parallel_size: int = 1  # processes (GPUs) the layers are split over, in stages; needs
     #                                  batching="continuous", runs eagerly, not with tensor_parallel_size > 1
     pipeline_micro_batches: int | None = None  # pipeline: a step's sequences flow through the stages in this
@@ -85,6 +89,8 @@ class EngineConfig:
                              f"or a byte count > 0") from None
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not supported; valid: {ATTENTION_BACKENDS}")
+        if self.tp_all_reduce not in TP_ALL_REDUCES:
+            raise ValueError(f"tp_all_reduce {self.tp_all_reduce!r} is not supported; valid: {TP_ALL_REDUCES}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)

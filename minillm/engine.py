@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from minillm.config import EngineConfig
-from minillm.kernels.checks import interpreter_on, switched_on
+from minillm.kernels.checks import interpreter_on
 from minillm.kv.budget import units_that_fit
 from minillm.cuda_graphs import DecodeGraphs
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache
@@ -77,7 +77,7 @@ class Engine:
         self.device = resolve_device(config.device)
         self.workers: Workers | None = None  # this process's rank, with tensor or pipeline parallelism
         size = config.tensor_parallel_size
-        all_reduce = tp_all_reduce.chosen(self.device, size) if size > 1 else "nccl"
+        all_reduce = tp_all_reduce.chosen(config.tp_all_reduce, self.device, size) if size > 1 else "nccl"
         if size > 1 or config.pipeline_parallel_size > 1:
             self.workers = Workers.start(config, self.device)
             self.device = self.workers.device
@@ -199,8 +199,8 @@ class Engine:
                                          self.workers, c.pipeline_micro_batches)
         else:
             self.runner = PagedRunner(self.model, cache, self.block_tables, self.device, c.seed, make_attention, graphs)
-        if self.attention_backend == "triton" and self.device.type == "cuda" and switched_on("MINILLM_GREEDY_KERNEL"):
-            from minillm.kernels.greedy import greedy_argmax  # (MINILLM_GREEDY_KERNEL=0: torch's argmax, to compare)
+        if self.attention_backend == "triton" and self.device.type == "cuda":
+            from minillm.kernels.greedy import greedy_argmax
             self.runner.sampler.argmax = greedy_argmax
         self.kv_cache_bytes = cache.nbytes
 
