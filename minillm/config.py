@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
 from minillm.kv.quant import check_kv_cache_dtype
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
@@ -203,6 +205,15 @@ class EngineConfig:
                              f"> 1 (a single process has no pipeline to fill)")
         if self.pipeline_micro_batches is None and self.pipeline_parallel_size > 1:
             self.pipeline_micro_batches = self.pipeline_parallel_size
+
+
+def resolve_device(device: str) -> torch.device:
+    """``EngineConfig.device`` as a torch device: "auto" is CUDA where torch sees it, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA device; use 'cpu'")
+    return torch.device(device)
 
 
 def parse_bytes(value: int | str) -> int:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -189,6 +190,22 @@ def fuse_into_norms(model, op: FusedAllReduceNorm | None) -> None:
         fuse_norm(layer.input_layernorm, op)
         fuse_norm(layer.post_attention_layernorm, op)
     fuse_norm(model.model.norm, op)
+
+
+def install(choice: str, model, workers, max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int,
+            dtype: torch.dtype) -> None:
+    """Set up ``choice`` (``chosen``'s) for a tensor-parallel engine's ``model``, undone when ``workers`` shut down:
+    the symmetric-memory buffer, sized for a step's token budget, or the fused all-reduce for decode batches of up
+    to ``max_num_seqs`` rows. Before any CUDA graph captures the all-reduces."""
+    device = workers.device
+    if choice == "symm_mem":
+        enable_symmetric(device, max_num_batched_tokens * hidden_size, dtype)
+        workers.on_shutdown(disable_symmetric)
+    elif choice == "fused":
+        rows = min(max_num_seqs, FusedAllReduceNorm.MAX_ROWS)
+        fuse_into_norms(model, FusedAllReduceNorm(device, rows, hidden_size, dtype))
+        # A partial, not a lambda: a closure over the engine would keep it alive (Workers.on_shutdown).
+        workers.on_shutdown(partial(fuse_into_norms, model, None))
 
 
 def enable_symmetric(device: torch.device, max_elements: int, dtype: torch.dtype) -> SymmetricAllReduce:
