@@ -51,7 +51,7 @@ class EngineConfig:
     num_scheduler_steps: int = 1  # continuous: a pure-decode batch runs up to this many forward passes per
     #                               scheduler step, each fed the last one's tokens on the device (multi_step.py)
     async_scheduling: bool | None = None  # continuous: launch a pure-decode batch's successor before reading its
-    #                                       tokens, so the host's step overlaps the GPU's (multi_step.chain_steps);
+    #                                       tokens, so the host's step overlaps the GPU's (MultiStepScheduler.chain);
     #                                       None: where it can run (continuous batching in one process)
     seed: int = 0  # seeds dummy weights and unseeded sampling
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; > 1 needs batching="continuous".

@@ -196,7 +196,8 @@ class Engine:
             self.runner = PipelineRunner(self.model, cache, self.block_tables, self.device, c.seed, make_attention,
                                          self.workers, c.pipeline_micro_batches)
         else:
-            self.runner = runner_class(self.model, cache, self.block_tables, self.device, c.seed, make_attention, graphs)
+            self.runner = runner_class(self.model, cache, self.block_tables, self.device, c.seed, make_attention,
+                                       graphs)
         if self.attention_backend == "triton" and self.device.type == "cuda":
             from minillm.kernels.greedy import greedy_argmax
             self.runner.sampler.argmax = greedy_argmax

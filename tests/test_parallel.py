@@ -121,7 +121,7 @@ def test_a_bad_all_reduce_choice_is_refused_before_any_process_starts(value, mes
 def test_without_a_choice_a_cpu_engine_all_reduces_with_the_process_group():
     from minillm.parallel.all_reduce import chosen
 
-    assert chosen("auto", torch.device("cpu"), 2) == "nccl"  # gloo's all-reduce; "fused" needs GPUs that reach each other
+    assert chosen("auto", torch.device("cpu"), 2) == "nccl"  # gloo's; "fused" needs GPUs that reach each other
 
 
 CATCH_UP_SCRIPT = """

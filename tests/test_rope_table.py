@@ -1,5 +1,6 @@
-"""RoPE's cos and sin from a table on a GPU (``FusedLlamaForCausalLM.rope_table``, model/fused.py): the rows a step gathers are the values
-``rope_values`` computes from its positions, bit for bit on the GPU, and in the layout the fused kernels take."""
+"""RoPE's cos and sin from a table on a GPU (``FusedLlamaForCausalLM.rope_table``, model/fused.py): the rows a step
+gathers are the values ``rope_values`` computes from its positions, bit for bit on the GPU, and in the layout the fused
+kernels take."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 Two real processes over gloo, as ``LLM(..., tensor_parallel_size=2)`` runs them (the TP and PP tests
 in test_parallel*.py send every step through it too). Here: every message arrives, in order and
 unchanged, whether it fits the shared buffer or goes over gloo because it does not, and over gloo alone
-(``shared_memory=False``, the channel of machines where shared memory is unsafe); a worker whose rank 0 has died stops with an error instead of
-waiting forever.
+(``shared_memory=False``, the channel of machines where shared memory is unsafe); a worker whose rank 0 has
+died stops with an error instead of waiting forever.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ class TritonPagedBatch:
         self.takes_rope = cache.k_scale is None
         # A decode-only step where the decode kernel applies RoPE and stores the new k and v itself (its q tile
         # needs head_dim >= 16; kernels/rope_in_decode.py), and so can apply qkv_proj's pending 1 / rms too.
-        self.rope_in_decode = (self.takes_rope and self.rope_in_decode_kernel and step.num_decode == len(step.query_lens)
-                               and cache.k.shape[-1] >= 16)
+        self.rope_in_decode = (self.takes_rope and self.rope_in_decode_kernel
+                               and step.num_decode == len(step.query_lens) and cache.k.shape[-1] >= 16)
         self.takes_pending_norm = self.rope_in_decode and step.num_decode == 1
 
     def __call__(self, layer_idx: int, q, k, v, rope=None, pending=None):

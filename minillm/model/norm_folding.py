@@ -3,14 +3,15 @@ what the layer hands between them instead of a normalised row.
 
 Why: a batch-1 INT4 llama2-7b layer runs two norm kernels (each with the residual add before it) between its GEMVs,
 0.23 ms of a 2.30 ms token, where bf16's longer GEMVs hide theirs (figures/h200/sweeps/latency_what_if.json). With
-the norms folded (``LlamaForCausalLM.fold_norms``), and the step one row, the residual stream is an fp32 row
-(``residual_stream``) that the GEMVs add to in place (``kernels/w4_gemv_norms.py`` says why fp32 and in place):
+the norms folded (``FusedLlamaForCausalLM.fold_norms``, ``fused.py``), and the step one row, the residual stream is
+an fp32 row (``residual_stream``) that the GEMVs add to in place (``kernels/w4_gemv_norms.py`` says why fp32 and in
+place):
 
 - o_proj, given the stream (``add_to``), adds its output to it and returns it as a ``ResidualRow``;
 - the post-attention RMSNorm turns that into a ``NormedRow`` and runs no kernel;
 - gate_up_proj's GEMV normalises the row as it reads it. down_proj, the next layer's input norm and its qkv_proj
   do the same. The last layer's down_proj does not: the final norm and the LM head follow it, and take the stream
-  back in the model's dtype (``RMSNorm.forward`` rounds a residual of another dtype to x's).
+  back in the model's dtype (``FusedRMSNorm.forward`` rounds a residual of another dtype to x's).
 - The first layer's input norm folds too: the step's first kernel (``kernels/step_start.py``)
   writes the token's embedding as the stream's fp32 row and zeroes the pending rows below, and layer 0's qkv_proj
   normalises that row as every later one does.
