@@ -3,8 +3,9 @@
 A step is three moves, as in nano-vllm: the scheduler picks the batch (and how many tokens each
 request computes), the runner runs the model and samples a token wherever a sequence's context is
 complete, and ``_postprocess`` appends the tokens, detokenizes, and checks stop conditions. A pure
-decode batch may run several passes in one step (``num_scheduler_steps``, ``minillm/multi_step.py``):
-their tokens are postprocessed pass by pass, as if each had been a step. With
+decode batch may run several passes in one step, or have the next batch chained to it (``num_scheduler_steps``,
+``async_scheduling``: ``minillm/multi_step.py``'s scheduler and runner, which the engine then picks): their tokens
+are postprocessed pass by pass, as if each had been a step. With
 preemption_mode="swap", the KV copies the scheduler decided (``batch.swaps``) run first, through
 ``KVSwapper``. Everything else (which requests, which tensors) lives in the scheduler and the runner.
 """
