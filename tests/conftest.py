@@ -19,7 +19,7 @@ from minillm import env  # noqa: E402 (after the interpreter switch)
 
 # The CI box has 2 cores shared with other jobs; OpenMP threads fighting over them make every matmul
 # an order of magnitude slower than one thread. Override with MINILLM_TEST_THREADS.
-torch.set_num_threads(int(env.TEST_THREADS.get()))
+torch.set_num_threads(env.TEST_THREADS.get())
 
 TINY_SHAPE = dict(
     hidden_size=64,

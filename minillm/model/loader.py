@@ -64,7 +64,7 @@ class LoadedModel:
 
 
 def cache_root() -> Path:
-    return env.cache_dir()
+    return env.CACHE.get()
 
 
 def embedded_model_path() -> Path:
