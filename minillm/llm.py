@@ -14,7 +14,6 @@ from tqdm.auto import tqdm
 
 from minillm.config import EngineConfig
 from minillm.engine import Engine
-from minillm.parallel.workers import live_driver
 from minillm.request import RequestOutput, SamplingParams
 from minillm.tokenizer import encode_chat
 
@@ -24,14 +23,12 @@ Prompt = str | list[int] | dict
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         self.config = EngineConfig(model=model, **kwargs)
-        running = live_driver()
-        try:
+        if self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1:
+            from minillm.parallel.workers import build_engine  # starts worker processes: only when asked for
+
+            self.engine = build_engine(Engine, self.config)
+        else:
             self.engine = Engine(self.config)
-        except BaseException:
-            driver = live_driver()  # workers started for this Engine, which then failed to build: stop them
-            if driver is not None and driver is not running:
-                driver.abandon()
-            raise
         if self.engine.workers is not None and self.engine.workers.rank != 0:
             # Under torchrun every rank runs the script: ranks > 0 follow rank 0's steps, and the
             # rest of the script runs on rank 0 only.

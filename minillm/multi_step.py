@@ -14,7 +14,7 @@ Throughput Improvement and 5x Latency Reduction", vLLM blog, September 2024).
 
 Async scheduling (``EngineConfig.async_scheduling``, on by default for continuous batching in one
 process; vLLM's ``--async-scheduling``) takes the same idea across scheduler steps: once a pure decode
-batch is launched, ``chain_steps`` launches the batch that continues it (the same requests, its last
+batch is launched, ``MultiStepScheduler.chain`` gives the batch that continues it (the same requests, its last
 tokens as their inputs on the device, up to k passes again) before the host reads the first one's
 tokens, so the host's postprocessing and the next launch overlap the GPU's passes even at k = 1. The
 chain ends where the scheduler must decide: a request arrives or waits, one ended (a stop found when
@@ -25,7 +25,7 @@ chain: a request's passes after its stop are computed and dropped (one more batc
 arrival waits for the batch in flight.
 
 Only a *pure decode* batch runs several passes: every sequence brings one token that completes its
-context. The scheduler (``lookahead_steps``) picks k_eff = min(k, every request's remaining output
+context. The scheduler (``MultiStepScheduler.lookahead``) picks k_eff = min(k, every request's remaining output
 budget), so no request is computed past ``max_tokens`` or ``max_model_len``, and allocates the KV
 blocks of all k_eff tokens up front (counted like any others: the cache's usage and preemption see
 them); it lowers k_eff until they fit in the free blocks rather than preempting anyone for them.
@@ -58,50 +58,47 @@ the ranks feed identical ids even when sampling is random. Pipeline parallelism 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from minillm.kv.paged import BlockTables, to_device
 from minillm.request import Request, output_budget
-
-if TYPE_CHECKING:
-    from minillm.runner import PagedRunner
-    from minillm.scheduler import ContinuousScheduler, ScheduledBatch
+from minillm.runner import PagedRunner
+from minillm.scheduler import ContinuousScheduler, ScheduledBatch, is_pure_decode
 
 
-def lookahead_steps(scheduler: ContinuousScheduler, scheduled: list[tuple[Request, int]]) -> int:
-    """Scheduler side: how many decode passes this step's batch runs (1: an ordinary step); grows
-    the requests' block tables to hold every pass's K/V."""
-    if scheduler.num_scheduler_steps == 1 or not scheduled or not is_pure_decode(scheduled):
-        return 1  # (a prefill chunk's next input is a prompt token, known on the host)
-    return max(1, _grow_for_passes(scheduler, [r for r, _ in scheduled], scheduler.num_scheduler_steps, 0))
+class MultiStepScheduler(ContinuousScheduler):
+    """The continuous scheduler, whose pure decode batches run up to ``num_scheduler_steps`` passes
+    (``lookahead``), and which chains a batch to the one in flight where it need not decide (``chain``)."""
 
+    def __init__(self, *args, num_scheduler_steps: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_scheduler_steps = num_scheduler_steps
 
-def is_pure_decode(scheduled: Iterable[tuple[Request, int]]) -> bool:
-    """Every (request, new tokens) brings the request's last token and samples the next: a batch that can run
-    several passes, or have another chained to it."""
-    return all(num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens
-               for request, num_new in scheduled)
+    def lookahead(self, scheduled: list[tuple[Request, int]]) -> int:
+        """How many decode passes this step's batch runs (1: an ordinary step); grows the requests' block
+        tables to hold every pass's K/V."""
+        if self.num_scheduler_steps == 1 or not scheduled or not all(
+                is_pure_decode(r, n) for r, n in scheduled):
+            return 1  # (a prefill chunk's next input is a prompt token, known on the host)
+        return max(1, _grow_for_passes(self, [r for r, _ in scheduled], self.num_scheduler_steps, 0))
 
-
-def chain_steps(scheduler: ContinuousScheduler, batch: ScheduledBatch) -> ScheduledBatch | None:
-    """Async scheduling (``EngineConfig.async_scheduling``): the batch that continues ``batch``, a pure
-    decode batch still on the device whose tokens the host has not read, or None where the scheduler
-    must decide. The same requests, one token each, up to ``num_scheduler_steps`` passes fed
-    ``batch``'s last tokens on the device; their blocks grown here. None if a request arrived or waits
-    (the scheduler admits it), one of ``batch``'s requests ended (aborted, or finished by an earlier
-    batch), one has no output budget left after ``batch``'s passes, or blocks would need preemption."""
-    if scheduler.waiting or not batch.requests or any(r.finished for r in batch.requests):
-        return None
-    steps = _grow_for_passes(scheduler, batch.requests, scheduler.num_scheduler_steps, batch.num_steps)
-    if steps < 1:
-        return None
-    # (Chained while ``batch`` is in flight, when the host has read every batch before it.)
-    return replace(batch, swaps=[], num_steps=steps, in_flight=batch.num_steps)
+    def chain(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """Async scheduling (``EngineConfig.async_scheduling``): the batch that continues ``batch``, a pure
+        decode batch still on the device whose tokens the host has not read, or None where the scheduler
+        must decide. The same requests, one token each, up to ``num_scheduler_steps`` passes fed
+        ``batch``'s last tokens on the device; their blocks grown here. None if a request arrived or waits
+        (the scheduler admits it), one of ``batch``'s requests ended (aborted, or finished by an earlier
+        batch), one has no output budget left after ``batch``'s passes, or blocks would need preemption."""
+        if self.waiting or not batch.requests or any(r.finished for r in batch.requests):
+            return None
+        steps = _grow_for_passes(self, batch.requests, self.num_scheduler_steps, batch.num_steps)
+        if steps < 1:
+            return None
+        # (Chained while ``batch`` is in flight, when the host has read every batch before it.)
+        return replace(batch, swaps=[], num_steps=steps, in_flight=batch.num_steps)
 
 
 def _grow_for_passes(scheduler: ContinuousScheduler, requests: list[Request], steps: int, in_flight: int) -> int:
@@ -175,3 +172,47 @@ def decode_steps(runner: PagedRunner, plan: DecodePlan, requests: list[Request] 
 def follow_decode_steps(runner: PagedRunner, plan: DecodePlan) -> None:
     """Ranks > 0 of a tensor-parallel engine: rank 0's multi-step batch, with rank 0's tokens."""
     decode_steps(runner, plan, None)
+
+
+class MultiStepRunner(PagedRunner):
+    """The paged runner, which also runs a pure decode batch's ``batch.num_steps`` passes back to back."""
+
+    def run_steps(self, batch: ScheduledBatch) -> list[list[int]]:
+        """A pure decode batch's ``batch.num_steps`` passes, each fed the last one's tokens on the
+        device: [pass][request] tokens, fetched from the device once."""
+        return self.launch_steps(batch).read()
+
+    def launch_steps(self, batch: ScheduledBatch, first_ids: torch.Tensor | None = None) -> LaunchedSteps:
+        """``run_steps`` without the wait: the passes' tokens, on their way to the host. ``first_ids``: the
+        first pass's input for a batch chained to one still in flight (``batch.in_flight``)."""
+        plan = DecodePlan.of(batch, self.block_tables)
+        if self.on_decode_steps is not None:
+            if plan.ids is None:
+                raise ValueError("a chained batch (async scheduling) runs in one process: the other ranks would "
+                                 "need its first ids")
+            self.on_decode_steps(plan)
+        tokens = decode_steps(self, plan, batch.requests, share=self.on_decode_steps is not None, first_ids=first_ids)
+        return LaunchedSteps(tokens)
+
+
+class LaunchedSteps:
+    """A launched batch's [pass, request] tokens: ``tokens`` on the device (the next batch's input), and
+    a copy to the host queued right behind the passes. ``read`` waits for that copy alone: a batch
+    launched after this one (async scheduling) does not delay it, where ``tokens.tolist()`` would
+    queue its copy behind that batch and wait for it too."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+        self._copied = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = tokens
+
+    def read(self) -> list[list[int]]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()

@@ -13,10 +13,8 @@ from __future__ import annotations
 import torch
 
 from minillm.kv.contiguous import ContiguousKVCache, LeftPaddedBatch
-from minillm.cuda_graphs import DecodeGraphs
 from minillm.kv.paged import BlockTables, PagedBatch, PagedKVCache, PagedStep, to_device
 from minillm.model.llama import LlamaForCausalLM
-from minillm.multi_step import DecodePlan, decode_steps
 from minillm.sampling import Sampler
 from minillm.scheduler import ScheduledBatch
 
@@ -79,12 +77,12 @@ class PagedRunner:
 
     ``forward`` is the model's part of a step, from plain lists; ``on_forward`` (set by tensor
     parallelism on rank 0) receives those lists first and sends them to the other ranks, which
-    replay the same ``forward`` on their shards. ``run_steps`` runs a multi-step batch
-    (``minillm/multi_step.py``), whose plan ``on_decode_steps`` sends the same way.
+    replay the same ``forward`` on their shards. ``multi_step.MultiStepRunner`` runs multi-step
+    batches, whose plan ``on_decode_steps`` sends the same way.
     """
 
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_tables: BlockTables,
-                 device: torch.device, seed: int = 0, make_attention=PagedBatch, graphs: DecodeGraphs | None = None):
+                 device: torch.device, seed: int = 0, make_attention=PagedBatch, graphs=None):
         self.model, self.cache, self.block_tables, self.device = model, cache, block_tables, device
         self.make_attention, self.graphs = make_attention, graphs
         self.sampler = Sampler(device, seed)
@@ -116,23 +114,6 @@ class PagedRunner:
             tokens[i] = token
         return tokens
 
-    def run_steps(self, batch: ScheduledBatch) -> list[list[int]]:
-        """A pure decode batch's ``batch.num_steps`` passes, each fed the last one's tokens on the
-        device: [pass][request] tokens, fetched from the device once."""
-        return self.launch_steps(batch).read()
-
-    def launch_steps(self, batch: ScheduledBatch, first_ids: torch.Tensor | None = None) -> LaunchedSteps:
-        """``run_steps`` without the wait: the passes' tokens, on their way to the host. ``first_ids``: the
-        first pass's input for a batch chained to one still in flight (``batch.in_flight``)."""
-        plan = DecodePlan.of(batch, self.block_tables)
-        if self.on_decode_steps is not None:
-            if plan.ids is None:
-                raise ValueError("a chained batch (async scheduling) runs in one process: the other ranks would "
-                                 "need its first ids")
-            self.on_decode_steps(plan)
-        tokens = decode_steps(self, plan, batch.requests, share=self.on_decode_steps is not None, first_ids=first_ids)
-        return LaunchedSteps(tokens)
-
     def forward(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
                 query_lens: list[int], context_lens: list[int], last_index: list[int]) -> torch.Tensor | None:
         """Write the step's K/V and return the logits of the ``last_index`` tokens (None: no row samples)."""
@@ -158,25 +139,3 @@ class PagedRunner:
             return None  # skipped on every rank alike: the tensor-parallel LM head is a collective
         return self.model.compute_logits(hidden[0, last_index])
 
-
-class LaunchedSteps:
-    """A launched batch's [pass, request] tokens: ``tokens`` on the device (the next batch's input), and
-    a copy to the host queued right behind the passes. ``read`` waits for that copy alone: a batch
-    launched after this one (async scheduling) does not delay it, where ``tokens.tolist()`` would
-    queue its copy behind that batch and wait for it too."""
-
-    def __init__(self, tokens: torch.Tensor):
-        self.tokens = tokens
-        self._copied = None
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        else:
-            self._host = tokens
-
-    def read(self) -> list[list[int]]:
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._host.tolist()

@@ -18,10 +18,12 @@ tensors (the runner does).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from minillm.kv.radix import RadixCache, RadixNode
-from minillm.multi_step import lookahead_steps
 from minillm.request import Request, RequestStatus, output_budget
+
+if TYPE_CHECKING:  # (prefix caching is optional: the engine imports the radix tree when asked for)
+    from minillm.kv.radix import RadixCache, RadixNode
 
 
 @dataclass
@@ -33,9 +35,19 @@ class ScheduledBatch:
     # swapped-out request, ("in", CPU blocks, GPU blocks) for a swapped-in one (preemption_mode="swap").
     swaps: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     num_steps: int = 1  # decode passes to run back to back (num_scheduler_steps; minillm/multi_step.py)
-    # Async scheduling (multi_step.chain_steps): tokens a request has on the device beyond what the host has seen, its
+    # Async scheduling (MultiStepScheduler.chain): tokens a request has on the device beyond what the host has seen, its
     # batch's first input the last of them. 0: every request's last token is on the host.
     in_flight: int = 0
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(is_pure_decode(r, n) for r, n in zip(self.requests, self.num_new_tokens))
+
+
+def is_pure_decode(request: Request, num_new: int) -> bool:
+    """The request brings its last token and samples the next: a batch of such requests can run several passes,
+    or have another chained to it (``minillm/multi_step.py``)."""
+    return num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens
 
 
 class StaticScheduler:
@@ -177,8 +189,8 @@ class ContinuousScheduler:
     the CPU pool is full it falls back to recomputation. The scheduler only allocates block ids and
     lists the copies on the batch (``ScheduledBatch.swaps``); the engine's ``KVSwapper`` copies.
 
-    With ``num_scheduler_steps`` > 1 a pure decode batch runs up to that many passes, with blocks for
-    all of them (``multi_step.lookahead_steps``, which needs ``max_model_len``); arrivals wait for the next.
+    ``lookahead`` says how many passes a batch runs: one here; ``multi_step.MultiStepScheduler`` runs a pure
+    decode batch up to ``num_scheduler_steps`` passes, with blocks for all of them.
 
     ``fill_token_budget`` decides the step's work, through ``reserve``, ``next_waiting``, ``fits``
     and ``admit``. It is a plain attribute: ``scheduler.fill_token_budget = f`` makes the engine
@@ -189,10 +201,9 @@ class ContinuousScheduler:
     LPM_MAX_WAITING = 128  # SGLang's threshold for the same fallback (schedule_policy.py)
 
     def __init__(self, block_tables, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
-                 watermark_blocks: int = 0, cpu_block_tables=None, num_scheduler_steps: int = 1,
-                 max_model_len: int | None = None):
+                 watermark_blocks: int = 0, cpu_block_tables=None, max_model_len: int | None = None):
         self.block_tables, self.cpu_block_tables = block_tables, cpu_block_tables
-        self.num_scheduler_steps, self.max_model_len = num_scheduler_steps, max_model_len
+        self.max_model_len = max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.policy, self.watermark_blocks = policy, watermark_blocks
         self.waiting: list[Request] = []
@@ -397,6 +408,10 @@ class ContinuousScheduler:
                 return
             self._preempt(victim)
 
+    def lookahead(self, scheduled: list[tuple[Request, int]]) -> int:
+        """Forward passes the step's batch runs: one (``multi_step.MultiStepScheduler`` runs more)."""
+        return 1
+
     def schedule(self, now: float) -> ScheduledBatch | None:
         if self.policy == "priority":
             self._make_room_for_urgent(now)
@@ -407,7 +422,7 @@ class ContinuousScheduler:
                 self._cache_prefix(request)
         scheduled = self.fill_token_budget(self, now)
         self._unmatch_still_waiting()
-        num_steps = lookahead_steps(self, scheduled)  # after the unmatched blocks went back
+        num_steps = self.lookahead(scheduled)  # after the unmatched blocks went back
         self._cached_lens.clear()  # the tree changes between steps
         swaps, self._swaps = self._swaps, []
         if not scheduled and not swaps:

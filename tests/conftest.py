@@ -10,14 +10,16 @@ import os
 import pytest
 import torch
 
-# The CI box has 2 cores shared with other jobs; OpenMP threads fighting over them make every matmul
-# an order of magnitude slower than one thread. Override with MINILLM_TEST_THREADS.
-torch.set_num_threads(int(os.environ.get("MINILLM_TEST_THREADS", "1")))
-
 # Without a GPU the Triton kernels run under Triton's CPU interpreter. The switch is read when a
 # kernel is defined, so it must be set before anything imports minillm.kernels (make test sets it too).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from minillm import env  # noqa: E402 (after the interpreter switch)
+
+# The CI box has 2 cores shared with other jobs; OpenMP threads fighting over them make every matmul
+# an order of magnitude slower than one thread. Override with MINILLM_TEST_THREADS.
+torch.set_num_threads(env.TEST_THREADS.get())
 
 TINY_SHAPE = dict(
     hidden_size=64,

@@ -1,4 +1,4 @@
-"""Async scheduling (``EngineConfig.async_scheduling``, ``multi_step.chain_steps``): a pure decode batch's
+"""Async scheduling (``EngineConfig.async_scheduling``, ``MultiStepScheduler.chain``): a pure decode batch's
 successor is launched before its tokens are read. Greedy outputs equal solo runs under chunked prefill,
 admission, preemption and multi-step passes; every chained batch stays within its requests' budgets and
 has K/V blocks for every pass; the host reads a batch only after its successor is launched; arrivals,
@@ -15,26 +15,28 @@ from minillm import SamplingParams
 from minillm.cli import build_parser
 from minillm.cli_args import engine_kwargs
 from minillm.config import EngineConfig
-from minillm.multi_step import chain_steps
+from minillm.multi_step import MultiStepScheduler
 from minillm.request import output_budget
 from test_continuous import check_outputs_equal_solo_runs, solo_output, tiny_engine
 
 
 class ChainChecks:
-    """Wraps the engine's ``chain_steps``: each batch it chains continues the one in flight with the same
+    """Wraps the scheduler's ``chain``: each batch it chains continues the one in flight with the same
     requests, one token each, within every request's budget counting the tokens in flight, with blocks for
     every pass, and the allocator's count exact."""
 
     def __init__(self):
         self.num_steps: list[int] = []
 
+        chain = MultiStepScheduler.chain
+
         def checked(scheduler, batch):
-            chained = chain_steps(scheduler, batch)
+            chained = chain(scheduler, batch)
             if chained is not None:
                 self.check(scheduler, batch, chained)
             return chained
 
-        self.patch = mock.patch("minillm.engine.chain_steps", checked)
+        self.patch = mock.patch.object(MultiStepScheduler, "chain", checked)
 
     def check(self, scheduler, batch, chained) -> None:
         k, in_flight = chained.num_steps, chained.in_flight

@@ -1,4 +1,4 @@
-"""The routing behind ``MINILLM_TP_ALLREDUCE=fused`` (parallel/all_reduce.py), on one gloo rank: the
+"""The routing behind ``tp_all_reduce="fused"`` (parallel/all_reduce.py), on one gloo rank: the
 row-parallel linears leave their outputs unreduced, every norm that takes a residual sums its input
 exactly once, and the model computes what it computes unfused. The kernel itself is tested in
 tests/kernels/test_all_reduce_norm.py, and on two GPUs in tests/test_parallel_gpu.py."""

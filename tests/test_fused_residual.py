@@ -86,7 +86,7 @@ def test_rope_runs_inside_the_kv_store_with_an_unquantized_cache(monkeypatch, kv
 
 
 def test_decode_steps_give_the_same_tokens_with_rope_in_the_decode_kernel(monkeypatch):
-    """MINILLM_ROPE_IN_DECODE's two paths (the decode kernel rotating and storing the new token itself, or
+    """A decode-only step's two paths (the decode kernel rotating and storing the new token itself, or
     rope_store_kv first) decode the same greedy tokens (one arithmetic: tests/kernels/test_paged_attention.py checks
     the kernel's output and pools bit for bit), and the new path is the one taken."""
     from minillm.kv import paged_triton
@@ -95,7 +95,7 @@ def test_decode_steps_give_the_same_tokens_with_rope_in_the_decode_kernel(monkey
                         lambda *a, **kw: calls.append(kw.get("new_kv") is not None) or real(*a, **kw))
     budget = {"memory_budget": "2GB"} if DEVICE == "cuda" else {}  # two engines in one process
     for inside in (True, False):
-        monkeypatch.setattr(paged_triton, "ROPE_IN_DECODE", inside)
+        monkeypatch.setattr(paged_triton.TritonPagedBatch, "rope_in_decode_kernel", inside)
         llm = LLM("tiny", load_format="dummy", dtype="float32", device=DEVICE, batching="continuous",
                   attention_backend="triton", enforce_eager=True, seed=0, **budget)
         out = llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),

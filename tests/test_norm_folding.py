@@ -13,6 +13,8 @@ import torch
 
 from minillm import LLM, SamplingParams
 from minillm.model import norm_folding
+from minillm.model import fused
+from minillm.model.fused import FusedLlamaForCausalLM
 from minillm.model.llama import LlamaForCausalLM
 from minillm.model.config import PRESETS
 from minillm.parallel.tp import RowParallelQuantLinear
@@ -69,7 +71,7 @@ def test_folded_decode_gives_the_unfolded_tokens(monkeypatch):
     assert folded == unfolded
 
 
-def folds(model: LlamaForCausalLM) -> list[tuple[bool, bool]]:
+def folds(model: FusedLlamaForCausalLM) -> list[tuple[bool, bool]]:
     return [(layer.fold_attention_norm, layer.fold_mlp_norm) for layer in model.model.layers]
 
 
@@ -78,7 +80,7 @@ def test_which_norms_fold():
     follow it); a row-parallel layer (tensor parallelism) never folds: its residual comes after the all-reduce. The
     first layer's input norm folds where its qkv_proj and o_proj do."""
     model = LlamaForCausalLM(PRESETS["tiny"])
-    model.fold_norms()
+    fused.enable(model)
     assert folds(model) == [(False, False), (False, False)] and not model.fold_first_norm  # dense
 
     class Folding(QuantLinear):
@@ -131,7 +133,7 @@ def test_gate_up_and_qkv_leave_their_norms_to_the_next_kernel(monkeypatch):
     machine: each decode step, every layer's gate_up_proj and every folded qkv_proj add their unnormalised outputs
     to their slots of the model's ``PendingRows`` (zeroed at the step's start), and down_proj and the decode attention
     kernel (``paged_decode_attention(rms=...)``, here under the interpreter) apply the norm's 1 / rms; the tokens are
-    those of the unfolded engine and of the fold without the deferrals."""
+    those of the unfolded engine."""
     from minillm.kernels.hopper import w4_gemv_fused
 
     calls = []
@@ -149,8 +151,6 @@ def test_gate_up_and_qkv_leave_their_norms_to_the_next_kernel(monkeypatch):
     scaled, decode = [], paged_triton.paged_decode_attention
     monkeypatch.setattr(paged_triton, "paged_decode_attention", lambda *a, **kw: scaled.append(
         kw.get("rms") is not None) or decode(*a, **kw))
-    monkeypatch.setattr(norm_folding, "DEFER_MLP_NORM", True)
-    monkeypatch.setattr(norm_folding, "DEFER_ATTENTION_NORM", True)
     deferred, _ = generate(monkeypatch, fold=True)
     layers, decode_steps = PRESETS["tiny"].num_layers, len(PROMPTS) * (MAX_TOKENS - 1)
     forms = {form: calls.count(form) for form in set(calls)}
@@ -159,13 +159,8 @@ def test_gate_up_and_qkv_leave_their_norms_to_the_next_kernel(monkeypatch):
                      ("gated", "rms"): decode_steps,  # the last layer's (the final norm follows it)
                      ("residual",): layers * decode_steps}, forms  # o_proj
     assert scaled.count(True) == layers * decode_steps
-    calls.clear(), scaled.clear()
-    monkeypatch.setattr(norm_folding, "DEFER_MLP_NORM", False)
-    monkeypatch.setattr(norm_folding, "DEFER_ATTENTION_NORM", False)
-    not_deferred, _ = generate(monkeypatch, fold=True)
-    assert ("gated", "rms") not in calls and ("norm",) in calls and scaled and not any(scaled)
     unfolded, _ = generate(monkeypatch, fold=False)
-    assert deferred == not_deferred == unfolded
+    assert deferred == unfolded
 
 
 def test_pending_rows_and_their_fallback():

@@ -109,21 +109,19 @@ def test_a_failing_release_hook_still_brings_the_group_down():
     assert [p.exitcode for p in workers] == [0]  # told to stop, not killed
 
 
-@pytest.mark.parametrize("value, message", [("ring", r"MINILLM_TP_ALLREDUCE='ring'; valid: nccl, symm_mem, fused"),
-                                            ("symm_mem", "symm_mem needs CUDA GPUs .* run on cpu"),
-                                            ("fused", "fused needs CUDA GPUs .* run on cpu")])
-def test_a_bad_all_reduce_choice_is_refused_before_any_process_starts(monkeypatch, value, message):
-    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", value)
+@pytest.mark.parametrize("value, message", [("ring", r"tp_all_reduce 'ring' is not supported; valid: .*symm_mem"),
+                                            ("symm_mem", "symm_mem' needs CUDA GPUs .* run on cpu"),
+                                            ("fused", "fused' needs CUDA GPUs .* run on cpu")])
+def test_a_bad_all_reduce_choice_is_refused_before_any_process_starts(value, message):
     with pytest.raises(ValueError, match=message):
-        LLM("tiny", load_format="dummy", tensor_parallel_size=2, **CONTINUOUS)
+        LLM("tiny", load_format="dummy", tensor_parallel_size=2, tp_all_reduce=value, **CONTINUOUS)
     assert not torch.distributed.is_initialized()
 
 
-def test_without_a_choice_a_cpu_engine_all_reduces_with_the_process_group(monkeypatch):
-    from minillm.parallel.all_reduce import ENV, chosen
+def test_without_a_choice_a_cpu_engine_all_reduces_with_the_process_group():
+    from minillm.parallel.all_reduce import chosen
 
-    monkeypatch.delenv(ENV, raising=False)
-    assert chosen(torch.device("cpu"), 2) == "nccl"  # gloo's all-reduce; "fused" needs GPUs that reach each other
+    assert chosen("auto", torch.device("cpu"), 2) == "nccl"  # gloo's; "fused" needs GPUs that reach each other
 
 
 CATCH_UP_SCRIPT = """

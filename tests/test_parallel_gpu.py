@@ -30,18 +30,16 @@ def greedy_tokens(dtype="float32", expect_fused=None, **kwargs) -> list[list[int
     return tokens
 
 
-def test_tp2_on_two_gpus_gives_the_one_gpu_tokens(monkeypatch):
-    monkeypatch.delenv("MINILLM_TP_ALLREDUCE", raising=False)  # the default: fused, on GPUs that are peers
+def test_tp2_on_two_gpus_gives_the_one_gpu_tokens():
+    # tp_all_reduce's default: fused, on GPUs that are peers
     assert greedy_tokens(expect_fused=True, tensor_parallel_size=2) == greedy_tokens()
 
 
-def test_tp2_with_the_symmetric_memory_all_reduce_gives_the_same_tokens(monkeypatch):
+def test_tp2_with_the_symmetric_memory_all_reduce_gives_the_same_tokens():
     # Two ranks' sum is a + b in either order: the one-shot all-reduce must match NCCL's bit for bit.
     # This process has set up symmetric memory for the engine above already: the rendezvous count catch-up.
-    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", "nccl")
-    nccl = greedy_tokens(expect_fused=False, tensor_parallel_size=2)
-    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", "symm_mem")
-    assert greedy_tokens(tensor_parallel_size=2) == nccl
+    nccl = greedy_tokens(expect_fused=False, tensor_parallel_size=2, tp_all_reduce="nccl")
+    assert greedy_tokens(tensor_parallel_size=2, tp_all_reduce="symm_mem") == nccl
 
 
 def test_pp2_on_two_gpus_gives_the_one_gpu_tokens():
@@ -56,11 +54,9 @@ def test_close_destroys_the_captured_graphs_first():
     assert not graphs.graphs
 
 
-def test_tp2_with_the_all_reduce_fused_into_the_norms_gives_nccls_tokens(monkeypatch):
+def test_tp2_with_the_all_reduce_fused_into_the_norms_gives_nccls_tokens():
     # The fused kernel adds the two partials in fp32 and rounds once: exact for two 16-bit values, so
     # NCCL's bits, in bf16 too, where near-ties would show any difference. In this process, after the
-    # symmetric-memory engines above (session 10's stall; all_reduce._catch_up).
-    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", "nccl")
-    nccl = greedy_tokens("bfloat16", expect_fused=False, tensor_parallel_size=2)
-    monkeypatch.setenv("MINILLM_TP_ALLREDUCE", "fused")
-    assert greedy_tokens("bfloat16", expect_fused=True, tensor_parallel_size=2) == nccl
+    # symmetric-memory engines above (all_reduce._catch_up).
+    nccl = greedy_tokens("bfloat16", expect_fused=False, tensor_parallel_size=2, tp_all_reduce="nccl")
+    assert greedy_tokens("bfloat16", expect_fused=True, tensor_parallel_size=2, tp_all_reduce="fused") == nccl

@@ -1,5 +1,6 @@
-"""RoPE's cos and sin from a table on a GPU (``LlamaForCausalLM.rope_table``): the rows a step gathers are the values
-``rope_values`` computes from its positions, bit for bit on the GPU, and in the layout the fused kernels take."""
+"""RoPE's cos and sin from a table on a GPU (``FusedLlamaForCausalLM.rope_table``, model/fused.py): the rows a step
+gathers are the values ``rope_values`` computes from its positions, bit for bit on the GPU, and in the layout the fused
+kernels take."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 from minillm.kernels.fused_layer_ops import check_rope_inputs
 from minillm.model.config import PRESETS
-from minillm.model import llama
+from minillm.model import fused
+from minillm.model.fused import FusedLlamaForCausalLM
 from minillm.model.llama import LlamaForCausalLM
 
 # Llama 3.1's frequency scaling (its config.json's rope_scaling).
@@ -18,12 +20,15 @@ LLAMA31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.
                    "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
 
-def small_model(scaled: bool, device: str) -> LlamaForCausalLM:
-    """A model of one layer with llama3-8b's RoPE (theta, head_dim; ``scaled``: Llama 3.1's scaling), on ``device``."""
+def small_model(scaled: bool, device: str) -> FusedLlamaForCausalLM:
+    """A model of one layer with llama3-8b's RoPE (theta, head_dim; ``scaled``: Llama 3.1's scaling), on ``device``,
+    its layers the fused ones."""
     config = dataclasses.replace(PRESETS["llama3-8b"], num_layers=1, hidden_size=256, num_heads=2, num_kv_heads=1,
                                  intermediate_size=64, vocab_size=64, max_position_embeddings=2048,
                                  rope_scaling=LLAMA31_SCALING if scaled else None)
-    return LlamaForCausalLM(config).to(device)
+    model = LlamaForCausalLM(config).to(device)
+    fused.enable(model)
+    return model
 
 
 def test_table_rows_are_their_positions():
@@ -72,7 +77,6 @@ def test_rows_gathered_where_they_fit():
 def test_gathered_rows_equal_computed_ones(scaled, dtype, monkeypatch):
     """Every position's gathered cos and sin equal the computed ones bit for bit, in batches of several shapes, and
     their [tokens, head_dim] views pass the fused kernels' check (equal strides, contiguous along head_dim)."""
-    monkeypatch.setattr(llama, "ROPE_TABLE", True)  # (whatever MINILLM_ROPE_TABLE says)
     model = small_model(scaled, "cuda")
     every = torch.arange(2048, device="cuda")
     for positions in (every[None], every.view(16, 128), every[1000:1001][None],

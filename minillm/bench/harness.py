@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from minillm import env
 from minillm.bench.jit_compiles import CompileCounter
 from minillm.bench.kv_waste import ServedRequest, kv_memory_summary
 from minillm.bench.metrics import RequestTiming, serving_metrics
@@ -58,8 +59,8 @@ def check_peers_can_share_weights(peers, engine_kwargs: dict) -> None:
 
 def git_commit() -> str:
     """MINILLM_COMMIT wins (the GPU machine gets a copy of the tree without .git)."""
-    if os.environ.get("MINILLM_COMMIT"):
-        return os.environ["MINILLM_COMMIT"]
+    if env.COMMIT.is_set():
+        return env.COMMIT.get()
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True, cwd=Path(__file__).parent).stdout.strip()

@@ -16,28 +16,7 @@ import torch
 
 from minillm.bench.metrics import RequestTiming
 from minillm.bench.workloads import WorkloadRequest
-from minillm.model.config import ModelConfig
-
-
-def hf_config_for(config: ModelConfig):
-    """A transformers config object describing the same model as ``config``."""
-    from transformers import AutoConfig
-
-    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling:
-        rope.update(config.rope_scaling)
-    kwargs = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
-        rope_parameters=rope, max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings,
-        eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else None,
-        bos_token_id=config.bos_token_id,
-    )
-    if config.model_type == "llama":
-        kwargs["attention_bias"] = config.attention_bias
-    return AutoConfig.for_model(config.model_type, **kwargs)
+from minillm.model.config import ModelConfig, hf_config_for
 
 
 def hf_model_sharing_weights(model: torch.nn.Module, config: ModelConfig):

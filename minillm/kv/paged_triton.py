@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from minillm.config import switched_on
 from minillm.kernels.flash_attention import paged_prefill_attention
 from minillm.kernels.kv_store import QUANTIZED_POOLS, rope_store_kv, store_kv
 from minillm.kernels.paged_attention import paged_decode_attention
@@ -21,12 +20,9 @@ from minillm.kernels.fused_layer_ops import Rms
 from minillm.kv.paged import PagedKVCache, PagedStep, write_kv
 
 
-# MINILLM_ROPE_IN_DECODE=0: a decode-only step stores K/V with rope_store_kv and then attends, two kernels a layer
-# where the decode kernel alone does both by default (to measure what that buys).
-ROPE_IN_DECODE = switched_on("MINILLM_ROPE_IN_DECODE")
-
-
 class TritonPagedBatch:
+    rope_in_decode_kernel = True  # False: a decode-only step stores K/V with rope_store_kv, then attends (two kernels)
+
     def __init__(self, cache: PagedKVCache, step: PagedStep):
         self.cache, self.step = cache, step
         self.max_prefill_len = max(step.query_lens[step.num_decode:], default=0)
@@ -34,8 +30,8 @@ class TritonPagedBatch:
         self.takes_rope = cache.k_scale is None
         # A decode-only step where the decode kernel applies RoPE and stores the new k and v itself (its q tile
         # needs head_dim >= 16; kernels/rope_in_decode.py), and so can apply qkv_proj's pending 1 / rms too.
-        self.rope_in_decode = (self.takes_rope and ROPE_IN_DECODE and step.num_decode == len(step.query_lens)
-                               and cache.k.shape[-1] >= 16)
+        self.rope_in_decode = (self.takes_rope and self.rope_in_decode_kernel
+                               and step.num_decode == len(step.query_lens) and cache.k.shape[-1] >= 16)
         self.takes_pending_norm = self.rope_in_decode and step.num_decode == 1
 
     def __call__(self, layer_idx: int, q, k, v, rope=None, pending=None):

@@ -5,29 +5,16 @@ weight's bytes over the bandwidth it reaches. On an H200, ``kernels/gemv.py`` be
 Llama-2-7B projection, whole or halved by tensor parallelism, by 5-16 %
 (``figures/h200/sweeps/gemv_bf16.json``), and on Hopper it starts while the kernel ahead of it still
 runs (``kernels/pdl.py``). So ``LlamaForCausalLM.enable_fused_kernels`` points every layer's ``gemv``
-at that kernel, unless MINILLM_GEMV=cublas asks to keep cuBLAS (to compare the two). A product takes
+at that kernel. A product takes
 it only where it can: one row of 16-bit x on a GPU, and no bias (Qwen2's qkv bias keeps cuBLAS, which
 adds it before rounding, as transformers does). Everything else is ``F.linear``, as before.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-GEMV_CHOICES = ("triton", "cublas")
-
-
-def gemv_choice() -> str:
-    """MINILLM_GEMV: "triton" (the default) or "cublas" — who computes one-row products on a GPU."""
-    choice = os.environ.get("MINILLM_GEMV", "triton")
-    if choice not in GEMV_CHOICES:
-        raise ValueError(f"MINILLM_GEMV is {choice!r}; expected one of {GEMV_CHOICES}")
-    return choice
-
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, gemv, width: int) -> bool:
     """Whether ``gemv`` can take x: one 16-bit row of ``width`` on a GPU, the weight contiguous along K."""

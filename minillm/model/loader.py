@@ -25,7 +25,6 @@ import hashlib
 import importlib.util
 import itertools
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from minillm import env
 from minillm.model.config import PRESETS, ModelConfig
 from minillm.model.llama import LlamaForCausalLM
 
@@ -64,7 +64,7 @@ class LoadedModel:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
+    return env.CACHE.get()
 
 
 def embedded_model_path() -> Path:

@@ -3,30 +3,29 @@ what the layer hands between them instead of a normalised row.
 
 Why: a batch-1 INT4 llama2-7b layer runs two norm kernels (each with the residual add before it) between its GEMVs,
 0.23 ms of a 2.30 ms token, where bf16's longer GEMVs hide theirs (figures/h200/sweeps/latency_what_if.json). With
-the norms folded (``LlamaForCausalLM.fold_norms``), and the step one row, the residual stream is an fp32 row
-(``residual_stream``) that the GEMVs add to in place (``kernels/w4_gemv_norms.py`` says why fp32 and in place):
+the norms folded (``FusedLlamaForCausalLM.fold_norms``, ``fused.py``), and the step one row, the residual stream is
+an fp32 row (``residual_stream``) that the GEMVs add to in place (``kernels/w4_gemv_norms.py`` says why fp32 and in
+place):
 
 - o_proj, given the stream (``add_to``), adds its output to it and returns it as a ``ResidualRow``;
 - the post-attention RMSNorm turns that into a ``NormedRow`` and runs no kernel;
 - gate_up_proj's GEMV normalises the row as it reads it. down_proj, the next layer's input norm and its qkv_proj
   do the same. The last layer's down_proj does not: the final norm and the LM head follow it, and take the stream
-  back in the model's dtype (``RMSNorm.forward`` rounds a residual of another dtype to x's).
-- The first layer's input norm folds too (``FOLD_FIRST_NORM``): the step's first kernel (``kernels/step_start.py``)
+  back in the model's dtype (``FusedRMSNorm.forward`` rounds a residual of another dtype to x's).
+- The first layer's input norm folds too: the step's first kernel (``kernels/step_start.py``)
   writes the token's embedding as the stream's fp32 row and zeroes the pending rows below, and layer 0's qkv_proj
   normalises that row as every later one does.
 
-One step further, gate_up_proj leaves its norm's 1 / rms to down_proj (``DEFER_MLP_NORM``): its GEMV adds its
+One step further, gate_up_proj leaves its norm's 1 / rms to down_proj: its GEMV adds its
 unnormalised output to a zeroed fp32 row and stores its splits' sums of squares beside it (a ``PendingSlot`` of the
 model's ``PendingRows``, zeroed once a step), and down_proj, given the ``PendingNorm``, scales the row as it loads it.
 Then no GEMV of the MLP has a split-K fix-up. qkv_proj does the same for the decode attention kernel, which scales
-q, k and v as it loads them for RoPE (``DEFER_ATTENTION_NORM``; ``kernels/rope_in_decode.py``), where the step's
+q, k and v as it loads them for RoPE (``kernels/rope_in_decode.py``), where the step's
 attention context can (``takes_pending_norm``: a decode-only step on the Triton backend, an unquantized cache).
 
 Nothing is lost where a kernel cannot run: a projection that cannot fold the add calls ``ResidualRow.add`` (the
 same add, in torch), and one that cannot take a ``NormedRow`` calls ``materialize`` (the norm's own forward on the
-row, what the unfolded layer computes; ``PendingNorm.materialize`` likewise). MINILLM_NORM_IN_GEMV=0 keeps the
-norm kernels, MINILLM_DEFER_MLP_NORM=0 gate_up_proj's own 1 / rms, MINILLM_DEFER_ATTENTION_NORM=0 qkv_proj's
-(for A/B runs).
+row, what the unfolded layer computes; ``PendingNorm.materialize`` likewise).
 """
 
 from __future__ import annotations
@@ -36,16 +35,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minillm.config import switched_on
-
-# MINILLM_NORM_IN_GEMV=0: the norms between INT4 GEMVs stay kernels of their own.
-ENABLED = switched_on("MINILLM_NORM_IN_GEMV")
-# MINILLM_DEFER_MLP_NORM=0: with the norms folded, gate_up_proj's GEMV still applies its norm's 1 / rms itself.
-DEFER_MLP_NORM = switched_on("MINILLM_DEFER_MLP_NORM")
-# MINILLM_DEFER_ATTENTION_NORM=0: qkv_proj's GEMV still applies its norm's 1 / rms itself.
-DEFER_ATTENTION_NORM = switched_on("MINILLM_DEFER_ATTENTION_NORM")
-# MINILLM_FOLD_FIRST_NORM=0: the first layer's input norm stays a kernel, behind the memset and the embedding's gather.
-FOLD_FIRST_NORM = switched_on("MINILLM_FOLD_FIRST_NORM")
 
 
 def residual_stream(residual: torch.Tensor) -> torch.Tensor:

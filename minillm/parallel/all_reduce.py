@@ -9,7 +9,7 @@ Memory" in its docs) gives every rank a buffer the others can read over NVLink, 
 all-reduce is one kernel in which each rank reads every peer's buffer and sums: no ring steps,
 no protocol (the idea of vLLM's and TensorRT-LLM's custom all-reduce kernels).
 
-``MINILLM_TP_ALLREDUCE`` picks one (vLLM switches its own with an environment variable too); unset, it is
+``EngineConfig.tp_all_reduce`` picks one; "auto" is
 ``fused`` where every rank's GPU reaches the others' memory, and NCCL (gloo on a CPU) otherwise.
 ``symm_mem`` needs CUDA GPUs with peer access (NVLink); activations larger than the buffer (one step's
 token budget) and other dtypes still go through NCCL. On two H200s it saved ~1.5 % of a batch-1 decode
@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-ENV = "MINILLM_TP_ALLREDUCE"
 CHOICES = ("nccl", "symm_mem", "fused")  # "nccl": the process group's own all-reduce (NCCL on GPUs, gloo on a CPU)
 
 _symmetric: "SymmetricAllReduce | None" = None  # this process's, while a tensor-parallel engine is open
@@ -59,21 +59,20 @@ def all_reduce(x: torch.Tensor) -> None:
         dist.all_reduce(x)
 
 
-def chosen(device: torch.device, size: int) -> str:
-    """The all-reduce ``MINILLM_TP_ALLREDUCE`` asks for, checked against ``device`` and, for the
-    symmetric-memory ones, against ``size`` ranks' GPUs (0 .. size - 1, one a rank). Unset: "fused"
-    on GPUs that reach each other's memory, "nccl" otherwise."""
-    if ENV not in os.environ:
+def chosen(choice: str, device: torch.device, size: int) -> str:
+    """The all-reduce ``choice`` (``EngineConfig.tp_all_reduce``) names, checked against ``device`` and, for the
+    symmetric-memory ones, against ``size`` ranks' GPUs (0 .. size - 1, one a rank). "auto": "fused" on GPUs
+    that reach each other's memory, "nccl" otherwise."""
+    if choice == "auto":
         return "fused" if device.type == "cuda" and _peers_reach_each_other(size) else "nccl"
-    choice = os.environ[ENV]
     if choice not in CHOICES:
-        raise ValueError(f"{ENV}={choice!r}; valid: {', '.join(CHOICES)}")
+        raise ValueError(f"tp_all_reduce={choice!r}; valid: auto, {', '.join(CHOICES)}")
     if choice != "nccl" and device.type != "cuda":
-        raise ValueError(f"{ENV}={choice} needs CUDA GPUs (NVLink peers), but the ranks run on {device.type}; "
-                         f"unset it (NCCL or gloo is used)")
+        raise ValueError(f"tp_all_reduce={choice!r} needs CUDA GPUs (NVLink peers), but the ranks run on "
+                         f"{device.type}; use 'auto' (NCCL or gloo)")
     if choice != "nccl" and not _peers_reach_each_other(size):
-        raise ValueError(f"{ENV}={choice} needs GPUs 0..{size - 1} of one host to reach each other's memory "
-                         f"(peer access), and they do not; unset it (NCCL is used)")
+        raise ValueError(f"tp_all_reduce={choice!r} needs GPUs 0..{size - 1} of one host to reach each other's "
+                         f"memory (peer access), and they do not; use 'auto' (NCCL)")
     return choice
 
 
@@ -177,17 +176,36 @@ class FusedAllReduceNorm:
 def fuse_into_norms(model, op: FusedAllReduceNorm | None) -> None:
     """Route each row-parallel output's all-reduce into the norm that follows it (``op``), or, with None,
     back to the linear. The decoder (``model/llama.py``) adds every row-parallel output (o_proj's,
-    down_proj's) to the residual in the next norm, and no other input reaches a norm with a residual."""
+    down_proj's) to the residual in the next norm, and no other input reaches a norm with a residual; the
+    norms become ``model/fused.py``'s, which sum their input with ``op``."""
+    from minillm.model.fused import fuse_norm
     from minillm.parallel.tp import RowParallelLinear, RowParallelQuantLinear
 
     for layer in model.model.layers:
         for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
             if not isinstance(linear, (RowParallelLinear, RowParallelQuantLinear)) or linear.bias is not None:
-                raise ValueError(f"{ENV}=fused needs row-parallel o_proj and down_proj without a bias; "
+                raise ValueError(f"tp_all_reduce='fused' needs row-parallel o_proj and down_proj without a bias; "
                                  f"this model has {type(linear).__name__} (bias: {linear.bias is not None})")
             linear.reduced_by_next_norm = op
-        layer.input_layernorm.reduce_input = layer.post_attention_layernorm.reduce_input = op
-    model.model.norm.reduce_input = op
+        fuse_norm(layer.input_layernorm, op)
+        fuse_norm(layer.post_attention_layernorm, op)
+    fuse_norm(model.model.norm, op)
+
+
+def install(choice: str, model, workers, max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int,
+            dtype: torch.dtype) -> None:
+    """Set up ``choice`` (``chosen``'s) for a tensor-parallel engine's ``model``, undone when ``workers`` shut down:
+    the symmetric-memory buffer, sized for a step's token budget, or the fused all-reduce for decode batches of up
+    to ``max_num_seqs`` rows. Before any CUDA graph captures the all-reduces."""
+    device = workers.device
+    if choice == "symm_mem":
+        enable_symmetric(device, max_num_batched_tokens * hidden_size, dtype)
+        workers.on_shutdown(disable_symmetric)
+    elif choice == "fused":
+        rows = min(max_num_seqs, FusedAllReduceNorm.MAX_ROWS)
+        fuse_into_norms(model, FusedAllReduceNorm(device, rows, hidden_size, dtype))
+        # A partial, not a lambda: a closure over the engine would keep it alive (Workers.on_shutdown).
+        workers.on_shutdown(partial(fuse_into_norms, model, None))
 
 
 def enable_symmetric(device: torch.device, max_elements: int, dtype: torch.dtype) -> SymmetricAllReduce:

@@ -47,20 +47,17 @@ SPIN_S = 0.02  # busy-wait this long before sleeping: longer than a decode step
 FIRST_SLEEP_S, MAX_SLEEP_S = 50e-6, 1e-3
 LIVENESS_S = 1.0  # how often a waiting rank checks that its peers are alive
 TOO_BIG = -1
-ENV = "MINILLM_STEP_CHANNEL"
 _yield_core = getattr(os, "sched_yield", lambda: None)  # not on Windows
 ORDERED_STORES = ("x86_64", "amd64", "i386", "i686", "x86")  # CPUs with total store order
 
 
-def open_channel(group, rank: int, size: int, peers_alive=None, capacity: int = CAPACITY) -> "StepChannel | GlooChannel":
-    """The shared-memory mailbox where it is safe (x86, one host), else gloo broadcasts. Collective:
-    every rank of ``group`` calls it at the same point."""
-    choice = os.environ.get(ENV, "shm")
-    if choice not in ("shm", "gloo"):
-        raise ValueError(f"{ENV}={choice!r}; valid: shm (the default: shared memory where safe), gloo")
+def open_channel(group, rank: int, size: int, peers_alive=None, capacity: int = CAPACITY,
+                 shared_memory: bool = True) -> "StepChannel | GlooChannel":
+    """The shared-memory mailbox where it is safe (x86, one host) and ``shared_memory``, else gloo broadcasts.
+    Collective: every rank of ``group`` calls it at the same point."""
     hosts = [None] * size
     dist.all_gather_object(hosts, (socket.gethostname(), platform.machine().lower()), group=group)
-    if choice == "shm" and len({host for host, _ in hosts}) == 1 and all(m in ORDERED_STORES for _, m in hosts):
+    if shared_memory and len({host for host, _ in hosts}) == 1 and all(m in ORDERED_STORES for _, m in hosts):
         return StepChannel(group, rank, size, peers_alive, capacity)
     return GlooChannel(group)
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minillm.config import EngineConfig
+from minillm.config import EngineConfig, resolve_device
 from minillm.model.config import ModelConfig
 from minillm.multi_step import follow_decode_steps
 from minillm.parallel.pp import Stage
@@ -101,8 +101,9 @@ class Workers:
         return self.part.rank
 
     @classmethod
-    def start(cls, config: EngineConfig, device: torch.device) -> "Workers":
-        """Join the group this process belongs to, or (rank 0 of ``LLM(...)``) create it."""
+    def start(cls, config: EngineConfig, device: torch.device, engine_class) -> "Workers":
+        """Join the group this process belongs to, or (rank 0 of ``LLM(...)``) create it, its workers each
+        building an ``engine_class(config)`` (the Engine: passed in, since the engine sits above this module)."""
         global _driver
         name, size = parallel_size(config)
         if dist.is_initialized():  # a worker started below, or a script that made the group itself
@@ -131,7 +132,7 @@ class Workers:
         for rank in range(1, size):
             ours, theirs = context.Pipe()
             process = context.Process(target=_worker_main, name=f"minillm-rank{rank}", daemon=True,
-                                      args=(config, rank, address, theirs, torch.get_num_threads()))
+                                      args=(engine_class, config, rank, address, theirs, torch.get_num_threads()))
             process.start()
             processes.append(process)
             connections.append(ours)
@@ -205,6 +206,18 @@ def live_driver() -> Workers | None:
     return None if driver is None or driver.closed else driver
 
 
+def build_engine(engine_class, config: EngineConfig):
+    """``engine_class(config)`` for a parallel config: on a failure, the workers it started are stopped."""
+    running = live_driver()
+    try:
+        return engine_class(config)
+    except BaseException:
+        driver = live_driver()  # workers started for this Engine, which then failed to build: stop them
+        if driver is not None and driver is not running:
+            driver.abandon()
+        raise
+
+
 def _shutdown(rank: int, channel, processes: list, before_shutdown: list, tell_workers: bool = True) -> None:
     if not dist.is_initialized():
         return
@@ -247,10 +260,8 @@ def _stop(processes: list, timeout: float) -> None:
             process.join(timeout=5)
 
 
-def _worker_main(config, rank: int, address: str, connection, num_threads: int) -> None:
+def _worker_main(engine_class, config, rank: int, address: str, connection, num_threads: int) -> None:
     """Rank > 0 of ``LLM(...)``: build this rank's Engine, say so, then follow rank 0's steps."""
-    from minillm.engine import Engine, resolve_device
-
     torch.set_num_threads(num_threads)  # as many as the parent uses: ranks share the machine's cores
     size = parallel_size(config)[1]
     device = _rank_device(resolve_device(config.device), rank, size)
@@ -258,7 +269,7 @@ def _worker_main(config, rank: int, address: str, connection, num_threads: int) 
     dist.init_process_group(_backend(device), init_method=address, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     try:
-        engine = Engine(config)
+        engine = engine_class(config)
     except Exception as e:
         connection.send(f"{type(e).__name__}: {e}")
         return

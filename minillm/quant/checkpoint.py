@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minillm.model.config import ModelConfig
+from minillm.model.config import ModelConfig, hf_config_for
 from minillm.model.llama import FUSED_PROJECTIONS
 from minillm.quant.calibration import LINEARS
 from minillm.quant.gptq import DAMP
@@ -57,8 +57,6 @@ QUANTIZED_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 def hf_config(config: ModelConfig) -> dict:
     """A ``config.json`` that ``ModelConfig.from_hf`` reads back as ``config``: the transformers config
     the benchmark peers build, with every stop id (that object keeps one) and the sliding window."""
-    from minillm.bench.peers import hf_config_for
-
     return hf_config_for(config).to_dict() | {"eos_token_id": config.eos_token_ids,
                                               "sliding_window": config.sliding_window}
 

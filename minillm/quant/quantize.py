@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from minillm.eval.perplexity import SEQ_LEN, calibration_samples
+from minillm.corpus import SEQ_LEN, calibration_samples
 from minillm.quant import awq, gptq, rtn
 from minillm.quant.calibration import LINEARS, LayerQuantizer, sequential_calibration
 from minillm.quant.fp8 import FP8Linear

@@ -179,13 +179,13 @@ def test_int4_engine_decodes_the_same_tokens_with_the_gated_gemv(monkeypatch):
     """Batch-1 decode of SmolLM2's shapes (dummy weights: the device need not hold the model) at RTN INT4: down_proj
     takes gate_up (one kernel less a layer) and the greedy tokens are those of SiLU-and-multiply's own kernel."""
     from minillm import LLM, SamplingParams
-    from minillm.model import norm_folding
+    from minillm.model.fused import FusedLlamaForCausalLM
 
     calls, fused = [], fused_forms.fused_gemv
     monkeypatch.setattr(fused_forms, "fused_gemv", lambda *a, **kw: calls.append(kw.get("gated")) or fused(*a, **kw))
     # Without the norms folded: their fp32 stream's reductions run in any order, so two engines' greedy tokens may
     # part at a near tie (tests/kernels/test_hopper_w4_gemv_norms.py compares those engines by their logits).
-    monkeypatch.setattr(norm_folding, "ENABLED", False)
+    monkeypatch.setattr(FusedLlamaForCausalLM, "fold_norms", lambda self, enabled=True: None)
     prompts = [list(range(5, 40)), list(range(300, 317))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     tokens = {}

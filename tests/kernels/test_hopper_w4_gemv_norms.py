@@ -232,13 +232,14 @@ LOGITS_TOLERANCE = 5e-2
 
 @needs_sm90
 def test_int4_engine_with_the_norms_folded_decodes_as_with_the_norm_kernels(monkeypatch):
-    """Batch-1 decode of SmolLM2's shapes (dummy weights) at RTN INT4 with MINILLM_NORM_IN_GEMV on and off: the
+    """Batch-1 decode of SmolLM2's shapes (dummy weights) at RTN INT4 with the norms folded and not: the
     folded GEMVs run (o_proj and down_proj adding, gate_up_proj and qkv_proj normalising). The folded layer keeps the
     residual stream in fp32 where the unfolded one rounds it to bf16, so the two need not choose the same tokens:
     while their tokens agree, their logits must be close, and where a token first differs, the norm kernels' engine
     must have had the two nearly tied (its logits for them no further apart than the engines' logits differ)."""
     from minillm import LLM, SamplingParams
-    from minillm.model import norm_folding
+    from minillm.model.fused import FusedLlamaForCausalLM
+    fold_norms = FusedLlamaForCausalLM.fold_norms
     from minillm.sampling import Sampler
 
     calls, fused = [], fused_forms.fused_gemv
@@ -251,7 +252,8 @@ def test_int4_engine_with_the_norms_folded_decodes_as_with_the_norm_kernels(monk
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     tokens, logits = {}, {}
     for folded in (True, False):
-        monkeypatch.setattr(norm_folding, "ENABLED", folded)
+        monkeypatch.setattr(FusedLlamaForCausalLM, "fold_norms",  # (unfolded: the norms stay kernels)
+                            lambda self, on=True, folded=folded: fold_norms(self, on and folded))
         llm = LLM("smollm2-135m", load_format="dummy", quantization="rtn-int4", batching="continuous", max_num_seqs=1,
                   max_model_len=128, num_kv_blocks=64, async_scheduling=False)  # two engines: a small cache each
         tokens[folded] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
