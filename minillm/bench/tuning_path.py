@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from minillm.bench.harness import (_release_kv_for_peers, _timed_run, check_choices, compile_warnings,
-                                   engine_warmup, result_header, run_hf_continuous, run_hf_static)
+from minillm.bench.harness import (_timed_run, check_choices, compile_warnings, engine_warmup, release_engine_memory,
+                                   result_header, run_hf_continuous, run_hf_static)
 from minillm.bench.metrics import serving_metrics
 from minillm.bench.peers import hf_model_sharing_weights
 from minillm.bench.workloads import WorkloadRequest, make_workload
@@ -149,7 +149,7 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
 
 def _run_peers(engine, requests: list[WorkloadRequest], peers: list[str], progress: bool) -> dict:
     """transformers on step 0's weights, after minillm's step 0 gave its KV cache back."""
-    _release_kv_for_peers(engine)
+    release_engine_memory(engine)
     hf, runs = hf_model_sharing_weights(engine.model, engine.model_config), {}
     if "hf_static" in peers:
         run_hf_static(hf, [WorkloadRequest(requests[0].prompt_token_ids[:16], 4)], engine.max_batch)
