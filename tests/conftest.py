@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 # The CI box has 2 cores shared with other jobs; OpenMP threads fighting over them make every matmul
 # an order of magnitude slower than one thread. Override with MINILLM_TEST_THREADS.
@@ -18,6 +19,13 @@ torch.set_num_threads(int(os.environ.get("MINILLM_TEST_THREADS", "1")))
 # kernel is defined, so it must be set before anything imports minillm.kernels (make test sets it too).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# HYPOTHESIS_PROFILE=ci (make test): every run draws the same examples (derandomized, so a failure in CI
+# reproduces anywhere and no example database is needed), with no per-example deadline: on a shared CPU
+# one example of an engine test can take seconds. Each test's own @settings keeps its example count.
+settings.register_profile("ci", derandomize=True, deadline=None, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 TINY_SHAPE = dict(
     hidden_size=64,
