@@ -34,11 +34,12 @@ tour: install
 	$(BIN)/minillm bench tour
 
 # Kernels run under Triton's CPU interpreter; it must be switched on before triton is imported.
-# Each suite runs on every core (pytest-xdist, -n auto), a file per worker at a time (--dist loadfile: a file's
-# tests share its module-scoped models, a notebook's cells its kernel), one torch thread per worker
-# (tests/conftest.py, OMP_NUM_THREADS for the notebooks' kernels). --durations lists the slowest tests.
-# HYPOTHESIS_PROFILE=ci: the property tests' examples derandomized (tests/conftest.py).
-XDIST := -n auto --dist loadfile --durations=15 -p no:cacheprovider
+# Each suite runs in JOBS processes (pytest-xdist; `make test JOBS=8` on a larger machine), a file per worker at a
+# time (--dist loadfile: a file's tests share its module-scoped models, a notebook's cells its kernel), one torch
+# thread per worker (tests/conftest.py, OMP_NUM_THREADS for the notebooks' kernels). --durations lists the
+# slowest tests. HYPOTHESIS_PROFILE=ci: the property tests' examples derandomized (tests/conftest.py).
+JOBS  ?= 2
+XDIST := -n $(JOBS) --dist loadfile --durations=15 -p no:cacheprovider
 test: dev test-unit test-exercises test-notebooks
 
 test-unit: dev
