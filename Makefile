@@ -1,5 +1,6 @@
 # minillm — two commands do everything on a fresh machine:
-#   make tour   install, then generate with the embedded model and print a small benchmark table
+#   make tour   install, then generate with the embedded model and print one table: static batching,
+#               continuous batching and prefix caching beside transformers
 #   make test   install with dev tools, then every test, kernel test, exercise and notebook
 PYTHON ?= python3
 VENV   := .venv
@@ -30,11 +31,15 @@ dev: $(VENV)/.dev
 
 tour: install
 	$(BIN)/minillm generate --chat --max-tokens 48 "What is a KV cache, in one sentence?" "Name three prime numbers."
-	$(BIN)/minillm bench throughput --workload mixed --scale cpu --num-requests 16 --peers hf_static
+	$(BIN)/minillm bench tour
 
 # Kernels run under Triton's CPU interpreter; it must be switched on before triton is imported.
-# pytest, not `python -m pytest`: the latter puts the repository root on sys.path, where kernels/ (the source of
-# minillm.kernels) would shadow Hugging Face's `kernels` package, which transformers >= 5.25 imports.
+# Each suite runs in JOBS processes (pytest-xdist; `make test JOBS=8` on a larger machine), a file per worker at a
+# time (--dist loadfile: a file's tests share its module-scoped models, a notebook's cells its kernel), one torch
+# thread per worker (tests/conftest.py, OMP_NUM_THREADS for the notebooks' kernels). --durations lists the
+# slowest tests. HYPOTHESIS_PROFILE=ci: the property tests' examples derandomized (tests/conftest.py).
+JOBS  ?= 2
+XDIST := -n $(JOBS) --dist loadfile --durations=15 -p no:cacheprovider
 test: dev lint test-unit test-exercises test-notebooks
 
 # Import contracts (pyproject.toml), checked on a copy of the package with kernels/ in place as minillm/kernels.
@@ -43,16 +48,16 @@ lint: dev
 	cd build/lint && ../../$(BIN)/lint-imports ../../pyproject.toml
 
 test-unit: dev
-	TRITON_INTERPRET=1 $(BIN)/pytest -q tests
+	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=ci $(BIN)/pytest -q $(XDIST) tests
 
 test-exercises: dev
 	$(BIN)/python exercises/make_stubs.py --check
-	$(BIN)/pytest -q exercises/tests --impl=solutions
-	$(BIN)/pytest -q exercises/tests --impl=exercises
+	$(BIN)/pytest -q $(XDIST) exercises/tests --impl=solutions
+	$(BIN)/pytest -q $(XDIST) exercises/tests --impl=exercises
 
 test-notebooks: dev
-	MINILLM_CI=1 MINILLM_FIGURES=$${TMPDIR:-/tmp}/minillm-figures $(BIN)/pytest -q --nbval-lax --nbval-current-env \
-		--nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider notebooks
+	MINILLM_CI=1 OMP_NUM_THREADS=1 MINILLM_FIGURES=$${TMPDIR:-/tmp}/minillm-figures $(BIN)/pytest -q $(XDIST) \
+		--nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks
 
 lab: dev
 	$(BIN)/jupyter lab notebooks

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 # Without a GPU the Triton kernels run under Triton's CPU interpreter. The switch is read when a
 # kernel is defined, so it must be set before anything imports minillm.kernels (make test sets it too).
@@ -20,6 +21,13 @@ from minillm import env  # noqa: E402 (after the interpreter switch)
 # The CI box has 2 cores shared with other jobs; OpenMP threads fighting over them make every matmul
 # an order of magnitude slower than one thread. Override with MINILLM_TEST_THREADS.
 torch.set_num_threads(env.TEST_THREADS.get())
+
+# HYPOTHESIS_PROFILE=ci (make test): every run draws the same examples (derandomized, so a failure in CI
+# reproduces anywhere and no example database is needed), with no per-example deadline: on a shared CPU
+# one example of an engine test can take seconds. Each test's own @settings keeps its example count.
+settings.register_profile("ci", derandomize=True, deadline=None, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 TINY_SHAPE = dict(
     hidden_size=64,

@@ -292,3 +292,49 @@ def test_kernel_bench_runs_and_checks_its_kernels(tmp_path):
     assert "prefill" in format_kernel_table(result) and "w4a16" in format_kernel_table(result)
     plot_kernels(result, str(tmp_path / "k.png"))
     assert (tmp_path / "k.png").stat().st_size > 0
+
+
+class _CapturedGraphs:
+    """What the CUDA decode graphs keep on a GPU, played on the CPU: the KV pool they captured."""
+
+    def __init__(self, cache):
+        self.cache, self.num_replays = cache, 0
+
+    def fits(self, batch: int) -> bool:
+        return False  # every step runs eagerly
+
+    def release(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("command", ["throughput", "latency"])
+def test_the_engine_gives_its_kv_pool_back_before_a_peer_runs(monkeypatch, command):
+    """The peers run in minillm's process after it: every reference to the KV pool (the runner's, the
+    CUDA graphs', the swap space's) must be gone by then, or on a GPU the pool (90 % of the card)
+    leaves the peer out of memory."""
+    import weakref
+
+    import minillm.bench.harness as harness
+
+    pools = []
+
+    class WatchedLLM(LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            runner = self.engine.runner
+            runner.graphs = _CapturedGraphs(runner.cache)
+            pools.extend(weakref.ref(t) for t in (runner.cache, runner.cache.k, runner.cache.v))
+
+    def peer(*args, **kwargs):
+        assert pools and all(ref() is None for ref in pools), "minillm's KV pool is alive while a peer runs"
+        return run_hf_static(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "LLM", WatchedLLM)
+    monkeypatch.setattr(harness, "run_hf_static", peer)
+    common = dict(model="tiny", load_format="dummy", scale="cpu", num_requests=2, peers=["hf_static"],
+                  dtype="float32", device="cpu", batching="continuous", preemption_mode="swap", swap_space="1MiB")
+    if command == "throughput":
+        result = bench_throughput(workload="mixed", **common)
+    else:
+        result = bench_latency(**common)
+    assert "hf_static" in result["runs"]

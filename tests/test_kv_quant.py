@@ -208,9 +208,12 @@ def test_perplexity_with_a_quantized_cache(smollm_runs):
     base = smollm_runs["auto"]["ppl"]
     assert base == pytest.approx(smollm_runs["dense_ppl"], rel=1e-4)
     increase = {kv: smollm_runs[kv]["ppl"] / base - 1 for kv in QUANTIZED}
-    assert 0 < increase["int8"] <= 0.005  # issue 6: INT8 <= 0.5 %
-    assert 0 < increase["fp8"] <= 0.01
-    assert increase["int8"] < increase["int4"] <= 0.05  # issue 6: INT4 <= 5 %
+    # INT8 and FP8 move perplexity by about as much as the order of fp32 sums does from one CPU to
+    # another (INT8: -0.02 % on one machine, + on another): their sign is noise, so only their size is
+    # bounded. INT4's rise (about 4 %) stands out of that noise by far more than a point.
+    assert abs(increase["int8"]) <= 0.005  # INT8 within 0.5 %
+    assert abs(increase["fp8"]) <= 0.01
+    assert increase["int8"] + 0.01 < increase["int4"] <= 0.05  # INT4 within 5 %, and clearly worse than INT8
 
 
 def test_int8_greedy_outputs_mostly_match_the_fp32_run(smollm_runs):

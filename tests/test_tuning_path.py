@@ -112,3 +112,22 @@ def test_later_steps_reuse_the_quantized_weights_instead_of_calibrating_again(mo
         assert runs[name]["quantized_weights_from"] == "3_awq_int4"
         assert runs[name]["weight_bytes"] == runs["3_awq_int4"]["weight_bytes"]
         assert runs[name]["prefix_cache_queries"] > 0
+
+
+def test_the_tour_runs_its_steps_on_one_card_beside_transformers():
+    """The tour's path on the tiny model: static batching holds the card's 4 sequences, paged KV the same
+    bytes as tokens; the table lists every step and the peer once, each with its ratios."""
+    result = bench_tuning_path(**TINY, scale="cpu", num_requests=16, peers=["hf_static"], path=tuning_path.TOUR,
+                               max_model_len=tuning_path.TOUR_MAX_MODEL_LEN,
+                               max_num_batched_tokens=tuning_path.TOUR_TOKEN_BUDGET, progress=False)
+    runs = result["runs"]
+    assert result["steps"] == [step.name for step in tuning_path.TOUR]
+    assert set(runs) == {*result["steps"], "hf_static"}
+    assert runs["static"]["max_batch"] == CPU_STATIC_SEQUENCES
+    assert runs["continuous"]["kv_capacity_tokens"] == CPU_STATIC_SEQUENCES * tuning_path.TOUR_MAX_MODEL_LEN
+    assert runs["continuous"]["mean_batch_size"] > runs["static"]["mean_batch_size"]  # the card holds all 16 at once
+    assert runs["prefix_cache"]["prefix_cache_hits"] > 0
+    table = tuning_path.format_tour(result)
+    for step in tuning_path.TOUR:
+        assert table.count(step.label) == 1
+    assert table.count("transformers generate (static)") == 1 and "1.00x" in table

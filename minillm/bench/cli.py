@@ -137,6 +137,16 @@ def cmd_bench_tuning_path(args) -> None:
     print(format_tuning_path(result))
 
 
+def cmd_bench_tour(args) -> None:
+    from minillm.bench import tuning_path as path
+
+    result = path.bench_tuning_path(model=None, load_format="auto", scale="cpu", num_requests=path.TOUR_REQUESTS,
+                                    peers=args.peers, path=path.TOUR, max_model_len=path.TOUR_MAX_MODEL_LEN,
+                                    max_num_batched_tokens=path.TOUR_TOKEN_BUDGET, dtype="float32",
+                                    command=args.command_line, progress=False)
+    print(path.format_tour(result))
+
+
 def cmd_bench_parallel(args) -> None:
     from minillm.bench.harness import write_result
     from minillm.bench.parallel import bench_parallel, format_parallel_table
@@ -194,7 +204,12 @@ def add_bench_parser(sub) -> None:
 
     p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
     bench = p.add_subparsers(dest="bench", required=True,
-                             metavar="{throughput,latency,kernels,kv-capacity,load,parallel,tuning-path,offload}")
+                             metavar="{tour,throughput,latency,kernels,kv-capacity,load,parallel,tuning-path,offload}")
+    t = bench.add_parser("tour", help="the embedded model on a CPU-sized run: static batching, continuous "
+                                      "batching, prefix caching and transformers, one table (make tour)")
+    t.add_argument("--peers", nargs="*", default=["hf_static"], choices=["hf_static", "hf_cb"],
+                   help="transformers beside the engine (default: its static generate)")
+    t.set_defaults(func=cmd_bench_tour)
     t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
     t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
     t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")

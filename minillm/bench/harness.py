@@ -10,6 +10,7 @@ fill (``minillm.bench.kv_waste``).
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import shlex
@@ -75,10 +76,20 @@ def result_header(benchmark: str, workload: str, model: str, command: str) -> di
             "command": command or shlex.join(sys.argv), "commit": git_commit(), "versions": info_dict()}
 
 
-def _release_kv_for_peers(engine) -> None:
-    """The peers run after minillm, in this process: give back minillm's KV cache (which may hold
-    most of the GPU) so they get the memory a user of transformers would have. Ends minillm's run."""
-    engine.runner.cache = None
+def release_engine_memory(engine) -> None:
+    """The peers run after minillm, in this process: give back everything minillm's engine holds on
+    the device beside the weights (which the peers share), so they get the memory a user of
+    transformers would have. The KV pool is referenced by the runner, by the CUDA graphs that
+    captured it (whose private memory pool holds their activations too) and by the CPU swap space;
+    all three go. Ends minillm's run: the engine cannot step afterwards."""
+    runner = engine.runner
+    graphs = getattr(runner, "graphs", None)
+    if graphs is not None:
+        graphs.release()
+        runner.graphs = None
+    runner.cache = None
+    engine.swapper = None
+    gc.collect()
     if engine.device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -193,7 +204,7 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
         runs[f"minillm_{variant}"], tokens[f"minillm_{variant}"], _ = _timed_run(llm, requests, minillm_warmup)
     served = [ServedRequest(t.num_input_tokens, t.num_output_tokens) for t in timings if t.token_times]
     if peers:
-        _release_kv_for_peers(engine)
+        release_engine_memory(engine)
     # The static peer runs minillm's static batch size, or 16 (BENCHMARKS.md) against a continuous engine.
     peer_batch_size = peer_batch_size or (16 if engine.config.batching == "continuous" else engine.max_batch)
     # The contiguous layout is the static engine's own, or the static peer's against a continuous engine.
@@ -264,7 +275,7 @@ def bench_latency(*, model: str | None, load_format: str, scale: str, num_reques
     timings = [run_minillm(llm, [r], use_tqdm=False)[0][0] for r in tqdm(requests, desc="minillm", unit="run")]
     runs = {"minillm": _decode_metrics(timings, limit)}
     if peers:
-        _release_kv_for_peers(engine)
+        release_engine_memory(engine)
     for peer in peers:
         if peer == "hf_compiled" and engine.device.type != "cuda":
             runs[peer] = {"skipped": "CUDA graphs need a CUDA device"}

@@ -8,9 +8,12 @@ other in one process on the ``tuning-path`` workload (BENCHMARKS.md) under the s
 (``memory_budget``: weights + workspace + KV must fit, so smaller weights and KV buy concurrency
 honestly). The step past the seeds' last one takes the host's per-token work off the GPU's critical
 path (multi-step decoding). A larger token budget per step (``max_num_batched_tokens`` 8192) was a step
-too until the H200 showed it is a latency knob, not a speed-up: +7 % at 64 requests, -2 % at 96
-(figures/h200/tuning_path.json at commit 7c4bcc6); ``--max-num-batched-tokens`` still sets it for every
-step. The two transformers peers run on the same requests with step 0's weights.
+too until the H200 showed it is a latency knob, not a speed-up: +7 % at 64 requests, -2 % at 96;
+``--max-num-batched-tokens`` still sets it for every step. The two transformers peers run on the same
+requests with step 0's weights.
+
+``minillm bench tour`` (``make tour``) runs the first steps that help on a CPU — static batching,
+continuous batching, prefix caching — the same way, on a short CPU-scale run (``TOUR``).
 
 The seeds' tok/s are printed and plotted beside ours as a reference, labelled as theirs: they come
 from another engine on other hardware, so only the shape of the path (each step's speed-up) compares.
@@ -26,8 +29,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from minillm.bench.harness import (_release_kv_for_peers, _timed_run, check_choices, compile_warnings,
-                                   engine_warmup, result_header, run_hf_continuous, run_hf_static)
+from minillm.bench.harness import (_timed_run, check_choices, compile_warnings, engine_warmup, release_engine_memory,
+                                   result_header, run_hf_continuous, run_hf_static)
 from minillm.bench.metrics import serving_metrics
 from minillm.bench.peers import hf_model_sharing_weights
 from minillm.bench.workloads import WorkloadRequest, make_workload
@@ -59,7 +62,19 @@ STEPS = (
     Step("5_multi_step", "+ 8 decode passes per scheduler step (beyond the seeds)", {"num_scheduler_steps": 8}),
 )
 STEP_NAMES = tuple(step.name for step in STEPS)
+# The tour: the steps that pay on a CPU, on 16 requests with contexts up to 1024 tokens. Under the
+# same card (weights + 4 sequences of 1024 tokens) static batching holds 4 sequences; paged KV holds
+# every request at once, since each takes only the blocks its tokens fill. A step's token budget of
+# 512 admits the 128-token prompts four at a time, so later ones find earlier system prompts cached.
+TOUR = (
+    Step("static", "static batching, contiguous KV", {"batching": "static"}),
+    Step("continuous", "+ continuous batching, paged KV", {"batching": "continuous"}),
+    Step("prefix_cache", "+ prefix caching, longest prefix first",
+         {"enable_prefix_caching": True, "scheduling_policy": "lpm"}),
+)
+TOUR_REQUESTS, TOUR_MAX_MODEL_LEN, TOUR_TOKEN_BUDGET = 16, 1024, 512
 PEERS = ("hf_static", "hf_cb")
+PEER_LABELS = {"hf_static": "transformers generate (static)", "hf_cb": "transformers continuous batching"}
 # The emulated card: BENCHMARKS.md's 24 GB at GPU scale. At CPU scale, the embedded model's weights
 # plus its workspace plus KV for 4 sequences of max_model_len: as tight, relative to the model, as
 # 8 sequences are for a 7B.
@@ -84,26 +99,29 @@ def cpu_budget(step0: EngineConfig, max_model_len: int) -> int:
 
 def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_requests: int | None,
                       peers: list[str], steps: list[str] | None = None, memory_budget: int | str | None = None,
-                      seed: int = 0, command: str = "", progress: bool = True, **engine_kwargs) -> dict:
-    """Run the chosen steps (all by default, in order, each on top of the ones before) and peers;
-    ``progress=False`` hides the progress bars of the timed runs."""
+                      seed: int = 0, command: str = "", progress: bool = True,
+                      path: tuple[Step, ...] | None = None, **engine_kwargs) -> dict:
+    """Run the chosen steps of ``path`` (all by default, in order, each on top of the ones before) and
+    peers; ``progress=False`` hides the progress bars of the timed runs. ``path``: STEPS by default."""
+    path = path or STEPS
+    names = tuple(step.name for step in path)
     if steps is not None:
-        check_choices("step", steps, STEP_NAMES)
+        check_choices("step", steps, names)
         if not steps:
-            raise ValueError("no step to run: give at least one of " + ", ".join(STEP_NAMES))
-    chosen = [name for name in STEP_NAMES if steps is None or name in steps]  # the path's order
+            raise ValueError("no step to run: give at least one of " + ", ".join(names))
+    chosen = [name for name in names if steps is None or name in steps]  # the path's order
     check_choices("peer", peers, PEERS)
-    if peers and STEP_NAMES[0] not in chosen:
-        raise ValueError(f"the peers {', '.join(peers)} run on step {STEP_NAMES[0]}'s weights, which is not among "
+    if peers and names[0] not in chosen:
+        raise ValueError(f"the peers {', '.join(peers)} run on step {names[0]}'s weights, which is not among "
                          f"the steps {', '.join(chosen)}: add it, or run no peers (--peers with no names)")
     max_model_len = engine_kwargs.pop("max_model_len", None) or MAX_MODEL_LEN[scale]
     if engine_kwargs.get("calibration_samples") is None:
         engine_kwargs["calibration_samples"] = CALIBRATION_SAMPLES[scale]
     budget = memory_budget if memory_budget is not None else (GPU_BUDGET if scale == "gpu" else None)
     configs, config, checked = {}, dict(engine_kwargs), []
-    if config.get("async_scheduling") is None:  # (on by default since session 24; the path's steps were measured
-        config["async_scheduling"] = False      # without it, figures/*/tuning_path.json: --async-scheduling adds it)
-    for step in STEPS:  # every step's configuration is checked before the first one runs
+    if config.get("async_scheduling") is None:  # (on by default; the path's steps are measured without it,
+        config["async_scheduling"] = False      # figures/*/tuning_path.json: --async-scheduling adds it)
+    for step in path:  # every step's configuration is checked before the first one runs
         config = configs[step.name] = config | step.changes
         checked.append(EngineConfig(model=model, load_format=load_format, max_model_len=max_model_len,
                                     memory_budget=budget, seed=seed, **config))
@@ -113,7 +131,7 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
     with tempfile.TemporaryDirectory(prefix="minillm-tuning-path-") as scratch:
         saved: dict[str, tuple[str, str]] = {}  # quantization -> (checkpoint, the step that quantized)
         for index, name in enumerate(chosen):
-            step, config = STEPS[STEP_NAMES.index(name)], configs[name]
+            step, config = path[names.index(name)], configs[name]
             quantization = config.get("quantization")
             # A later step with the same quantized weights loads the first one's checkpoint instead of
             # calibrating again (minutes for AWQ; the weights are identical, tests/test_quant_checkpoint.py).
@@ -135,10 +153,10 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
             elif quantization is not None and QuantSpec.parse(quantization).method != "fp8" and \
                     any(configs[later].get("quantization") == quantization for later in chosen[index + 1:]):
                 saved[quantization] = (str(save_quantized(llm, Path(scratch) / name)), name)
-            if name == "0_static" and peers:
+            if name == names[0] and peers:
                 runs |= _run_peers(engine, requests, peers, progress)
             _free(llm)
-    first = runs.get("0_static")
+    first = runs.get(names[0])
     for name in chosen:
         runs[name]["speedup_over_step0"] = runs[name]["output_throughput"] / first["output_throughput"] \
             if first else None
@@ -149,7 +167,7 @@ def bench_tuning_path(*, model: str | None, load_format: str, scale: str, num_re
 
 def _run_peers(engine, requests: list[WorkloadRequest], peers: list[str], progress: bool) -> dict:
     """transformers on step 0's weights, after minillm's step 0 gave its KV cache back."""
-    _release_kv_for_peers(engine)
+    release_engine_memory(engine)
     hf, runs = hf_model_sharing_weights(engine.model, engine.model_config), {}
     if "hf_static" in peers:
         run_hf_static(hf, [WorkloadRequest(requests[0].prompt_token_ids[:16], 4)], engine.max_batch)
@@ -189,6 +207,28 @@ def format_tuning_path(result: dict) -> str:
             m = runs[peer]
             lines.append(f"{peer:<16}{m['output_throughput']:>9.1f}{m['median_ttft_ms']:>13.0f}{m['p99_ttft_ms']:>9.0f}")
     lines.append("seeds = the design documents' tok/s for a 7B on their hardware (a reference, not measured here)")
+    lines += compile_warnings(runs)
+    return "\n".join(lines)
+
+
+def format_tour(result: dict) -> str:
+    """The tour's table: each step and transformers, with its speed-up over static batching and
+    over transformers' static ``generate`` (the peer a first deployment would use)."""
+    runs, first = result["runs"], result["steps"][0]
+    static, hf = runs[first]["output_throughput"], runs.get("hf_static", {}).get("output_throughput")
+    lines = [f"{result['num_requests']} requests of the tuning-path workload on {result['device']}, {result['model']}, "
+             f"one {result['memory_budget'] / 1e9:.2f} GB budget for weights + KV",
+             f"{'':<40}{'tok/s':>8}{'batch':>7}{'TTFT p50 s':>12}{'vs static':>11}{'vs transformers':>17}"]
+    rows = [(runs[name]["label"], runs[name]) for name in result["steps"]]
+    rows += [(PEER_LABELS[peer], runs[peer]) for peer in PEERS if peer in runs]
+    for label, m in rows:
+        batch = f"{m['mean_batch_size']:.1f}" if "mean_batch_size" in m else f"{m.get('batch_size', '-')}"
+        versus_hf = f"{m['output_throughput'] / hf:.2f}x" if hf else "-"
+        lines.append(f"{label:<40}{m['output_throughput']:>8.1f}{batch:>7}{m['median_ttft_ms'] / 1e3:>12.1f}"
+                     f"{m['output_throughput'] / static:>10.2f}x{versus_hf:>17}")
+    hits = [m for _, m in rows if "prefix_cache_hit_rate" in m]
+    if hits:
+        lines.append(f"prefix cache: {hits[-1]['prefix_cache_hit_rate']:.0%} of prompt tokens found cached")
     lines += compile_warnings(runs)
     return "\n".join(lines)
 
