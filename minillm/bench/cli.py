@@ -138,13 +138,13 @@ def cmd_bench_tuning_path(args) -> None:
 
 
 def cmd_bench_tour(args) -> None:
-    from minillm.bench import tuning_path as path
+    from minillm.bench import tuning_path as tuning
 
-    result = path.bench_tuning_path(model=None, load_format="auto", scale="cpu", num_requests=path.TOUR_REQUESTS,
-                                    peers=args.peers, path=path.TOUR, max_model_len=path.TOUR_MAX_MODEL_LEN,
-                                    max_num_batched_tokens=path.TOUR_TOKEN_BUDGET, dtype="float32",
-                                    command=args.command_line, progress=False)
-    print(path.format_tour(result))
+    result = tuning.bench_tuning_path(model=None, load_format="auto", scale="cpu", num_requests=tuning.TOUR_REQUESTS,
+                                      peers=args.peers, path=tuning.TOUR, max_model_len=tuning.TOUR_MAX_MODEL_LEN,
+                                      max_num_batched_tokens=tuning.TOUR_TOKEN_BUDGET, dtype="float32",
+                                      command=args.command_line, progress=False)
+    print(tuning.format_tour(result))
 
 
 def cmd_bench_parallel(args) -> None:
