@@ -50,7 +50,7 @@ test-notebooks: dev
 		--nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider notebooks
 
 lab: dev
-	$(BIN)/jupyter lab notebooks
+	$(BIN)/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
