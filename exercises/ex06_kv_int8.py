@@ -40,13 +40,14 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (``scale / 2``) of ``x``.
 
     Hints:
-        - Work in float32. The largest magnitude of each vector is ``x.abs().amax(-1)``.
-        - Compute the scale as largest * (1 / 127) — multiply, don't divide — clamp it to
-          [SMALLEST_SCALE, float16's largest value], cast it to float16, then divide x by it *as stored*.
+        - Work in float32, and reduce over the last dimension only.
+        - To match minillm bit for bit: multiply by ``1 / 127`` rather than dividing by 127 (torch on a
+          GPU computes a division by a scalar that way), and keep the scale inside float16's range
+          before you cast it.
     """
-    raise NotImplementedError("ex06: scale = absmax / 127 stored as fp16; codes = round(x / scale), clamped to [-127, 127]")
+    raise NotImplementedError("ex06: one float16 scale per vector, then the vector's codes")
 
 
 def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The inverse: ``[..., head_dim]`` in ``dtype``. Hint: compute in float32, then cast."""
-    raise NotImplementedError("ex06: codes times their vector's scale")
+    raise NotImplementedError("ex06: from codes and scales back to values")
