@@ -60,7 +60,7 @@ test-notebooks: dev
 		--nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks
 
 lab: dev
-	$(BIN)/jupyter lab notebooks
+	$(BIN)/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

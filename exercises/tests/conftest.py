@@ -1,7 +1,7 @@
 """Run the exercise tests against one implementation, chosen with ``--impl``:
 
-- ``solutions`` (default): the reference solutions in exercises/solutions/; every test must pass.
-- ``mine``: your exercises/exNN_*.py, tested normally; this is what you run while working.
+- ``mine`` (default): your exercises/exNN_*.py, tested normally; this is what you run while working.
+- ``solutions``: the reference solutions in exercises/solutions/; every test must pass (CI).
 - ``exercises``: the CI check of the committed stubs. A test passes only if it raised the stub's
   ``NotImplementedError("exNN: ...")``; one that passes or fails in another way is a failure.
 
@@ -31,8 +31,8 @@ if not torch.cuda.is_available():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--impl", choices=("solutions", "mine", "exercises"), default="solutions",
-                     help="exercise code to test: solutions (reference), mine (your exercises/exNN_*.py), "
+    parser.addoption("--impl", choices=("mine", "solutions", "exercises"), default="mine",
+                     help="exercise code to test: mine (your exercises/exNN_*.py), solutions (reference), "
                           "exercises (CI: every test must hit the stub's NotImplementedError)")
 
 

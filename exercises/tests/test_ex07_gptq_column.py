@@ -19,7 +19,7 @@ def random_block(out_features: int, width: int, seed: int):
     return torch.randn(out_features, width, generator=g), gptq.inverse_hessian_factor(gptq.hessian(x), 0.01)
 
 
-def test_worked_example_from_the_docstring(impl):
+def test_worked_example(impl):
     block = torch.tensor([[1.0, 2.0]])
     err = impl.update_column(block, torch.tensor([[2.0, 1.0], [0.0, 4.0]]), 0, torch.tensor([0.5]))
     assert err.tolist() == [0.25]

@@ -1,6 +1,4 @@
-# The exercise: replace each `raise NotImplementedError` with your code.
-# Generated from exercises/solutions/ex06_rtn_int4.py by exercises/make_stubs.py.
-"""Exercise 06: group-wise round-to-nearest (RTN) quantization, packed eight INT4 codes to an int32.
+"""Exercise 07, part 1: group-wise round-to-nearest (RTN) quantization, packed eight INT4 codes to an int32.
 
 A weight matrix ``w`` [out, in] in float32 takes 4 bytes a weight. INT4 takes half a byte: each
 weight becomes a *code* q in 0..15, and a small group of weights shares one float scale ``s`` and one
@@ -38,7 +36,7 @@ Where it lives in minillm: ``minillm/quant/rtn.py`` (``quantize_groupwise``) and
 so you can swap yours in::
 
     import minillm.quant.rtn as rtn, minillm.quant.linear as linear
-    from exercises.ex06_rtn_int4 import quantize_groupwise, pack_int4   # yours (from the repo root)
+    from exercises.ex07_rtn_int4 import quantize_groupwise, pack_int4   # yours (from the repo root)
 
     rtn.quantize_groupwise = quantize_groupwise
     linear.pack = lambda codes, bits: pack_int4(codes)                  # minillm packs INT4 only here
@@ -49,7 +47,7 @@ greedy tokens with minillm's own.
 
 Test your version (from the repository root)::
 
-    pytest exercises/tests/test_ex06_rtn_int4.py --impl=mine
+    pytest exercises/tests/test_ex07_rtn_int4.py --impl=mine
 """
 
 from __future__ import annotations
@@ -74,7 +72,20 @@ def quantize_groupwise(w: torch.Tensor, bits: int, group_size: int, sym: bool) -
           broadcast them with ``[:, None]``. Convert the codes with ``.to(torch.uint8)`` and the
           stacked zeros with ``.to(torch.int32)``.
     """
-    raise NotImplementedError("ex06: per group: minmax_params, then clamp(round(w / s) + z, 0, 2^bits - 1)")
+    # BEGIN SOLUTION: per group, its scale and zero point, then every weight's code
+    in_features = w.shape[1]
+    size = in_features if group_size == -1 else group_size
+    codes = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
+    scales, zeros = [], []
+    for start in range(0, in_features, size):
+        group = w[:, start:start + size].float()
+        scale, zero = minmax_params(group, bits, sym)
+        q = torch.clamp(torch.round(group / scale[:, None]) + zero[:, None], 0, 2 ** bits - 1)
+        codes[:, start:start + size] = q.to(torch.uint8)
+        scales.append(scale)
+        zeros.append(zero)
+    return codes, torch.stack(scales, dim=1), torch.stack(zeros, dim=1).to(torch.int32)
+    # END SOLUTION
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -86,4 +97,13 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
         - ``codes.to(torch.int32).reshape(rows // 8, 8, cols)`` puts the eight codes of each word on
           the middle axis; shift each by ``4 * j`` (``<<``) and combine them with ``|``.
     """
-    raise NotImplementedError("ex06: reshape to [rows / 8, 8, cols], shift code j left by 4 j, OR them together")
+    # BEGIN SOLUTION: reshape to [rows / 8, 8, cols], shift code j left by 4 j, OR them together
+    rows, cols = codes.shape
+    if rows % 8:
+        raise ValueError(f"{rows} rows do not pack into words of 8 INT4 codes; need a multiple of 8")
+    parts = codes.to(torch.int32).reshape(rows // 8, 8, cols)
+    packed = torch.zeros(rows // 8, cols, dtype=torch.int32, device=codes.device)
+    for j in range(8):
+        packed |= parts[:, j] << (4 * j)
+    return packed
+    # END SOLUTION

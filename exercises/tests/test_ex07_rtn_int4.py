@@ -1,7 +1,7 @@
-"""Tests for exercise 06, group-wise RTN and INT4 packing: worked examples, minillm's quantizer as the
+"""Tests for exercise 07 (part 1), group-wise RTN and INT4 packing: worked examples, minillm's quantizer as the
 reference (ragged groups included), the packed bit layout, and a model quantized by the learner's code.
 
-Run from the repository root: ``pytest exercises/tests/test_ex06_rtn_int4.py --impl=mine``.
+Run from the repository root: ``pytest exercises/tests/test_ex07_rtn_int4.py --impl=mine``.
 """
 
 from __future__ import annotations
