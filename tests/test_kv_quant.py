@@ -115,7 +115,7 @@ def test_capacity_under_a_memory_budget():
 
 
 def test_int8_doubles_the_tuning_path_sequences(tmp_path, capsys):
-    """Issue 6: under the tuning path's budget (Llama-2-7B bf16 in 24 GB) int8 KV at least doubles the
+    """Under the tuning path's budget (Llama-2-7B bf16 in 24 GB) int8 KV at least doubles the
     2048-token sequences that fit — computed by `minillm bench kv-capacity`, nothing timed."""
     out = tmp_path / "capacity.json"
     main(["bench", "kv-capacity", "--output", str(out)])

@@ -28,7 +28,7 @@ A second symmetric-memory engine in one process: symmetric memory's rendezvous n
 exchanges through the store by how many exchanges *this process* has made (PyTorch's static
 sequence counter; pytorch/pytorch#196082 is the same mismatch between subgroups). The driver keeps its
 count from one engine to the next, but a new engine's worker processes start from zero, so they and
-the driver would wait on different keys forever (the two-GPU suite stalled so in session 10). So before
+the driver would wait on different keys forever. So before
 each rendezvous the ranks agree on the highest count of rendezvous made, and a rank that is behind
 makes the missing ones alone, on a group of its own (:func:`_catch_up`). That rests on each rendezvous
 advancing the count alike whatever its group's size, true where it was tested (two H200s, no multicast,
