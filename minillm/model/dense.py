@@ -4,7 +4,7 @@ Why it exists: at batch-1 decode every linear layer is a matrix-vector product w
 weight's bytes over the bandwidth it reaches. On an H200, ``kernels/gemv.py`` beats cuBLAS on every
 Llama-2-7B projection, whole or halved by tensor parallelism, by 5-16 %
 (``figures/h200/sweeps/gemv_bf16.json``), and on Hopper it starts while the kernel ahead of it still
-runs (``kernels/pdl.py``). So ``LlamaForCausalLM.enable_fused_kernels`` points every layer's ``gemv``
+runs (``kernels/hopper/pdl.py``). So ``LlamaForCausalLM.enable_fused_kernels`` points every layer's ``gemv``
 at that kernel. A product takes
 it only where it can: one row of 16-bit x on a GPU, and no bias (Qwen2's qkv bias keeps cuBLAS, which
 adds it before rounding, as transformers does). Everything else is ``F.linear``, as before.

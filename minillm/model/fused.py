@@ -179,7 +179,8 @@ class FusedLlamaForCausalLM(llama.LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """As ``LlamaForCausalLM.forward``; with the first norm folded, a one-row step starts with
-        ``kernels/step_start.py``, which writes the embedding as the fp32 stream's row and zeroes the pending rows."""
+        ``step_start`` (``kernels/fused_layer_ops.py``), which writes the embedding as the fp32 stream's row and
+        zeroes the pending rows."""
         one_row, embed, residual = positions.numel() == 1, self.model.embed_tokens, None
         if one_row and self.fold_first_norm and type(embed) is nn.Embedding:
             from minillm.kernels.fused_layer_ops import step_start

@@ -12,9 +12,9 @@ place):
 - gate_up_proj's GEMV normalises the row as it reads it. down_proj, the next layer's input norm and its qkv_proj
   do the same. The last layer's down_proj does not: the final norm and the LM head follow it, and take the stream
   back in the model's dtype (``FusedRMSNorm.forward`` rounds a residual of another dtype to x's).
-- The first layer's input norm folds too: the step's first kernel (``kernels/step_start.py``)
-  writes the token's embedding as the stream's fp32 row and zeroes the pending rows below, and layer 0's qkv_proj
-  normalises that row as every later one does.
+- The first layer's input norm folds too: the step's first kernel (``step_start`` in
+  ``kernels/fused_layer_ops.py``) writes the token's embedding as the stream's fp32 row and zeroes the pending
+  rows below, and layer 0's qkv_proj normalises that row as every later one does.
 
 One step further, gate_up_proj leaves its norm's 1 / rms to down_proj: its GEMV adds its
 unnormalised output to a zeroed fp32 row and stores its splits' sums of squares beside it (a ``PendingSlot`` of the

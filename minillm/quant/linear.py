@@ -166,8 +166,8 @@ class QuantLinear(nn.Module):
 
     def folds_norms(self) -> bool:
         """Whether a decoder layer should hand this layer ``NormedRow`` inputs and residuals to add
-        (``norm_folding.folds_norms`` asks): INT4 codes the Gluon GEMV takes (``w4_gemv_hopper.weight_unsupported``:
-        bf16, groups of 64 or 128, ...), on an sm_90 GPU. A layer it cannot take would fall back on every step."""
+        (``norm_folding.folds_norms`` asks): INT4 codes the Gluon GEMV takes (``weight_unsupported`` in
+        ``kernels/hopper/w4_gemv.py``: bf16, groups of 64 or 128, ...), on an sm_90 GPU. A layer it cannot take would fall back on every step."""
         if self._fused_refusal() or not self.qweight.is_cuda:
             return False
         from minillm.kernels.int4_dequantize import check_int4_layout
