@@ -3,8 +3,8 @@
 Why a registry: a setting read deep inside a module is a setting nobody finds. These are the few that
 belong to the machine or the run rather than to one engine (engine settings are ``EngineConfig``
 fields); each is read when asked for, not at import, so a value set later (a test's monkeypatch, a
-benchmark pointing the cache elsewhere for one load) is seen. The kernels' own variables live with
-the kernels (``minillm.kernels``), which import nothing of minillm.
+benchmark pointing the cache elsewhere for one load) is seen. The kernels (``minillm.kernels``) import
+nothing of minillm and read no variable but Triton's own ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
