@@ -100,3 +100,18 @@ def engine_paused(llm):
     finally:
         release.set()
         del llm.engine.step  # the instance attribute goes; the method shows through again
+
+
+@contextmanager
+def finish_reasons(llm):
+    """Collect ``{request_id: finish_reason}`` of the requests that end meanwhile, through the step hook."""
+    ended = {}
+
+    def record(stats, outputs):
+        ended.update((o.request_id, o.outputs[0].finish_reason) for o in outputs if o.finished)
+
+    llm.step_callbacks.append(record)
+    try:
+        yield ended
+    finally:
+        llm.step_callbacks.remove(record)
