@@ -121,22 +121,44 @@ def test_step_callbacks_see_every_step(async_llm):
     assert delivered[-1].finished and delivered[-1].outputs[0].token_ids == outputs[-1].outputs[0].token_ids
 
 
-def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(async_llm, monkeypatch):
-    step = async_llm.engine.step
-    calls = []
+def test_a_failing_step_fails_its_batch_and_the_loop_goes_on(make_async_llm, monkeypatch):
+    llm = make_async_llm(max_num_seqs=1)  # one request runs, the next waits outside the batch
+    step, failed = llm.engine.step, []
 
-    def failing_once():
-        calls.append(1)
-        if len(calls) == 2:
+    def failing_on_the_third_step():
+        if len(llm.engine.stats) == 2 and not failed:
+            failed.append(True)
             raise RuntimeError("injected failure")
         return step()
 
-    monkeypatch.setattr(async_llm.engine, "step", failing_once)
-    with pytest.raises(RuntimeError, match="injected failure"):
-        asyncio.run(collect(async_llm, PROMPTS[0], greedy(8)))
-    wait_for_empty_engine(async_llm)
-    outputs = asyncio.run(collect(async_llm, PROMPTS[0], greedy(8)))
+    monkeypatch.setattr(llm.engine, "step", failing_on_the_third_step)
+
+    async def main():
+        return await asyncio.gather(*(collect(llm, p, greedy(8)) for p in PROMPTS[:2]), return_exceptions=True)
+
+    running, waiting = asyncio.run(main())
+    assert isinstance(running, RuntimeError) and "injected failure" in str(running)
+    assert waiting[-1].finished and len(waiting[-1].outputs[0].token_ids) == 8
+    wait_for_empty_engine(llm)
+    monkeypatch.undo()
+    outputs = asyncio.run(collect(llm, PROMPTS[0], greedy(8)))
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 8
+
+
+def test_a_step_that_fails_before_any_batch_fails_everything_without_spinning(make_async_llm, monkeypatch):
+    llm = make_async_llm(max_num_seqs=1)
+
+    def broken():
+        raise RuntimeError("broken scheduler")
+
+    monkeypatch.setattr(llm.engine, "step", broken)
+
+    async def main():
+        return await asyncio.gather(*(collect(llm, p, greedy(4)) for p in PROMPTS[:3]), return_exceptions=True)
+
+    assert all(isinstance(result, RuntimeError) for result in asyncio.run(main()))
+    wait_for_empty_engine(llm)
+    assert llm.is_running
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(make_async_llm):

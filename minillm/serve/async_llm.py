@@ -231,7 +231,7 @@ class AsyncLLM:
             outputs = self._apply(commands)
             stats = None
             if stopping:
-                outputs += self._abort_all()
+                outputs += self._abort(list(self.engine.requests))
             elif self.engine.has_unfinished():
                 stats, stepped = self._step()
                 outputs += stepped
@@ -276,17 +276,20 @@ class AsyncLLM:
         num_stats, latest = len(stats), stats[-1] if stats else None
         try:
             outputs = self.engine.step()
-        except Exception as error:  # an engine bug: fail the requests in the engine, keep serving new ones
-            logger.exception("engine step failed; failing requests %s", sorted(self._streams))
-            for stream in self._streams.values():
-                stream._loop.call_soon_threadsafe(stream._fail, error)
-            self._streams.clear()
-            return None, self._abort_all()
+        except Exception as error:  # an engine bug: fail the batch it broke on, keep the waiting and new requests
+            batch = [r.request_id for r in self.engine.scheduler.running if not r.finished]
+            batch = batch or list(self.engine.requests)  # it broke before a batch formed: nothing may spin on
+            logger.exception("engine step failed; failing requests %s", batch)
+            for request_id in batch:
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream._loop.call_soon_threadsafe(stream._fail, error)
+            return None, self._abort(batch)
         stepped = stats and (len(stats) != num_stats or stats[-1] is not latest)  # the deque may be full
         return (stats[-1] if stepped else None), outputs
 
-    def _abort_all(self) -> list[RequestOutput]:
-        outputs = [self.engine.abort(request_id) for request_id in list(self.engine.requests)]
+    def _abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = [self.engine.abort(request_id) for request_id in request_ids]
         return [output for output in outputs if output is not None]
 
     def _deliver(self, output: RequestOutput) -> None:
