@@ -69,16 +69,18 @@ def test_concurrent_streams_complete_with_the_right_tokens(server, async_llm, ti
 
 
 def test_disconnected_streams_are_aborted_and_free_their_blocks(server, async_llm):
-    body = dict(model=MODEL_NAME, max_tokens=400, temperature=0, stream=True, ignore_eos=True)
+    body = dict(model=MODEL_NAME, max_tokens=480, temperature=0, stream=True, ignore_eos=True)
     with finish_reasons(async_llm) as ended, httpx.Client(timeout=60) as client:
         responses = []
         for prompt in PROMPTS:
             request = client.build_request("POST", f"{server.url}/completions", json=dict(body, prompt=prompt))
             responses.append(client.send(request, stream=True))
-        for response in responses:  # every stream has started: its request holds blocks
-            lines = response.iter_lines()
-            assert next(line for line in lines if line).startswith("data: {")
+        # Keep each line iterator referenced: a dropped one closes its connection (a disconnect of its own).
+        lines = [response.iter_lines() for response in responses]
+        for stream in lines:  # every stream has started: its request holds blocks
+            assert next(line for line in stream if line).startswith("data: {")
         assert async_llm.num_running + async_llm.num_waiting == len(PROMPTS) and not kv_pool_free(async_llm)
+        assert not ended
         for response in responses:
             response.close()
         wait_for_empty_engine(async_llm, timeout=20)
