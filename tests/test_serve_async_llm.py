@@ -93,6 +93,21 @@ def test_full_waiting_queue_refuses_at_once_and_loses_nothing(async_llm):
     wait_for_empty_engine(async_llm)
 
 
+def test_arrival_is_when_the_request_was_added(async_llm):
+    """The time a request waits for the engine thread (busy with a step) counts in its queue time and TTFT."""
+    async def main():
+        with engine_paused(async_llm):
+            first = asyncio.create_task(collect(async_llm, PROMPTS[0], greedy(2)))
+            await asyncio.to_thread(wait_until, lambda: async_llm.num_waiting == 1 and not async_llm._commands)
+            second = asyncio.create_task(collect(async_llm, PROMPTS[1], greedy(2)))  # queued behind the held step
+            await asyncio.sleep(0.3)
+        return await first, await second
+
+    _, second = asyncio.run(main())
+    metrics = second[-1].metrics
+    assert metrics.time_in_queue >= 0.3 and metrics.ttft >= metrics.time_in_queue
+
+
 def test_bad_input_raises_where_it_is_awaited(async_llm):
     async def main():
         with pytest.raises(ValueError, match="max_model_len"):

@@ -255,6 +255,11 @@ def test_prompt_past_max_model_len_is_400(client, async_llm):
     assert error.status_code == 400 and error.body["param"] == "messages"
 
 
+def test_priority_needs_the_priority_policy(client):
+    error = error_of(lambda: client.completions.create(model=MODEL_NAME, prompt=PROMPT, extra_body={"priority": 3}))
+    assert error.status_code == 400 and "scheduling_policy" in error.body["message"]
+
+
 def test_chat_top_logprobs_needs_logprobs(client):
     error = error_of(lambda: client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, top_logprobs=2))
     assert error.status_code == 400 and error.body["param"] == "top_logprobs"

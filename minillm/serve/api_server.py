@@ -95,7 +95,7 @@ def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None, retr
             params = convert.completion_sampling_params(body)
         except (ValueError, TypeError) as error:
             raise invalid(error) from None
-        stream = await submit(async_llm, body.prompt, params, request_id, "prompt")
+        stream = await submit(async_llm, body.prompt, params, request_id, body.priority, "prompt")
         base = dict(id=request_id, created=int(time.time()), model=model_name)
         tokenizer, top = async_llm.tokenizer, body.logprobs
         if body.stream:
@@ -117,7 +117,7 @@ def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None, retr
             params = convert.chat_sampling_params(body, len(prompt), async_llm.max_model_len)
         except (ValueError, TypeError) as error:
             raise invalid(error, "messages") from None
-        stream = await submit(async_llm, prompt, params, request_id, "messages")
+        stream = await submit(async_llm, prompt, params, request_id, body.priority, "messages")
         base = dict(id=request_id, created=int(time.time()), model=model_name)
         tokenizer, top = async_llm.tokenizer, (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
@@ -171,11 +171,12 @@ def install_error_handlers(app: FastAPI, retry_after: int) -> None:
         return error_response(APIError(500, f"internal server error ({type(error).__name__})", "internal_error"))
 
 
-async def submit(async_llm: AsyncLLM, prompt, params, request_id: str, prompt_param: str) -> RequestStream:
+async def submit(async_llm: AsyncLLM, prompt, params, request_id: str, priority: int,
+                 prompt_param: str) -> RequestStream:
     """Queue the request; the engine's verdict on bad input (a prompt past max_model_len, a token id out
     of the vocabulary) becomes a 400 naming ``prompt_param`` unless the error names another parameter."""
     try:
-        return await async_llm.add_request(prompt, params, request_id=request_id)
+        return await async_llm.add_request(prompt, params, request_id=request_id, priority=priority)
     except (ValueError, TypeError) as error:
         raise invalid(error, prompt_param) from None
 

@@ -170,7 +170,8 @@ class AsyncLLM:
         added: concurrent.futures.Future = concurrent.futures.Future()
         with self._wakeup:
             self._num_pending_adds += 1
-            self._commands.append(("add", prompt, params, request_id, priority, loop, added))
+            # Arrival is now, not when the engine thread gets to it: TTFT and queue time count the wait.
+            self._commands.append(("add", prompt, params, request_id, priority, time.perf_counter(), loop, added))
             self._wakeup.notify_all()
         try:
             return await asyncio.wrap_future(added)
@@ -257,11 +258,12 @@ class AsyncLLM:
         self._refresh_counts()  # the new arrivals count as waiting while the step runs
         return aborted
 
-    def _add(self, prompt, params, request_id, priority, loop, added: concurrent.futures.Future) -> None:
+    def _add(self, prompt, params, request_id, priority, arrival_time, loop, added: concurrent.futures.Future) -> None:
         try:
             if not added.set_running_or_notify_cancel():
                 return  # the caller was cancelled before the engine thread got to its request
-            request_id = self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+            request_id = self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
+                                                 arrival_time=arrival_time)
             stream = RequestStream(request_id, self, loop)
             self._streams[request_id] = stream
             added.set_result(stream)

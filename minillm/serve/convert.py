@@ -42,8 +42,12 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
     return SamplingParams(max_tokens=max_tokens, **kwargs)
 
 
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
 def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
-    return sampling_params(request, request.max_tokens, request.logprobs)
+    max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+    return sampling_params(request, max_tokens, request.logprobs)
 
 
 def chat_sampling_params(request: ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:

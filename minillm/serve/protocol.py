@@ -61,6 +61,7 @@ class SamplingFields(APIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user identifier; accepted, not used
     # vLLM's extensions
+    priority: int = 0  # with scheduling_policy="priority": lower runs first
     top_k: int | None = Field(None, ge=-1)  # -1 or 0 = off
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -71,7 +72,7 @@ class SamplingFields(APIModel):
 class CompletionRequest(SamplingFields):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     #       text, or token ids
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1)  # null: OpenAI's default, 16
     logprobs: int | None = Field(None, ge=0, le=20)  # the k most likely tokens at each position, with the sampled one
 
 
