@@ -114,9 +114,12 @@ def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None, retr
         request_id = raw.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             prompt = encode_chat(async_llm.tokenizer, convert.chat_messages(body.messages))
-            params = convert.chat_sampling_params(body, len(prompt), async_llm.max_model_len)
         except (ValueError, TypeError) as error:
             raise invalid(error, "messages") from None
+        try:
+            params = convert.chat_sampling_params(body, len(prompt), async_llm.max_model_len)
+        except (ValueError, TypeError) as error:
+            raise invalid(error) from None
         stream = await submit(async_llm, prompt, params, request_id, body.priority, "messages")
         base = dict(id=request_id, created=int(time.time()), model=model_name)
         tokenizer, top = async_llm.tokenizer, (body.top_logprobs or 0) if body.logprobs else None
