@@ -1,10 +1,15 @@
 """The server under load on 127.0.0.1: many concurrent streams all complete with the right tokens and leave the KV
 pool free; clients that disconnect (streaming or not) get their requests aborted and their blocks freed; a
-server that stops lets the requests in flight finish, or aborts them once its shutdown timeout has passed."""
+server that stops lets the requests in flight finish, or aborts them once its shutdown timeout has passed; and
+`minillm serve` itself, stopped by SIGTERM, finishes its requests and exits cleanly."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import signal
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -96,18 +101,25 @@ def test_a_client_that_gives_up_on_a_whole_response_is_aborted(server, async_llm
     assert list(ended.values()) == ["abort"]
 
 
-def stream_in_thread(url: str, max_tokens: int, results: list) -> threading.Thread:
+def stream_in_thread(url: str, max_tokens: int, results: list, model: str = MODEL_NAME,
+                     first_chunk: threading.Event | None = None) -> threading.Thread:
+    """A streaming request on a thread; ``results`` gets its completion token count, or the error it ended with.
+    ``thread.first_chunk`` is set when the first chunk arrives."""
     def run():
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
         try:
-            chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=max_tokens,
-                                                    stream=True, stream_options={"include_usage": True},
-                                                    extra_body={"ignore_eos": True}))
+            chunks = []
+            for chunk in client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=max_tokens, stream=True,
+                                                   stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True}):
+                chunks.append(chunk)
+                thread.first_chunk.set()
             results.append(chunks[-1].usage.completion_tokens)
         except (openai.APIError, httpx.HTTPError) as error:
             results.append(error)
 
     thread = threading.Thread(target=run)
+    thread.first_chunk = first_chunk or threading.Event()
     thread.start()
     return thread
 
@@ -140,3 +152,24 @@ def test_a_shutdown_timeout_aborts_what_is_left(make_async_llm):
     assert len(results) == 3 and not any(r == 480 for r in results)  # cut short: an error or fewer tokens
     wait_for_empty_engine(llm, timeout=20)
     llm.shutdown(timeout=0)
+
+
+def test_minillm_serve_stops_gracefully_on_sigterm(tiny_chat_model_dir):
+    command = [sys.executable, "-m", "minillm.cli", "serve", str(tiny_chat_model_dir), "--port", "0",
+               "--dtype", "float32", "--device", "cpu", "--uvicorn-log-level", "warning"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            line = process.stdout.readline()
+            url = re.search(r"http://\S+/v1", line)
+            assert url, line + process.stderr.read()
+            url = url.group(0)
+            assert [m["id"] for m in httpx.get(f"{url}/models").json()["data"]] == [str(tiny_chat_model_dir)]
+            results = []
+            client = stream_in_thread(url, 400, results, model=str(tiny_chat_model_dir), first_chunk=threading.Event())
+            assert client.first_chunk.wait(60)
+            process.send_signal(signal.SIGTERM)
+            client.join(60)
+            assert process.wait(60) == 0, process.stderr.read()
+        finally:
+            process.kill()
+    assert results == [400]

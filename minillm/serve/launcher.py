@@ -8,6 +8,7 @@ which aborts it in the engine and frees its KV blocks.
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -35,14 +36,22 @@ def _listen(host: str, port: int) -> socket.socket:
 def run_server(async_llm: AsyncLLM, *, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, shutdown_timeout: float | None = None,
                log_level: str = "info") -> None:
-    """Serve until Ctrl-C / SIGTERM, then shut down gracefully, the engine last."""
+    """Serve until Ctrl-C / SIGTERM, then shut down gracefully, the engine last. Call it from the main thread."""
     server = uvicorn.Server(_config(async_llm, served_model_name, shutdown_timeout, log_level))
     sock = _listen(host, port)
     print(f"minillm: serving {server.config.app.title} on http://{host}:{sock.getsockname()[1]}/v1", flush=True)
+    # uvicorn handles the signal itself, shuts down gracefully, then raises the signal again: end quietly then.
+    handlers = {sig: signal.signal(sig, _exit_quietly) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=[sock])
     finally:
         async_llm.shutdown(timeout=0)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _exit_quietly(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 class ServerThread:
