@@ -209,5 +209,6 @@ def test_shutdown_with_no_time_aborts_in_flight_requests(make_async_llm):
 
 
 def test_bad_max_waiting_requests(tiny_llm):
-    with pytest.raises(ValueError, match="max_waiting_requests.*-1"):
-        AsyncLLM.from_llm(tiny_llm, max_waiting_requests=-1)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"max_waiting_requests.*{bad!r}"):
+            AsyncLLM.from_llm(tiny_llm, max_waiting_requests=bad)

@@ -115,8 +115,8 @@ class AsyncLLM:
 
     def _start(self, llm: LLM, max_waiting_requests: int | None) -> None:
         if max_waiting_requests is not None and (not isinstance(max_waiting_requests, int)
-                                                 or isinstance(max_waiting_requests, bool) or max_waiting_requests < 0):
-            raise ValueError(f"max_waiting_requests must be None (unbounded) or an integer >= 0, "
+                                                 or isinstance(max_waiting_requests, bool) or max_waiting_requests < 1):
+            raise ValueError(f"max_waiting_requests must be None (unbounded) or an integer >= 1, "
                              f"got {max_waiting_requests!r}")
         self.llm, self.engine = llm, llm.engine
         self.max_waiting_requests = max_waiting_requests
@@ -161,14 +161,14 @@ class AsyncLLM:
                           request_id: str | None = None, priority: int = 0) -> RequestStream:
         """Validate and queue one request; return its stream. Raises ``QueueFullError`` when the waiting
         queue is full, ``EngineShutdownError`` after ``shutdown()``, and the engine's ``ValueError`` for bad input."""
-        if not self._accepting:
-            raise EngineShutdownError("the engine is shutting down and accepts no new requests")
-        limit = self.max_waiting_requests
-        if limit is not None and self.num_waiting >= limit:
-            raise QueueFullError(self.num_waiting, limit)
         loop = asyncio.get_running_loop()
         added: concurrent.futures.Future = concurrent.futures.Future()
-        with self._wakeup:
+        with self._wakeup:  # under the lock shutdown() takes: an accepted add is applied before the thread ends
+            if not self._accepting:
+                raise EngineShutdownError("the engine is shutting down and accepts no new requests")
+            limit = self.max_waiting_requests
+            if limit is not None and self.num_waiting >= limit:
+                raise QueueFullError(self.num_waiting, limit)
             self._num_pending_adds += 1
             # Arrival is now, not when the engine thread gets to it: TTFT and queue time count the wait.
             self._commands.append(("add", prompt, params, request_id, priority, time.perf_counter(), loop, added))
@@ -204,9 +204,11 @@ class AsyncLLM:
         """Stop taking requests, let the running ones finish for up to ``timeout`` seconds (None: until they
         are all done), abort the rest, stop the engine thread and the engine. Blocking; call it from a
         thread (``await asyncio.to_thread(llm.shutdown, 30)``) when an event loop still has to deliver."""
-        self._accepting = False
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._wakeup:
+            if self._stop:
+                return  # shut down already
+            self._accepting = False
             while self._commands or self._num_pending_adds or self._num_waiting or self._num_running:
                 left = math.inf if deadline is None else deadline - time.monotonic()
                 if left <= 0 or not self._thread.is_alive():
