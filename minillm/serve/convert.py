@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from minillm.request import CompletionOutput, RequestOutput, SamplingParams
-from minillm.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatChunkChoice,
+from minillm.serve.protocol import (COMPLETION_MAX_TOKENS, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatChunkChoice,
                                     ChatDelta, ChatLogprobs, ChatMessage, CompletionChoice, CompletionChunk,
                                     CompletionLogprobs, CompletionRequest, AssistantMessage, PromptLogprob,
                                     PromptLogprobs, SamplingFields, TokenLogprob, TopLogprob, Usage)
@@ -40,9 +40,6 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
     return SamplingParams(max_tokens=max_tokens, **kwargs)
-
-
-COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
 def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
@@ -83,8 +80,7 @@ def _token_text(tokenizer, token_id: int, logprob) -> str:
 
 def _ranked(position: dict, top: int) -> list[tuple[int, object]]:
     """The top ``top`` entries of one position, most likely first (the sampled token may rank below them)."""
-    ranked = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
-    return [(token, lp) for token, lp in ranked if lp.rank is not None and lp.rank <= top][:top]
+    return sorted(((token, lp) for token, lp in position.items() if lp.rank <= top), key=lambda item: item[1].rank)
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], positions: list[dict], top: int,

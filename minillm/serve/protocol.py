@@ -69,10 +69,13 @@ class SamplingFields(APIModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
 
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
 class CompletionRequest(SamplingFields):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     #       text, or token ids
-    max_tokens: int | None = Field(16, ge=1)  # null: OpenAI's default, 16
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=1)  # null: the default
     logprobs: int | None = Field(None, ge=0, le=20)  # the k most likely tokens at each position, with the sampled one
 
 
