@@ -33,7 +33,7 @@ from minillm.bench.metrics import RequestTiming, serving_metrics
 from minillm.bench.workloads import WorkloadRequest, random_tokens
 from minillm.request import RequestOutput, SamplingParams
 
-# scale -> (chats, turns, tokens of each user message, tokens of each answer); BENCHMARKS.md's multi-turn.
+# scale -> (num_chats, num_turns, message_tokens: each user message, max_tokens: each answer); BENCHMARKS.md's.
 SIZES = {"gpu": (64, 4, 64, 64), "cpu": (8, 4, 64, 64)}
 
 
@@ -65,18 +65,17 @@ def make_chats(scale: str = "gpu", num_chats: int | None = None, seed: int = 0, 
     """The seeded chats of ``multi-turn`` at a scale (``SIZES``); any size can be overridden."""
     if scale not in SIZES:
         raise ValueError(f"scale must be 'gpu' or 'cpu', got {scale!r}")
-    chats, turns, message, answer = SIZES[scale]
-    chats, turns = num_chats or chats, num_turns or turns
-    message, answer = message_tokens or message, max_tokens or answer
-    for name, value in (("num_chats", chats), ("num_turns", turns), ("message_tokens", message),
-                        ("max_tokens", answer)):
-        if not isinstance(value, int) or value < 1:
+    given = dict(num_chats=num_chats, num_turns=num_turns, message_tokens=message_tokens, max_tokens=max_tokens)
+    sizes = {name: default if given[name] is None else given[name] for name, default in zip(given, SIZES[scale])}
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not think_time >= 0:
         raise ValueError(f"think_time must be >= 0 seconds, got {think_time!r}")
     rng = random.Random(f"multi-turn-{seed}")
-    messages = [[random_tokens(rng, message, vocab_size) for _ in range(turns)] for _ in range(chats)]
-    return ChatScript(messages, answer, think_time)
+    messages = [[random_tokens(rng, sizes["message_tokens"], vocab_size) for _ in range(sizes["num_turns"])]
+                for _ in range(sizes["num_chats"])]
+    return ChatScript(messages, sizes["max_tokens"], think_time)
 
 
 def next_turn_prompt(previous_prompt: list[int], answer: list[int], user_message: list[int]) -> list[int]:
