@@ -104,8 +104,9 @@ def test_finished_prefixes_against_brute_force(seed, block_size):
 def test_bad_chat_settings_are_refused_with_the_value():
     with pytest.raises(ValueError, match="num_chats must be a positive integer, got 0"):
         make_chats("cpu", num_chats=0)
-    with pytest.raises(ValueError, match="think_time must be >= 0 seconds, got -1"):
-        make_chats("cpu", think_time=-1)
+    for bad in (-1, float("nan"), float("inf"), "1"):
+        with pytest.raises(ValueError, match=f"think_time must be a finite number of seconds >= 0, got {bad!r}"):
+            make_chats("cpu", think_time=bad)
     with pytest.raises(ValueError, match="scale must be 'gpu' or 'cpu', got 'tpu'"):
         make_chats("tpu")
     with pytest.raises(ValueError, match="no peers"):

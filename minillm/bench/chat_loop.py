@@ -23,6 +23,7 @@ cache does.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -70,8 +71,8 @@ def make_chats(scale: str = "gpu", num_chats: int | None = None, seed: int = 0, 
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not think_time >= 0:
-        raise ValueError(f"think_time must be >= 0 seconds, got {think_time!r}")
+    if isinstance(think_time, bool) or not isinstance(think_time, (int, float)) or not 0 <= think_time < math.inf:
+        raise ValueError(f"think_time must be a finite number of seconds >= 0, got {think_time!r}")
     rng = random.Random(f"multi-turn-{seed}")
     messages = [[random_tokens(rng, sizes["message_tokens"], vocab_size) for _ in range(sizes["num_turns"])]
                 for _ in range(sizes["num_chats"])]

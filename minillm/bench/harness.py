@@ -180,8 +180,8 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
         raise ValueError("variants switch parts of the paged engine; they need batching='continuous'")
     if workload == CLOSED_LOOP and (peers or engine_kwargs.get("batching") != "continuous"):
         raise ValueError(f"workload {CLOSED_LOOP!r} runs chats in a closed loop through minillm's continuous engine: "
-                         f"give batching='continuous' and no peers (got batching={engine_kwargs.get('batching')!r}, "
-                         f"peers {peers})")
+                         f"give batching='continuous' and no peers (--batching continuous --peers), got "
+                         f"batching={engine_kwargs.get('batching')!r} and peers {peers}")
     llm = LLM(model, load_format=load_format, seed=seed, **engine_kwargs)
     engine = llm.engine
     vocab = engine.model_config.vocab_size
