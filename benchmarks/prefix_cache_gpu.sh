@@ -8,8 +8,8 @@
 # Each is one process: the cache on, off, then on again (--variants prefix_cache_off prefix_cache_on), so the
 # comparison on / off does not put the process's first timed run on one side only. Writes each run's JSON and
 # plot to $OUT, and prints the on / off ratios. Run from the repository root on a GPU, after
-# `python3 -m pip install -q --no-deps --no-build-isolation -e .`:
-#   MINILLM_COMMIT=$(git rev-parse --short HEAD) OUT=/tmp/out bash benchmarks/prefix_cache_gpu.sh
+# `python3 -m pip install -q --no-deps --no-build-isolation -e .`, naming the commit where the copy has no .git:
+#   MINILLM_COMMIT=<commit> OUT=/tmp/out bash benchmarks/prefix_cache_gpu.sh
 # A CPU-sized check of the same (cpu scale, seconds): MODEL=tiny FULL_POOL="--num-kv-blocks 160" CHATS=8 bash ...
 set -e -o pipefail
 MODEL=${MODEL:-llama2-7b}

@@ -46,4 +46,3 @@ def use_variant(engine, variant: str) -> None:
         engine.model.enable_fused_kernels(False)
     elif engine.attention_backend != "triton":
         raise ValueError(f"variant {variant!r} needs the engine on attention_backend='triton'")
-
