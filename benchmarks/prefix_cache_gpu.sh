@@ -10,7 +10,7 @@
 # plot to $OUT, and prints the on / off ratios. Run from the repository root on a GPU, after
 # `python3 -m pip install -q --no-deps --no-build-isolation -e .`, naming the commit where the copy has no .git:
 #   MINILLM_COMMIT=<commit> OUT=/tmp/out bash benchmarks/prefix_cache_gpu.sh
-# A CPU-sized check of the same (cpu scale, seconds): MODEL=tiny FULL_POOL="--num-kv-blocks 160" CHATS=8 bash ...
+# A CPU-sized check of the same (cpu scale, a few minutes): MODEL=tiny FULL_POOL="--num-kv-blocks 160" CHATS=8 bash ...
 set -e -o pipefail
 MODEL=${MODEL:-llama2-7b}
 CHATS=${CHATS:-64}
