@@ -112,3 +112,23 @@ def test_bad_chat_settings_are_refused_with_the_value():
     with pytest.raises(ValueError, match="no peers"):
         bench_throughput(model="tiny", load_format="dummy", workload="multi-turn", scale="cpu", num_requests=1,
                          peers=["hf_static"], batching="continuous")
+
+
+def test_bench_throughput_runs_the_chats_with_the_cache_on_off_and_on_again(tmp_path):
+    from minillm.bench.harness import format_table
+    from minillm.bench.plots import plot_result
+
+    result = bench_throughput(model="tiny", load_format="dummy", workload="multi-turn", scale="cpu", num_requests=2,
+                              peers=[], batching="continuous", dtype="float32", device="cpu",
+                              enable_prefix_caching=True, variants=("prefix_cache_off", "prefix_cache_on"))
+    runs = result["runs"]
+    assert list(runs) == ["minillm", "minillm_prefix_cache_off", "minillm_prefix_cache_on"]
+    assert result["num_requests"] == 8 and result["greedy_agreement"] == {"minillm_prefix_cache_off": 1.0,
+                                                                          "minillm_prefix_cache_on": 1.0}
+    for name in ("minillm", "minillm_prefix_cache_on"):
+        assert runs[name]["prefix_cache_hit_rate"] == pytest.approx(runs[name]["shared_token_fraction"])
+        assert runs[name]["shared_token_fraction"] > 0.5
+    assert runs["minillm_prefix_cache_off"]["cached_token_fraction"] == 0
+    assert [t["turn"] for t in runs["minillm"]["turns"]] == [0, 1, 2, 3]
+    assert "by turn" in format_table(result) and "prefix cache on / off" in format_table(result)
+    assert plot_result(result, tmp_path / "chats.json").stat().st_size > 0
