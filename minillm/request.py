@@ -119,6 +119,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first admitted (vLLM's name)
 
 
 _arrival_order = itertools.count()
@@ -137,6 +138,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (paged engine)
+        self.num_cached_tokens = 0  # of them, found in the prefix cache at its first admission
         self.num_preemptions = 0
         self.seq = next(_arrival_order)  # breaks ties between equal arrival times
         self.status = RequestStatus.WAITING
@@ -189,7 +191,7 @@ class Request:
             text = text[: max(0, len(text) - (max(map(len, self.params.stop)) - 1))]
         completion = CompletionOutput(0, text, list(self.output_token_ids), self.finish_reason, self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             self.finished, self.metrics)
+                             self.finished, self.metrics, self.num_cached_tokens)
 
 
 def output_budget(request: Request, max_model_len: int) -> int:

@@ -337,6 +337,7 @@ class ContinuousScheduler:
         request.status = RequestStatus.RUNNING
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = now
+            request.num_cached_tokens = request.num_computed_tokens  # what the prefix match skipped
         self.block_tables.grow(request.request_id, num_tokens)
         if swapped:
             cpu_blocks = self.cpu_block_tables.tables[request.request_id]
