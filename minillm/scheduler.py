@@ -45,9 +45,11 @@ class ScheduledBatch:
 
 
 def is_pure_decode(request: Request, num_new: int) -> bool:
-    """The request brings its last token and samples the next: a batch of such requests can run several passes,
-    or have another chained to it (``minillm/multi_step.py``)."""
-    return num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens
+    """The request brings its last token and samples the next, and needs the host only at the end (no penalties,
+    no logprobs: ``SamplingParams.one_token_at_a_time``): a batch of such requests can run several passes, or have
+    another chained to it (``minillm/multi_step.py``)."""
+    return num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens and \
+        not request.params.one_token_at_a_time
 
 
 class StaticScheduler:
@@ -351,7 +353,8 @@ class ContinuousScheduler:
         prefix (whole blocks, and never its last token: that one must be computed to give logits);
         it then computes only the rest. Undone at the end of the step if it is not admitted."""
         cache = self.prefix_cache
-        if cache is None or request.num_computed_tokens or request.request_id in self._prefix_nodes:
+        if cache is None or request.num_computed_tokens or request.request_id in self._prefix_nodes or \
+                request.params.prompt_logprobs is not None:  # (to be scored, every prompt position is computed)
             return
         limit = (request.num_tokens - 1) // cache.block_size * cache.block_size
         node, blocks = cache.match_prefix(request.all_token_ids[:limit])
