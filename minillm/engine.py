@@ -117,7 +117,7 @@ class Engine:
             self.workers.connect(self.runner)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Request | SequenceGroup] = {}  # by request id; n > 1: a group of sequences
-        self.groups = SequenceGroups(self.block_tables if config.batching == "continuous" else None)
+        self.groups = SequenceGroups()
         self._ids = itertools.count()
         self.stats: deque[StepStats] = deque(maxlen=100_000)  # the most recent steps
         # Async scheduling: the batch launched and not yet read, with its tokens (multi_step.LaunchedSteps).

@@ -234,6 +234,7 @@ class Request:
         self.text = ""  # detokenized output so far (stop strings already cut off)
         self.generator = None  # torch.Generator when params.seed is set (made by the sampler)
         self.index = 0  # which of its prompt's n sequences this is (``sequence_group.py``)
+        self.shares_prompt_of: Request | None = None  # n > 1: the sequence whose prompt blocks it shares
         # Asked-for log-probabilities so far (``logprobs.py`` appends them); None when not asked for.
         self.logprobs: list[dict[int, Logprob]] | None = None if params.logprobs is None else []
         self.cumulative_logprob = 0.0
