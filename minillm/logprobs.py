@@ -9,8 +9,9 @@ tokens strictly more likely.
 
 The runner computes them only for the requests that ask: sampled tokens' from the rows it samples from,
 prompt tokens' from extra rows of the LM head (``prompt_positions``: every prompt position except the
-last, which is the sampling row, and except those already scored before a preemption). The engine then
-``record``s them into the request, with each token's text.
+last, which is the sampling row, and except those already scored before a preemption) — a [tokens, vocab]
+fp32 tensor per prefill chunk, the price of asking. The engine then ``record``s them into the request, with
+each token's text.
 """
 
 from __future__ import annotations
@@ -38,9 +39,7 @@ def score(logits: torch.Tensor, targets: torch.Tensor, num_top: list[int]) -> li
 
 def prompt_positions(request: Request, start: int, end: int) -> range:
     """Positions in [start, end) whose logits score a prompt token not scored yet (position p scores token
-    p + 1); empty unless the request asks for prompt_logprobs."""
-    if request.prompt_logprobs is None:
-        return range(0)
+    p + 1), of a request that asks for prompt_logprobs."""
     return range(max(start, len(request.prompt_logprobs) - 1), min(end, request.num_prompt_tokens - 1))
 
 

@@ -53,7 +53,7 @@ class StaticRunner:
         logprobs = StepLogprobs()
         logprobs.score_sampled(logits, tokens, batch.requests, list(range(len(batch.requests))))
         for row, request in enumerate(batch.requests if batch.is_prefill else ()):
-            scored = prompt_positions(request, 0, request.num_prompt_tokens)
+            scored = None if request.prompt_logprobs is None else prompt_positions(request, 0, request.num_prompt_tokens)
             if scored:  # the prompt is right-aligned in the first columns: position p sits at column pad + p
                 columns = int(self.pad[row]) + torch.tensor(scored, device=hidden.device)
                 logprobs.score_prompt(row, request, self.model.compute_logits(hidden[row, columns]), scored)
@@ -123,7 +123,7 @@ class PagedRunner:
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(self.block_tables.tables[request.request_id])
-            scored = prompt_positions(request, start, start + n)
+            scored = None if request.prompt_logprobs is None else prompt_positions(request, start, start + n)
             if scored:
                 prompt_rows[i] = (range(len(logit_rows), len(logit_rows) + len(scored)), scored)
                 logit_rows += [len(ids) - n + p - start for p in scored]

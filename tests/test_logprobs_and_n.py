@@ -103,10 +103,11 @@ ENGINES = {
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_logprobs_equal_transformers_log_softmax(make_llm, hf, engine):
     llm = make_llm(**ENGINES[engine])
-    prompts = [random_prompt(1, 9), random_prompt(2, 22), random_prompt(1, 9)[:5] + random_prompt(3, 14)]
+    prompts = [random_prompt(1, 9), random_prompt(2, 22), random_prompt(1, 9)[:5] + random_prompt(3, 14), [7]]
     params = [SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=3),
               SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0),
-              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=20)]
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=20),
+              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=2)]
     if engine == "chunked+prefix-cache":  # a cached prompt is still scored in full
         llm.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -211,21 +212,29 @@ def test_n_greedy_gives_n_copies_of_the_greedy_answer(make_llm, hf):
                                                          out.prompt_logprobs), 2, 1)
 
 
-def test_n_with_preemption_and_abort_frees_every_block(make_llm):
-    llm = make_llm(num_kv_blocks=12, max_num_seqs=8)
+@pytest.mark.parametrize("mode", [dict(), dict(enable_prefix_caching=True),
+                                  dict(preemption_mode="swap", swap_space=24 * 4 * 512)])  # 24 CPU blocks:
+# 4 tokens of 512 bytes (2 layers x K and V x 2 KV heads x 16 x fp32)
+def test_n_with_preemption_and_abort_frees_every_block(make_llm, mode):
+    """A cache far too small for 3 x 3 sequences: preemption (recompute, with the prefix cache, or swap) takes
+    sequences that share blocks; every answer is the one a roomy engine gives, and every block comes back."""
+    llm = make_llm(num_kv_blocks=12, max_num_seqs=8, **mode)
     engine, allocator = llm.engine, llm.engine.block_tables.allocator
     prompts = [random_prompt(20 + i, 9 + 4 * i) for i in range(3)]
-    outs = llm.generate(prompts, SamplingParams(n=3, temperature=0.9, seed=3, max_tokens=10, ignore_eos=True),
-                        use_tqdm=False)
-    assert engine.scheduler.num_preemptions > 0
-    assert all(len(c.token_ids) == 10 for out in outs for c in out.outputs)
-    assert allocator.num_free == allocator.num_blocks and not engine.requests and not engine.groups.by_sequence
+    params = SamplingParams(n=3, temperature=0.9, seed=3, max_tokens=10, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert engine.scheduler.num_preemptions > 0 and (engine.swapper is None or engine.scheduler.num_swap_outs > 0)
+    roomy = make_llm().generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in roomy]
     request_id = engine.add_request(prompts[2], SamplingParams(n=4, max_tokens=20, ignore_eos=True))
     for _ in range(3):
         engine.step()
     aborted = engine.abort(request_id)
     assert aborted.finished and [c.finish_reason for c in aborted.outputs] == ["abort"] * 4
-    assert allocator.num_free == allocator.num_blocks and not engine.has_unfinished()
+    assert not engine.has_unfinished() and not engine.requests and not engine.groups.by_sequence
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.reset()  # the tree keeps finished prompts' blocks until evicted
+    assert allocator.num_free == allocator.num_blocks
 
 
 def test_n_ids_and_modes_are_checked(make_llm):
