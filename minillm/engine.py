@@ -30,7 +30,8 @@ from minillm.model.loader import load_model, model_bytes, resolve_dtype
 from minillm.logprobs import StepLogprobs
 from minillm.request import Request, RequestOutput, SamplingParams
 from minillm.runner import PagedRunner, StaticRunner
-from minillm.scheduler import ContinuousScheduler, DynamicScheduler, ScheduledBatch, StaticScheduler
+from minillm.scheduler import ContinuousScheduler, ScheduledBatch
+from minillm.static_scheduler import DynamicScheduler, StaticScheduler
 from minillm.sequence_group import SequenceGroup, SequenceGroups, sequence_id
 from minillm.tokenizer import detokenize_step, encode_prompt
 
