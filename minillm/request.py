@@ -1,62 +1,65 @@
 """What a user asks for and what they get back: SamplingParams, Request, RequestOutput.
 
 Field names follow vLLM's offline API (``SamplingParams(max_tokens=..., temperature=...)``,
-``out.outputs[0].text``) so code written for vLLM reads the same here. Bad parameters fail here,
-with a ``ValueError`` naming the value, before any tensor work happens.
+``out.outputs[0].text``) so code written for vLLM reads the same here. Bad parameters fail here
+(``minillm/validation.py``), with a ``ValueError`` naming the value, before any tensor work happens.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 
+from minillm.validation import check_bool, check_float, check_int, check_strings, check_token_ids
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's threshold): dividing by 1e-40 overflows
+SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes (a negative seed wraps modulo 2**64)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
+    """How to pick each next token, and when to stop. Checked when built, and frozen after: change one
+    with ``dataclasses.replace(params, max_tokens=64)``, which checks again.
+
+    ``temperature`` 0, or any value below ``GREEDY_BELOW`` (1e-5), is greedy: the argmax, as in vLLM.
+    ``seed`` is an integer in [-2**63, 2**64), the range of ``torch.Generator``. ``stop`` and
+    ``stop_token_ids`` come back as tuples. Bad values raise a ``ValueError`` (a ``TypeError`` too when
+    the type is wrong) naming the field, the value and what would be valid.
+    """
+
     max_tokens: int = 16  # tokens to generate at most
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below 1e-5) = greedy
     top_p: float = 1.0  # nucleus sampling: keep the smallest set with this much probability mass
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = all
     seed: int | None = None  # per-request generator, so results do not depend on batch mates
-    stop: list[str] | str | None = None  # stop strings (not included in the output text)
-    stop_token_ids: list[int] | None = None  # extra token ids that end generation
+    stop: tuple[str, ...] | list[str] | str | None = None  # stop strings (not included in the output text)
+    stop_token_ids: tuple[int, ...] | list[int] | None = None  # extra token ids that end generation
     ignore_eos: bool = False  # keep going past EOS (benchmarks with fixed output lengths)
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (both: off) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(_is_int(t) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        checked = dict(
+            max_tokens=check_int("max_tokens", self.max_tokens, minimum=1, valid="a positive integer"),
+            temperature=check_float("temperature", self.temperature, minimum=0.0,
+                                    valid="a finite number >= 0 (0 = greedy)"),
+            top_p=check_float("top_p", self.top_p, above=0.0, maximum=1.0, valid="a number in (0, 1]"),
+            top_k=check_int("top_k", self.top_k, minimum=-1, valid="-1, 0 (both: off) or a positive integer"),
+            seed=None if self.seed is None else check_int("seed", self.seed, minimum=SEED_RANGE[0], below=SEED_RANGE[1],
+                                                          valid="None or an integer in [-2**63, 2**64)"),
+            stop=check_strings("stop", self.stop),
+            stop_token_ids=tuple(check_token_ids("stop_token_ids", [] if self.stop_token_ids is None
+                                                 else self.stop_token_ids)),
+            ignore_eos=check_bool("ignore_eos", self.ignore_eos),
+            skip_special_tokens=check_bool("skip_special_tokens", self.skip_special_tokens),
+        )
+        for name, value in checked.items():  # numpy numbers become Python ones, lists tuples
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 class RequestStatus(enum.Enum):
