@@ -227,7 +227,7 @@ class Engine:
         them all before queueing any. Bad input raises ``validation.InvalidArgument`` (a ValueError)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise InvalidArgumentType("sampling_params", f"sampling params must be a SamplingParams, "
+            raise InvalidArgumentType("sampling_params", f"sampling_params must be a SamplingParams, "
                                                          f"got {describe(params)}")
         priority = check_int("priority", priority)
         if priority != 0 and self.config.scheduling_policy != "priority":

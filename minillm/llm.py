@@ -76,6 +76,10 @@ class LLM:
         prompts = as_prompt_list(prompts)
         params = per_prompt("sampling_params", SamplingParams() if sampling_params is None else sampling_params,
                             len(prompts))
+        for index, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise InvalidArgumentType("sampling_params", f"sampling_params[{index}] must be a SamplingParams, "
+                                                             f"got {describe(p)}")
         priorities = [0] * len(prompts) if priority is None else per_prompt("priority", priority, len(prompts),
                                                                             entry_is_list=True)
         with self._lock:

@@ -192,42 +192,53 @@ def per_prompt(param: str, value, n: int, entry_is_list: bool = False) -> list:
 def check_conversations(messages) -> list[list[dict]]:
     """``chat``'s first argument, one conversation (a list of messages) or a list of them, as a list of
     conversations whose messages are ``{"role": str, "content": str}``. Content may be a string or
-    OpenAI-style text parts, ``[{"type": "text", "text": "..."}]``, joined with newlines as vLLM does."""
+    OpenAI-style text parts, ``[{"type": "text", "text": "..."}]``, joined with newlines as vLLM does.
+    Errors point at the message: ``messages[2]['content']`` (``messages[1][0]...`` in a list of them)."""
     items = check_list("messages", messages, "messages (dicts), or a list of such lists")
     if not items:
-        raise InvalidArgument("messages", "chat() needs at least one message")
-    conversations = [items] if isinstance(items[0], dict) else items
-    return [[_check_message(m) for m in check_conversation(c)] for c in conversations]
+        raise InvalidArgument("messages", "messages is empty; chat() needs at least one message")
+    if isinstance(items[0], dict):
+        return [_check_conversation(items, "messages")]
+    return [_check_conversation(c, f"messages[{i}]") for i, c in enumerate(items)]
 
 
-def check_conversation(conversation) -> list:
+def _check_conversation(conversation, where: str) -> list[dict]:
     messages = check_list("messages", conversation, "messages (dicts with 'role' and 'content')")
     if not messages:
-        raise InvalidArgument("messages", "a conversation needs at least one message")
-    return messages
+        raise InvalidArgument("messages", f"{where} is an empty conversation; give at least one message")
+    return [_check_message(m, f"{where}[{i}]") for i, m in enumerate(messages)]
 
 
-def _check_message(message) -> dict:
+def _check_message(message, where: str) -> dict:
     if not isinstance(message, dict):
-        raise InvalidArgumentType("messages", f"each chat message must be a dict with 'role' and 'content', "
+        raise InvalidArgumentType("messages", f"{where} must be a dict with 'role' and 'content', "
                                               f"got {describe(message)}")
     if set(message) != {"role", "content"}:
-        raise InvalidArgument("messages", f"each chat message must have exactly the keys 'role' and 'content', "
+        raise InvalidArgument("messages", f"{where} must have exactly the keys 'role' and 'content', "
                                           f"got {describe(message)}")
     role = message["role"]
-    if role not in CHAT_ROLES:
-        raise InvalidArgument("messages", f"a chat message's role must be one of {CHAT_ROLES}, got {describe(role)}")
-    return {"role": role, "content": _message_text(message["content"])}
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise InvalidArgument("messages", f"{where}['role'] must be one of {CHAT_ROLES}, got {describe(role)}")
+    return {"role": role, "content": _message_text(message["content"], f"{where}['content']")}
 
 
-def _message_text(content) -> str:
+def _message_text(content, where: str) -> str:
     valid = "a string or a list of text parts [{'type': 'text', 'text': '...'}]"
+    if not isinstance(content, (str, list, tuple)):
+        raise InvalidArgumentType("messages", f"{where} must be {valid}, got {describe(content)}")
     if isinstance(content, str):
-        return check_text("messages", content, valid)
-    parts = check_list("messages", content, "text parts {'type': 'text', 'text': '...'}")
-    for part in parts:
+        return _check_message_text(content, where)
+    for index, part in enumerate(content):
         if not isinstance(part, dict) or set(part) != {"type", "text"} or part["type"] != "text":
-            raise InvalidArgument("messages", f"a chat message's content must be {valid}; got the part "
-                                              f"{describe(part)}")
-        check_text("messages", part["text"], valid)
-    return "\n".join(part["text"] for part in parts)
+            raise InvalidArgument("messages", f"{where} must be {valid}; part {index} is {describe(part)}")
+        _check_message_text(part["text"], f"{where}[{index}]['text']")
+    return "\n".join(part["text"] for part in content)
+
+
+def _check_message_text(text, where: str) -> str:
+    if not isinstance(text, str):
+        raise InvalidArgumentType("messages", f"{where} must be a string, got {describe(text)}")
+    try:
+        return check_text("messages", text)
+    except InvalidArgument as e:
+        raise InvalidArgument("messages", f"{where}: {e}") from None

@@ -100,8 +100,9 @@ class ModelConfig:
                 raise ValueError(
                     f"rope_type {scaling['rope_type']!r} is not supported; valid: 'default', 'llama3'"
                 )
-        heads = check_int("num_attention_heads", cfg["num_attention_heads"], minimum=1, valid="a positive integer")
-        hidden = check_int("hidden_size", cfg["hidden_size"], minimum=1, valid="a positive integer")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            check_int(key, cfg[key], minimum=1, valid="a positive integer")  # by config.json's names
+        heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if not isinstance(eos, (list, tuple)) else list(eos))
         extra = SUPPORTED_ARCHITECTURES[model_type]
