@@ -130,7 +130,7 @@ def tiny_text_model_dir(tmp_path_factory):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(
-        ["The capital of France is Paris.", "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+        ["The capital of France is Paris.", "def fibonacci(n): return n if n < 2 else fib(n - 1) + fib(n - 2)",
          "Name a color. Red, green and blue are colors.", "Once upon a time, a small model learned to talk."] * 8,
         trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))

@@ -32,7 +32,8 @@ def test_chat_message_runs_each_turn_with_the_history(tiny_text_model_dir, capsy
     main(["chat", *model_args(tiny_text_model_dir), *(["--system", system] if system else []),
           *[arg for turn in turns for arg in ("--message", turn)]])
     out = capsys.readouterr().out
-    llm, params = LLM(str(tiny_text_model_dir), dtype="float32", device="cpu"), SamplingParams(max_tokens=5, temperature=0)
+    llm = LLM(str(tiny_text_model_dir), dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=5, temperature=0)
     history, expected = [{"role": "system", "content": system}] if system else [], ""
     for turn in turns:
         history.append({"role": "user", "content": turn})
@@ -62,7 +63,8 @@ def test_generate_at_a_terminal_without_a_prompt_does_not_wait_for_input(no_mode
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["generate", "Hi", "--temperature", "nan"], "temperature"), (["generate", "Hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "Hi", "--temperature", "nan"], "temperature"),
+    (["generate", "Hi", "--max-tokens", "0"], "max_tokens"),
     (["chat", "--top-p", "2"], "top_p"), (["chat", "--sample-seed", str(2**64)], "seed"),
     (["generate", "Hi", "--max-num-seqs", "0"], "max_num_seqs"), (["chat", "--seed", str(-2**63 - 1)], "seed"),
     (["generate", "Hi", "--stop", ""], "stop"),

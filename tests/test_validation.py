@@ -171,7 +171,8 @@ def test_bad_priority_is_refused_before_the_scheduler_sees_it(priority, error, s
 
 
 @pytest.mark.parametrize("sampling_params, error, shown", [
-    ([], ValueError, "0 entries"), ({"max_tokens": 3}, TypeError, "dict"), ([SamplingParams(), None], TypeError, "None"),
+    ([], ValueError, "0 entries"), ({"max_tokens": 3}, TypeError, "dict"),
+    ([SamplingParams(), None], TypeError, "None"),
 ])
 def test_bad_sampling_params_argument(checked, sampling_params, error, shown):
     with rejects(error, "sampling_params", shown):
