@@ -81,7 +81,8 @@ class EngineConfig:
         if not isinstance(self.device, str):
             raise InvalidArgumentType("device", f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
                                                 f"got {describe(self.device)}")
-        self.seed = check_int("seed", self.seed, minimum=-2**63, below=2**64)  # torch.Generator's range
+        self.seed = check_int("seed", self.seed, minimum=-2**63, below=2**64,  # torch.Generator's range
+                              valid="an integer in [-2**63, 2**64)")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching {self.batching!r} is not supported; valid: {BATCHING_MODES}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
