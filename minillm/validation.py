@@ -34,10 +34,12 @@ class InvalidArgumentType(InvalidArgument, TypeError):
 def describe(value, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters, then its type: enough to recognise a bad value
     without printing a million-element list into an error message."""
+    return f"{short_repr(value, limit)} ({type(value).__name__})"
+
+
+def short_repr(value, limit: int = 80) -> str:
     text = repr(value)
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{text} ({type(value).__name__})"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_integer(value) -> bool:
@@ -109,9 +111,11 @@ def check_token_ids(param: str, value, vocab_size: int | None = None, label: str
     valid = "integers >= 0" if vocab_size is None else f"integers in [0, {vocab_size})"
     for index, token in enumerate(tokens):
         if not is_integer(token):
-            raise InvalidArgumentType(param, f"{label} must be {valid}; position {index} holds {describe(token)}")
+            raise InvalidArgumentType(param, f"{label} must be {valid}; position {index} holds {describe(token)}, "
+                                             f"in {short_repr(value)}")
         if token < 0 or (vocab_size is not None and token >= vocab_size):
-            raise InvalidArgument(param, f"{label} must be {valid}; position {index} holds {token!r}")
+            raise InvalidArgument(param, f"{label} must be {valid}; position {index} holds {token!r}, "
+                                         f"in {short_repr(value)}")
     return [int(t) for t in tokens]
 
 
