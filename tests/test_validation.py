@@ -4,6 +4,7 @@ at the edge of the valid range run to completion instead of failing inside a ste
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,22 +36,15 @@ def text_llm(tiny_text_model_dir):
     return LLM(str(tiny_text_model_dir), dtype="float32", device="cpu", max_model_len=64)
 
 
+@contextlib.contextmanager
 def rejects(error: type[Exception], param: str, *shown: str):
     """pytest.raises for minillm's own validation error about ``param``, whose message shows ``shown``."""
-    class Check:
-        def __enter__(self):
-            self.raises = pytest.raises(error)
-            self.info = self.raises.__enter__()
-            return self.info
-
-        def __exit__(self, *exc):
-            suppressed = self.raises.__exit__(*exc)
-            assert isinstance(self.info.value, InvalidArgument), f"not minillm's validation: {self.info.value!r}"
-            assert self.info.value.param == param
-            for text in (param, *shown):
-                assert text in str(self.info.value), (text, str(self.info.value))
-            return suppressed
-    return Check()
+    with pytest.raises(error) as info:
+        yield info
+    assert isinstance(info.value, InvalidArgument), f"not minillm's validation: {info.value!r}"
+    assert info.value.param == param
+    for text in (param, *shown):
+        assert text in str(info.value), (text, str(info.value))
 
 
 # -- sampling parameters ------------------------------------------------------------------------------
