@@ -34,6 +34,8 @@ from minillm.scheduler import ContinuousScheduler, ScheduledBatch
 from minillm.static_scheduler import DynamicScheduler, StaticScheduler
 from minillm.sequence_group import SequenceGroup, SequenceGroups, sequence_id
 from minillm.tokenizer import detokenize_step, encode_prompt
+from minillm.validation import (InvalidArgument, InvalidArgumentType, check_int, check_text, check_token_ids,
+                                describe)
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -222,48 +224,61 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
         """Validate and queue one request; returns its id. Bad input raises ValueError here."""
+        return self.queue(self.make_request(prompt, params, request_id=request_id, priority=priority,
+                                            arrival_time=arrival_time))
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Check one request and tokenize it, without queueing it: a caller with several requests checks
+        them all before queueing any. Bad input raises ``validation.InvalidArgument`` (a ValueError)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidArgumentType("sampling_params", f"sampling_params must be a SamplingParams, "
+                                                         f"got {describe(params)}")
+        priority = check_int("priority", priority)
         if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority!r} needs scheduling_policy='priority' "
-                             f"(now {self.config.scheduling_policy!r})")
+            raise InvalidArgument("priority", f"priority={priority!r} needs scheduling_policy='priority' "
+                                              f"(now {self.config.scheduling_policy!r})")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty; give at least one character or token id")
-            text, token_ids = prompt, encode_prompt(self.tokenizer, prompt)
+                raise InvalidArgument("prompt", "prompt is empty; give at least one character or token id")
+            text, token_ids = check_text("prompt", prompt), encode_prompt(self.tokenizer, prompt)
         else:
-            text, token_ids = None, list(prompt)
+            text, token_ids = None, check_token_ids("prompt", prompt, self.model_config.vocab_size, "prompt token ids")
         if not token_ids:
-            raise ValueError("prompt is empty; give at least one token id")
-        vocab = self.model_config.vocab_size
-        for index, token in enumerate(token_ids):
-            if not isinstance(token, int) or not 0 <= token < vocab:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); "
-                                 f"position {index} holds {token!r}")
+            raise InvalidArgument("prompt", "prompt is empty; give at least one token id")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
-                             f"(prompt + at least one output token must fit); shorten it or raise max_model_len")
+            raise InvalidArgument("prompt", f"prompt has {len(token_ids)} tokens, but max_model_len is "
+                                            f"{self.max_model_len} (prompt + at least one output token must fit); "
+                                            f"shorten it or raise max_model_len")
         if self.config.batching == "continuous":
             total = min(len(token_ids) + params.max_tokens, self.max_model_len)
             if -(-total // self.config.block_size) > self.block_tables.allocator.num_blocks:
-                raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
-                                 f"{total} tokens of KV cache, but it holds only {self.kv_capacity_tokens}; "
-                                 f"lower max_tokens or give the cache more memory")
+                raise InvalidArgument("max_tokens", f"prompt ({len(token_ids)} tokens) + max_tokens "
+                                                    f"({params.max_tokens}) needs {total} tokens of KV cache, but it "
+                                                    f"holds only {self.kv_capacity_tokens}; lower max_tokens or give "
+                                                    f"the cache more memory")
         params.check_engine(self.model_config.vocab_size, self.config.batching)
         request_id = str(next(self._ids)) if request_id is None else request_id
-        for seq_id in (sequence_id(request_id, i) for i in range(params.n)):  # n > 1: the sequences' ids too
-            if seq_id in self.requests or seq_id in self.groups:
-                raise ValueError(f"request id {seq_id!r} is already in use")
+        self._check_id_free(request_id, params.n)
         if params.n == 1:
-            request = first = Request(request_id, text, token_ids, params, priority, arrival_time)
-        else:
-            request = SequenceGroup(request_id, text, token_ids, params, priority, arrival_time)
-            first = request.first  # the others fork from it once it has prefilled the prompt
+            return Request(request_id, text, token_ids, params, priority, arrival_time)
+        return SequenceGroup(request_id, text, token_ids, params, priority, arrival_time)
+
+    def queue(self, request: Request | SequenceGroup) -> str:
+        """Hand a request from ``make_request`` to the scheduler; returns its id. A request with n > 1 queues its
+        first sequence: the others fork from it once it has prefilled the prompt."""
+        self._check_id_free(request.request_id, request.params.n)
+        self.requests[request.request_id] = request
+        if isinstance(request, SequenceGroup):
             self.groups.add(request)
-        self.requests[request_id] = request
-        self.scheduler.add(first)
-        return request_id
+        self.scheduler.add(request.first if isinstance(request, SequenceGroup) else request)
+        return request.request_id
+
+    def _check_id_free(self, request_id: str, n: int) -> None:
+        for seq_id in (sequence_id(request_id, i) for i in range(n)):  # n > 1: the sequences' ids too
+            if seq_id in self.requests or seq_id in self.groups:
+                raise InvalidArgument("request_id", f"request id {seq_id!r} is already in use")
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step: one forward pass, or up to ``num_scheduler_steps`` decode passes;

@@ -1,8 +1,8 @@
 """What a user asks for and what they get back: SamplingParams, Request, RequestOutput.
 
 Field names follow vLLM's offline API (``SamplingParams(max_tokens=..., temperature=...)``,
-``out.outputs[0].text``) so code written for vLLM reads the same here. Bad parameters fail here,
-with a ``ValueError`` naming the value, before any tensor work happens.
+``out.outputs[0].text``) so code written for vLLM reads the same here. Bad parameters fail here
+(``minillm/validation.py``), with a ``ValueError`` naming the value, before any tensor work happens.
 """
 
 from __future__ import annotations
@@ -10,39 +10,36 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 
+from minillm.validation import (InvalidArgument, InvalidArgumentType, check_bool, check_float, check_int,
+                                check_strings, check_token_ids, describe)
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's threshold): dividing by 1e-40 overflows
+SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes (a negative seed wraps modulo 2**64)
 MAX_N = 128  # sequences per prompt at most (OpenAI's limit for n)
 MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's limit for top_logprobs)
 
 
-def invalid(param: str, message: str) -> ValueError:
-    """The ValueError for a bad parameter, carrying its name in ``param`` (a server puts it in its error reply)."""
-    error = ValueError(message)
-    error.param = param
-    return error
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-
-
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
+    """How to pick each next token, and when to stop. Checked when built, and frozen after: change one
+    with ``dataclasses.replace(params, max_tokens=64)``, which checks again.
+
+    ``temperature`` 0, or any value below ``GREEDY_BELOW`` (1e-5), is greedy: the argmax, as in vLLM.
+    ``seed`` is an integer in [-2**63, 2**64), the range of ``torch.Generator``. ``stop`` and
+    ``stop_token_ids`` come back as tuples. Bad values raise a ``ValueError`` (a ``TypeError`` too when
+    the type is wrong) naming the field, the value and what would be valid.
+    """
+
     max_tokens: int = 16  # tokens to generate at most
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below 1e-5) = greedy
     top_p: float = 1.0  # nucleus sampling: keep the smallest set with this much probability mass
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = all
     seed: int | None = None  # per-request generator, so results do not depend on batch mates
-    stop: list[str] | str | None = None  # stop strings (not included in the output text)
-    stop_token_ids: list[int] | None = None  # extra token ids that end generation
+    stop: tuple[str, ...] | list[str] | str | None = None  # stop strings (not included in the output text)
+    stop_token_ids: tuple[int, ...] | list[int] | None = None  # extra token ids that end generation
     ignore_eos: bool = False  # keep going past EOS (benchmarks with fixed output lengths)
     skip_special_tokens: bool = True
     # More than one answer, and what shapes or reports each token (the OpenAI API's knobs, vLLM's names):
@@ -56,67 +53,64 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token but the first (None there), <= 20
 
     def __post_init__(self):
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise invalid("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise invalid("temperature",
-                          f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise invalid("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise invalid("top_k", f"top_k must be -1, 0 (both: off) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise invalid("seed", f"seed must be an integer or None, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise invalid("stop", f"stop strings must be non-empty strings, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(_is_int(t) for t in self.stop_token_ids):
-            raise invalid("stop_token_ids", f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
-        self._check_scoring_params()
+        checked = dict(
+            max_tokens=check_int("max_tokens", self.max_tokens, minimum=1, valid="a positive integer"),
+            temperature=check_float("temperature", self.temperature, minimum=0.0,
+                                    valid="a finite number >= 0 (0 = greedy)"),
+            top_p=check_float("top_p", self.top_p, above=0.0, maximum=1.0, valid="a number in (0, 1]"),
+            top_k=check_int("top_k", self.top_k, minimum=-1, valid="-1, 0 (both: off) or a positive integer"),
+            seed=None if self.seed is None else check_int("seed", self.seed, minimum=SEED_RANGE[0], below=SEED_RANGE[1],
+                                                          valid="None or an integer in [-2**63, 2**64)"),
+            stop=check_strings("stop", self.stop),
+            stop_token_ids=tuple(check_token_ids("stop_token_ids", [] if self.stop_token_ids is None
+                                                 else self.stop_token_ids)),
+            ignore_eos=check_bool("ignore_eos", self.ignore_eos),
+            skip_special_tokens=check_bool("skip_special_tokens", self.skip_special_tokens),
+            n=check_int("n", self.n, minimum=1, below=MAX_N + 1, valid=f"an integer in [1, {MAX_N}]"),
+            presence_penalty=check_float("presence_penalty", self.presence_penalty, minimum=-2.0, maximum=2.0,
+                                         valid="a number in [-2, 2]"),
+            frequency_penalty=check_float("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0,
+                                          valid="a number in [-2, 2]"),
+            repetition_penalty=check_float("repetition_penalty", self.repetition_penalty, above=0.0,
+                                           valid="a finite number > 0 (1 = off)"),
+            min_p=check_float("min_p", self.min_p, minimum=0.0, maximum=1.0, valid="a number in [0, 1]"),
+            logit_bias=self._checked_logit_bias(),
+            logprobs=self._checked_logprobs("logprobs"),
+            prompt_logprobs=self._checked_logprobs("prompt_logprobs"),
+        )
+        for name, value in checked.items():  # numpy numbers become Python ones, lists tuples
+            object.__setattr__(self, name, value)
 
-    def _check_scoring_params(self) -> None:
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise invalid("n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_number(value) or not -2.0 <= value <= 2.0:
-                raise invalid(name, f"{name} must be a number in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
-            raise invalid("repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), "
-                                                f"got {self.repetition_penalty!r}")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise invalid("min_p", f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise invalid("logit_bias", f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
-            for token, bias in self.logit_bias.items():
-                if not _is_int(token) or token < 0:
-                    raise invalid("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
-                if not _is_number(bias) or not -100.0 <= bias <= 100.0:
-                    raise invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100], "
-                                                f"got {bias!r} for token {token}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise invalid(name, f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (top log-probabilities "
-                                    f"per token), got {value!r}")
+    def _checked_logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidArgumentType("logit_bias", f"logit_bias must be a dict of token id -> bias, "
+                                                    f"got {describe(self.logit_bias)}")
+        return {check_int("logit_bias", token, minimum=0, valid="a dict whose keys are token ids (integers >= 0)"):
+                check_float("logit_bias", bias, minimum=-100.0, maximum=100.0,
+                            valid="a dict whose values are numbers in [-100, 100]")
+                for token, bias in self.logit_bias.items()}
+
+    def _checked_logprobs(self, name: str) -> int | None:
+        value = getattr(self, name)
+        return None if value is None else check_int(
+            name, value, minimum=0, below=MAX_LOGPROBS + 1,
+            valid=f"None or an integer in [0, {MAX_LOGPROBS}] (top log-probabilities per token)")
 
     def check_engine(self, vocab_size: int, batching: str) -> None:
         """What these parameters cannot check alone: logit_bias's token ids against the model's vocabulary, and
         n > 1 against the batching mode (its sequences share the prompt's blocks of the paged KV cache)."""
         outside = [t for t in self.logit_bias or () if t >= vocab_size]
         if outside:
-            raise invalid("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}), got {outside}")
+            raise InvalidArgument("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}), got {outside}")
         if self.n > 1 and batching != "continuous":
-            raise invalid("n", f"n={self.n} needs batching='continuous' (its sequences share the prompt's paged KV "
-                               f"blocks); with batching={batching!r} use n=1")
+            raise InvalidArgument("n", f"n={self.n} needs batching='continuous' (its sequences share the prompt's "
+                                       f"paged KV blocks); with batching={batching!r} use n=1")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @functools.cached_property
     def adjusts_logits(self) -> bool:

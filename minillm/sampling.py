@@ -86,7 +86,9 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             logits = min_p_filter(logits, to_device([p.min_p for p in params], torch.float32, logits.device))
         if any(p.top_k > 0 for p in params):
-            logits = top_k_filter(logits, to_device([max(p.top_k, 0) for p in params], torch.long, logits.device))
+            vocab = logits.shape[-1]  # a top_k beyond the vocabulary keeps all (and would overflow an int64)
+            logits = top_k_filter(logits, to_device([min(max(p.top_k, 0), vocab) for p in params], torch.long,
+                                                    logits.device))
         if any(p.top_p < 1.0 for p in params):
             logits = self.top_p_filter(logits, to_device([p.top_p for p in params], torch.float32, logits.device))
         probs = logits.softmax(dim=-1)

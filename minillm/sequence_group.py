@@ -39,7 +39,7 @@ class SequenceGroup:
         self.request_id, self.params = request_id, params
         self.sequences: list[Request] = []
         for i in range(params.n):
-            own = replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+            own = replace(params, n=1, seed=None if params.seed is None else _wrap_seed(params.seed + i),
                           prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             sequence = Request(sequence_id(request_id, i), prompt, prompt_token_ids, own, priority, arrival_time)
             sequence.index = i
@@ -71,6 +71,11 @@ class SequenceGroup:
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids,
                              [s.completion() for s in self.sequences], self.finished, metrics, prompt_logprobs,
                              first.num_cached_tokens)
+
+
+def _wrap_seed(seed: int) -> int:
+    """A seed past 2**64 - 1 as the same torch.Generator seed (manual_seed takes it modulo 2**64)."""
+    return seed - 2**64 if seed >= 2**64 else seed
 
 
 def sequence_id(request_id: str, index: int) -> str:
