@@ -1,4 +1,4 @@
-"""The ``minillm`` command: generate, chat, info, bench, eval.
+"""The ``minillm`` command: generate, chat, serve, info, bench, eval.
 
 Thin wrappers over the Python API, so every number the course shows can be rerun from a shell.
 """
@@ -9,11 +9,12 @@ import argparse
 import shlex
 import sys
 
-from minillm.cli_args import add_model_args, add_parallel_args, engine_kwargs, parallel_kwargs
+from minillm.cli_args import add_model_args, add_parallel_args, add_server_args, engine_kwargs, parallel_kwargs
 
 EXAMPLES = """examples:
   minillm generate "What is a KV cache?" --max-tokens 64
   minillm chat                                   # talk to the embedded SmolLM2-135M-Instruct
+  minillm serve --port 8000                      # the OpenAI API at http://127.0.0.1:8000/v1
   minillm info --model llama2-7b --load-format dummy
   minillm bench throughput --workload mixed --scale cpu --peers hf_static --output figures/cpu/static.json
   minillm generate --batching continuous -pp 2 "Hello"   # the layers split over 2 processes
@@ -94,6 +95,17 @@ def cmd_chat(args) -> None:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args) -> None:
+    from minillm.serve import AsyncLLM, run_server
+
+    if args.model_tag is not None and args.model not in (None, args.model_tag):
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
+    llm = AsyncLLM(args.model_tag or args.model, max_waiting_requests=args.max_waiting_requests,
+                   **engine_kwargs(args), **parallel_kwargs(args))
+    run_server(llm, host=args.host, port=args.port, served_model_name=args.served_model_name,
+               shutdown_timeout=args.shutdown_timeout, log_level=args.uvicorn_log_level)
+
+
 def cmd_info(args) -> None:
     from minillm import info
 
@@ -158,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="minillm", description="A compact, readable LLM inference engine.",
                                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,info,bench,eval}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve,info,bench,eval}")
 
     p = sub.add_parser("generate", help="complete prompts (arguments, or one per line on stdin)")
     p.add_argument("prompts", nargs="*", help="prompts; read from stdin when none are given")
@@ -175,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="the OpenAI-compatible HTTP API (completions, chat, streaming) on the model")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (as --model)")
+    add_model_args(p)
+    add_parallel_args(p)
+    p.set_defaults(batching="continuous")  # requests arrive while others run
+    add_server_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("info", help="versions, device, and the model's size and memory")
     p.add_argument("--no-model", action="store_true", help="only versions and device")

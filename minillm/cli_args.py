@@ -27,6 +27,13 @@ def add_model_args(p: argparse.ArgumentParser, several_quantizations: bool = Fal
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default 8 static, 256 continuous)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (continuous)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV capacity in blocks (continuous)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (continuous; default %(default)s)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory minillm may use, without --memory-budget (default %(default)s)")
+    g.add_argument("--batch-timeout", type=float, default=0.05,
+                   help="dynamic: seconds the oldest request waits for a full batch (default %(default)s)")
+    g.add_argument("--bucket-width", type=int, default=128,
+                   help="dynamic: prompts within the same multiple of this many tokens batch together (default %(default)s)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "lpm"],
                    help="continuous: fcfs = arrival order; priority = per-request priority, then arrival; "
                         "lpm = longest cached prefix first (with --enable-prefix-caching)")
@@ -78,6 +85,20 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="micro-batches a step's sequences flow through the stages in (default: the stage count)")
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; 0.0.0.0 = all)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: the model argument, or SmolLM2-135M-Instruct)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests that may wait for a slot; past it, new ones get 503 + Retry-After (default: no bound)")
+    g.add_argument("--shutdown-timeout", type=float, default=None,
+                   help="seconds the requests in flight get to finish at shutdown before they are aborted "
+                        "(default: as long as they need)")
+    g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
 def parallel_kwargs(args) -> dict:
     return dict(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                 pipeline_micro_batches=args.pipeline_micro_batches, tp_all_reduce=args.tp_all_reduce)
@@ -87,6 +108,8 @@ def engine_kwargs(args) -> dict:
     return dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, batching=args.batching,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                batch_timeout=args.batch_timeout, bucket_width=args.bucket_width,
                 scheduling_policy=args.scheduling_policy, kv_cache_dtype=args.kv_cache_dtype,
                 memory_budget=args.memory_budget, attention_backend=args.attention_backend,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
