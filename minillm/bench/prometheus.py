@@ -54,7 +54,7 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
     if b > 0:
         start, below = buckets[b - 1]
         count, rank = count - below, rank - below
-    return start + (end - start) * rank / count
+    return start + (end - start) * rank / count if count else math.nan  # q = 0 in an empty bucket: 0 / 0
 
 
 def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
