@@ -1,8 +1,8 @@
 """What ``import minillm`` loads: only what ``LLM()`` needs (DESIGN.md, "Layers").
 
-Tensor and pipeline parallelism, quantization, benchmarks, offloading, the swap space, multi-step and async
-decoding, and the Triton kernels (triton itself) load when a config asks for them. Checked in a fresh
-interpreter, since this test process has imported everything already.
+Tensor and pipeline parallelism, quantization, benchmarks, the server (FastAPI and uvicorn with it), offloading,
+the swap space, multi-step and async decoding, and the Triton kernels (triton itself) load when a config asks
+for them. Checked in a fresh interpreter, since this test process has imported everything already.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 NOT_AT_IMPORT = ("minillm.parallel", "minillm.quant", "minillm.bench", "minillm.eval", "minillm.offload",
                  "minillm.kv.swap", "minillm.kv.radix", "minillm.multi_step", "minillm.cuda_graphs",
-                 "minillm.model.fused")
+                 "minillm.model.fused", "minillm.serve", "fastapi", "uvicorn", "starlette")
 
 
 def loaded_after(code: str) -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -206,11 +207,11 @@ class AsyncLLM:
         self._accepting = False
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._wakeup:
-            while self._commands or self._streams or self._num_waiting or self._num_running:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0 or not self._thread.is_alive():
+            while self._commands or self._num_pending_adds or self._num_waiting or self._num_running:
+                left = math.inf if deadline is None else deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
                     break
-                self._wakeup.wait(left if left is None else min(left, 0.05))
+                self._wakeup.wait(min(left, 0.05))
             self._stop = True
             self._wakeup.notify_all()
         self._thread.join()
@@ -219,34 +220,42 @@ class AsyncLLM:
     # -- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Apply the queued adds and aborts, step, tell the callbacks, deliver; sleep while there is no work.
+        The callbacks run before the outputs are delivered, so whoever sees a finished output sees its
+        step accounted for."""
         while True:
             with self._wakeup:
                 while not (self._commands or self._stop or self.engine.has_unfinished()):
                     self._wakeup.wait()
                 commands, self._commands = self._commands, deque()
                 stopping = self._stop
-            aborted = self._apply(commands)
+            outputs = self._apply(commands)
+            stats = None
             if stopping:
-                self._abort_all(aborted)
-                self._notify_callbacks(None, aborted)
-                return
-            stats, outputs = self._step()
+                outputs += self._abort_all()
+            elif self.engine.has_unfinished():
+                stats, stepped = self._step()
+                outputs += stepped
             self._refresh_counts()
-            self._notify_callbacks(stats, aborted + outputs)
+            self._notify_callbacks(stats, outputs)
+            for output in outputs:
+                self._deliver(output)
+            if stopping:
+                return
 
     def _apply(self, commands: deque) -> list[RequestOutput]:
+        """The adds and aborts in the order they came; returns the aborted requests' outputs."""
         aborted = []
         for kind, *args in commands:
             if kind == "add":
                 self._add(*args)
+                continue
+            output = self.engine.abort(args[0])
+            if output is not None:
+                aborted.append(output)
             else:
-                output = self.engine.abort(args[0])
-                stream = self._streams.pop(args[0], None)
-                if output is not None:
-                    aborted.append(output)
-                    if stream is not None:
-                        self._deliver(stream, output)
-        self._refresh_counts()
+                self._streams.pop(args[0], None)  # finished already, or never added
+        self._refresh_counts()  # the new arrivals count as waiting while the step runs
         return aborted
 
     def _add(self, prompt, params, request_id, priority, arrival_time, loop, added: concurrent.futures.Future) -> None:
@@ -265,46 +274,34 @@ class AsyncLLM:
                 self._num_pending_adds -= 1
 
     def _step(self) -> tuple[StepStats | None, list[RequestOutput]]:
-        if not self.engine.has_unfinished():
-            return None, []
-        num_stats = len(self.engine.stats)
-        latest = self.engine.stats[-1] if num_stats else None
+        stats = self.engine.stats
+        num_stats, latest = len(stats), stats[-1] if stats else None
         try:
             outputs = self.engine.step()
-        except Exception as error:  # an engine bug: fail this step's requests, keep serving new ones
-            logger.exception("engine step failed; aborting requests %s", sorted(self._streams))
-            return None, self._abort_all([], error)
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                if output.finished:
-                    del self._streams[output.request_id]
-                self._deliver(stream, output)
-        stepped = self.engine.stats and (len(self.engine.stats) != num_stats or self.engine.stats[-1] is not latest)
-        return (self.engine.stats[-1] if stepped else None), outputs
-
-    def _abort_all(self, aborted: list[RequestOutput], error: BaseException | None = None) -> list[RequestOutput]:
-        """Abort every request in the engine; their streams end with the aborted output, or ``error``."""
-        for request_id in list(self.engine.requests):
-            output = self.engine.abort(request_id)
-            if output is not None:
-                aborted.append(output)
-        for request_id, stream in list(self._streams.items()):
-            output = next((o for o in aborted if o.request_id == request_id), None)
-            if error is not None:
+        except Exception as error:  # an engine bug: fail the requests in the engine, keep serving new ones
+            logger.exception("engine step failed; failing requests %s", sorted(self._streams))
+            for stream in self._streams.values():
                 stream._loop.call_soon_threadsafe(stream._fail, error)
-            elif output is not None:
-                self._deliver(stream, output)
-        self._streams.clear()
-        self._refresh_counts()
-        return aborted
+            self._streams.clear()
+            return None, self._abort_all()
+        stepped = stats and (len(stats) != num_stats or stats[-1] is not latest)  # the deque may be full
+        return (stats[-1] if stepped else None), outputs
 
-    def _deliver(self, stream: RequestStream, output: RequestOutput) -> None:
+    def _abort_all(self) -> list[RequestOutput]:
+        outputs = [self.engine.abort(request_id) for request_id in list(self.engine.requests)]
+        return [output for output in outputs if output is not None]
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            del self._streams[output.request_id]
         try:
             stream._loop.call_soon_threadsafe(stream._put, output)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
-            self._streams.pop(stream.request_id, None)
-            self.engine.abort(stream.request_id)
+            self._streams.pop(output.request_id, None)
+            self.engine.abort(output.request_id)
 
     def _refresh_counts(self) -> None:
         scheduler = self.engine.scheduler

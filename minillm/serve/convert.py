@@ -35,19 +35,11 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
     """The engine's parameters for an API request; fields the client left out keep the engine's defaults.
     ``max_tokens`` and ``logprobs`` come resolved by the caller (their names differ between the endpoints)."""
     kwargs = {name: getattr(request, name) for name in SAME_NAME_FIELDS if getattr(request, name) is not None}
-    if request.logit_bias is not None:
-        kwargs["logit_bias"] = _token_id_keys(request.logit_bias)
+    if request.logit_bias is not None:  # the schema holds its keys to digits
+        kwargs["logit_bias"] = {int(token): bias for token, bias in request.logit_bias.items()}
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
     return SamplingParams(max_tokens=max_tokens, **kwargs)
-
-
-def _token_id_keys(logit_bias: dict[str, float]) -> dict[int, float]:
-    try:
-        return {int(token): bias for token, bias in logit_bias.items()}
-    except ValueError:
-        raise InvalidRequest(f"logit_bias keys must be token ids written as integers, got {sorted(logit_bias)!r}",
-                             "logit_bias") from None
 
 
 def completion_sampling_params(request: CompletionRequest) -> SamplingParams:

@@ -11,7 +11,7 @@ changes nothing. Ranges here are the API's; the engine's ``SamplingParams`` chec
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,6 +41,9 @@ class StreamOptions(APIModel):
     include_usage: bool = False  # a last chunk carries the usage, with no choices
 
 
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]+$")]  # JSON keys are strings: a token id written out
+
+
 class SamplingFields(APIModel):
     """What completions and chat share. ``None`` = the engine's default; the sampling parameters go to
     ``SamplingParams`` under the same names (``request_to_sampling_params``)."""
@@ -53,7 +56,7 @@ class SamplingFields(APIModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch.Generator takes
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> added to its logit
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user identifier; accepted, not used
@@ -66,7 +69,8 @@ class SamplingFields(APIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]  # text, or token ids
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    #       text, or token ids
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)  # the k most likely tokens at each position, with the sampled one
 
