@@ -22,6 +22,7 @@ quantiles over the run (``server_p95_ttft_ms``...), estimated from two scrapes a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import math
 import random
@@ -220,6 +221,17 @@ def first_model(base_url: str) -> str:
     return models[0]["id"]
 
 
+def run_sync(coroutine):
+    """Run ``coroutine`` to its end from synchronous code, also where an event loop is already running (a
+    notebook's cell): then on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def metrics_page(base_url: str) -> dict | None:
     """The server's ``/metrics`` parsed, or None if it has none (``transformers serve``)."""
     try:
@@ -239,7 +251,7 @@ def bench_serve(*, base_url: str, requests: list[WorkloadRequest], rates: list[f
                   ignore_eos=ignore_eos, tokenizer=tokenizer)
     if num_warmups:  # untimed: kernels compile, caches fill, connections open
         warm = [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:num_warmups]]
-        results, _ = asyncio.run(run_requests(base_url, warm, **kwargs))
+        results, _ = run_sync(run_requests(base_url, warm, **kwargs))
         failed = [r.error for r in results if not r.ok]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(warm)} warm-up requests failed, e.g. {failed[0]}")
@@ -248,7 +260,7 @@ def bench_serve(*, base_url: str, requests: list[WorkloadRequest], rates: list[f
                 "goodput_slo_ms": goodput or None, "runs": {}}
     for rate in rates:
         before = metrics_page(base_url)
-        results, duration = asyncio.run(run_requests(base_url, requests, request_rate=rate, **kwargs))
+        results, duration = run_sync(run_requests(base_url, requests, request_rate=rate, **kwargs))
         run = {"label": label, "request_rate": rate_name(rate)} | online_metrics(results, duration, goodput)
         if before is not None:  # the server's own view of the run, from its histograms (vLLM's names)
             run |= server_quantiles(before, metrics_page(base_url) or {})
