@@ -56,6 +56,11 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     error: str = ""
 
+    @property
+    def tpot(self) -> float:
+        """(E2E - TTFT) / (output tokens - 1); 0 with a single token (vLLM counts it so for goodput)."""
+        return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
 
 def parse_rates(values: list[str]) -> list[float]:
     """``["1", "2.5", "inf"]`` -> request rates per second (``inf``: all at once)."""
@@ -187,7 +192,6 @@ async def run_requests(base_url: str, requests: list[WorkloadRequest], *, model:
 def online_metrics(results: list[RequestResult], duration: float, goodput: dict[str, float] | None = None) -> dict:
     """vLLM's serving metrics of one run (keys as ``vllm bench serve`` writes them, plus p95)."""
     done = [r for r in results if r.ok]
-    tpot = {id(r): (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0 for r in done}
     total_in, total_out = sum(r.prompt_len for r in done), sum(r.output_tokens for r in done)
     metrics = {"duration": duration, "completed": len(done), "failed": len(results) - len(done),
                "total_input_tokens": total_in, "total_output_tokens": total_out,
@@ -197,11 +201,11 @@ def online_metrics(results: list[RequestResult], duration: float, goodput: dict[
                "outputs_not_max_tokens": sum(r.output_tokens != r.max_tokens for r in done)}
     if goodput:
         def good(r: RequestResult) -> bool:
-            seconds = {"ttft": r.ttft, "tpot": tpot[id(r)], "e2el": r.latency}
+            seconds = {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency}
             return all(seconds[name] <= ms / 1000 for name, ms in goodput.items())
         metrics["request_goodput"] = sum(map(good, done)) / duration
     metrics |= latency_summary("ttft", [r.ttft for r in done])
-    metrics |= latency_summary("tpot", [tpot[id(r)] for r in done if r.output_tokens > 1])
+    metrics |= latency_summary("tpot", [r.tpot for r in done if r.output_tokens > 1])
     metrics |= latency_summary("itl", [gap for r in done for gap in r.itl])
     metrics |= latency_summary("e2el", [r.latency for r in done])
     errors = [r.error for r in results if not r.ok]
