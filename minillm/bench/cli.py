@@ -185,39 +185,16 @@ examples:
 
 
 def cmd_bench_serve(args) -> None:
-    from minillm.bench.harness import result_header, write_result
+    from minillm.bench.harness import write_result
     from minillm.bench.plots import plot_result
-    from minillm.bench.serve import ServerProcess, bench_serve, format_serve_table, parse_goodput, parse_rates
-    from minillm.bench.workloads import make_workload
-
-    if (args.base_url is None) == (args.start_server is None):
-        raise ValueError("give the server to benchmark: --base-url URL, or --start-server [minillm serve flags] "
-                         "(last on the command line) to start minillm's")
-    rates, goodput = parse_rates(args.request_rate), parse_goodput(args.goodput)
-    requests = make_workload(args.workload, args.scale, args.num_requests, args.seed, args.vocab_size)
-    tokenizer = None
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    from minillm.bench.serve import bench_serve_command, format_serve_table
 
     def progress(document: dict) -> None:
         print(f"done: {', '.join(document['runs'])}", flush=True)
         if args.output:
             write_result(document, args.output)
 
-    server = ServerProcess(args.start_server) if args.start_server is not None else None
-    try:
-        header = result_header("serve", args.workload, args.model or "", args.command_line) | {"scale": args.scale}
-        result = bench_serve(base_url=server.url if server else args.base_url, requests=requests, rates=rates,
-                             model=args.model, label=args.label or ("minillm" if server else "server"),
-                             max_concurrency=args.max_concurrency, seed=args.seed, burstiness=args.burstiness,
-                             goodput=goodput, ignore_eos=args.ignore_eos, tokenizer=tokenizer,
-                             num_warmups=args.num_warmups, header=header, on_progress=progress)
-    finally:
-        if server is not None:
-            server.stop()
-    result["model"] = result["served_model"]
+    result = bench_serve_command(args, on_progress=progress)
     if args.output:
         print(f"wrote {write_result(result, args.output)} and {plot_result(result, args.output)}")
     print(format_serve_table(result))

@@ -262,6 +262,7 @@ def bench_serve(*, base_url: str, requests: list[WorkloadRequest], rates: list[f
     document = {**(header or {}), "base_url": base_url, "served_model": model, "num_requests": len(requests),
                 "max_concurrency": max_concurrency, "burstiness": burstiness, "seed": seed,
                 "goodput_slo_ms": goodput or None, "runs": {}}
+    document["model"] = document.get("model") or model
     for rate in rates:
         before = metrics_page(base_url)
         results, duration = run_sync(run_requests(base_url, requests, request_rate=rate, **kwargs))
@@ -272,6 +273,36 @@ def bench_serve(*, base_url: str, requests: list[WorkloadRequest], rates: list[f
         if on_progress is not None:
             on_progress(document)
     return document
+
+
+def bench_serve_command(args, on_progress=None) -> dict:
+    """``minillm bench serve``: the workload and the sweep its flags ask for, against ``--base-url`` or a
+    ``minillm serve`` started for the run (``--start-server``); the result document."""
+    from minillm.bench.harness import result_header
+    from minillm.bench.workloads import make_workload
+
+    if (args.base_url is None) == (args.start_server is None):
+        raise ValueError("give the server to benchmark: --base-url URL, or --start-server [minillm serve flags] "
+                         "(last on the command line) to start minillm's")
+    rates, goodput = parse_rates(args.request_rate), parse_goodput(args.goodput)
+    requests = make_workload(args.workload, args.scale, args.num_requests, args.seed, args.vocab_size)
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    server = ServerProcess(args.start_server) if args.start_server is not None else None
+    try:
+        header = result_header("serve", args.workload, args.model or "", args.command_line) | {"scale": args.scale}
+        result = bench_serve(base_url=server.url if server else args.base_url, requests=requests, rates=rates,
+                             model=args.model, label=args.label or ("minillm" if server else "server"),
+                             max_concurrency=args.max_concurrency, seed=args.seed, burstiness=args.burstiness,
+                             goodput=goodput, ignore_eos=args.ignore_eos, tokenizer=tokenizer,
+                             num_warmups=args.num_warmups, header=header, on_progress=on_progress)
+    finally:
+        if server is not None:
+            server.stop()
+    return result
 
 
 def format_serve_table(document: dict) -> str:
