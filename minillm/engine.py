@@ -8,6 +8,8 @@ decode batch may run several passes in one step, or have the next batch chained 
 are postprocessed pass by pass, as if each had been a step. With
 preemption_mode="swap", the KV copies the scheduler decided (``batch.swaps``) run first, through
 ``KVSwapper``. Everything else (which requests, which tensors) lives in the scheduler and the runner.
+A request with ``n`` > 1 is a ``SequenceGroup`` of n sequences (``minillm/sequence_group.py``); the
+log-probabilities a request asked for come with the runner's tokens and are recorded as they are appended.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from minillm.kv.budget import units_that_fit
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache
 from minillm.kv.quant import kv_bytes_per_token
 from minillm.model.loader import load_model, model_bytes, resolve_dtype
+from minillm.logprobs import StepLogprobs
 from minillm.request import Request, RequestOutput, SamplingParams
 from minillm.runner import PagedRunner, StaticRunner
 from minillm.scheduler import ContinuousScheduler, DynamicScheduler, ScheduledBatch, StaticScheduler
+from minillm.sequence_group import SequenceGroup, SequenceGroups, sequence_id
 from minillm.tokenizer import detokenize_step, encode_prompt
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -112,7 +116,8 @@ class Engine:
         if self.workers is not None:
             self.workers.connect(self.runner)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request | SequenceGroup] = {}  # by request id; n > 1: a group of sequences
+        self.groups = SequenceGroups()
         self._ids = itertools.count()
         self.stats: deque[StepStats] = deque(maxlen=100_000)  # the most recent steps
         # Async scheduling: the batch launched and not yet read, with its tokens (multi_step.LaunchedSteps).
@@ -244,12 +249,19 @@ class Engine:
                 raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
                                  f"{total} tokens of KV cache, but it holds only {self.kv_capacity_tokens}; "
                                  f"lower max_tokens or give the cache more memory")
+        params.check_engine(self.model_config.vocab_size, self.config.batching)
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, text, token_ids, params, priority, arrival_time)
+        for seq_id in (sequence_id(request_id, i) for i in range(params.n)):  # n > 1: the sequences' ids too
+            if seq_id in self.requests or seq_id in self.groups:
+                raise ValueError(f"request id {seq_id!r} is already in use")
+        if params.n == 1:
+            request = first = Request(request_id, text, token_ids, params, priority, arrival_time)
+        else:
+            request = SequenceGroup(request_id, text, token_ids, params, priority, arrival_time)
+            first = request.first  # the others fork from it once it has prefilled the prompt
+            self.groups.add(request)
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        self.scheduler.add(first)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -276,7 +288,7 @@ class Engine:
         if batch.num_steps > 1:
             outputs = self._postprocess_passes(batch, self.runner.run_steps(batch))
         else:
-            outputs = self._postprocess(batch, self.runner.run(batch))
+            outputs = self._postprocess(batch, *self.runner.run(batch))
         self._record_step(batch)
         return outputs
 
@@ -308,8 +320,12 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None or request.finished:
             return None
-        self.scheduler.remove(request_id)
-        request.finish("abort")
+        sequences = request.sequences if isinstance(request, SequenceGroup) else [request]
+        self.groups.forget(sequences)
+        for sequence in sequences:
+            if not sequence.finished:
+                self.scheduler.remove(sequence.request_id)
+                sequence.finish("abort")
         return request.to_output()
 
     @property
@@ -331,28 +347,35 @@ class Engine:
 
     # -- after the forward pass -------------------------------------------------------------------
 
-    def _postprocess(self, batch: ScheduledBatch, token_ids: list[int | None]) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, token_ids: list[int | None],
+                     logprobs: StepLogprobs | None = None) -> list[RequestOutput]:
         now = time.perf_counter()
-        outputs = []
-        for request, num_new, token in zip(batch.requests, batch.num_new_tokens, token_ids):
+        outputs = {}  # by request id: the n sequences of one request give one output
+        for index, (request, num_new, token) in enumerate(zip(batch.requests, batch.num_new_tokens, token_ids)):
             if request.finished:
                 continue  # a finished row of a static batch: computed, ignored
             request.num_computed_tokens += num_new
+            if logprobs is not None:
+                logprobs.record(index, request, self.tokenizer)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt yet
             request.output_token_ids.append(token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.token_times.append(now)
+            for forked in self.groups.after_token(request):  # n > 1: the prompt is computed
+                self.scheduler.add(forked)
             delta = detokenize_step(self.tokenizer, request)
             self._check_stop(request, token, len(request.text) - len(delta), now)
             if request.finished and not isinstance(request.stop_reason, str):
                 detokenize_step(self.tokenizer, request, final=True)  # keep a trailing partial character
             if request.finished:
-                self.requests.pop(request.request_id, None)
                 self.scheduler.finish(request)
-            outputs.append(request.to_output())
-        return outputs
+            output = self.groups.output(request) or request.to_output()
+            if output.finished:
+                self.requests.pop(output.request_id, None)
+            outputs[output.request_id] = output
+        return list(outputs.values())
 
     def _postprocess_passes(self, batch: ScheduledBatch, passes: list[list[int]]) -> list[RequestOutput]:
         """A multi-step batch's tokens, pass by pass. ``_postprocess`` skips finished requests, so a

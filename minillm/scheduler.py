@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minillm.request import Request, RequestStatus, output_budget
+from minillm.sequence_group import share_prompt
 
 if TYPE_CHECKING:  # (prefix caching is optional: the engine imports the radix tree when asked for)
     from minillm.kv.radix import RadixCache, RadixNode
@@ -45,9 +46,11 @@ class ScheduledBatch:
 
 
 def is_pure_decode(request: Request, num_new: int) -> bool:
-    """The request brings its last token and samples the next: a batch of such requests can run several passes,
-    or have another chained to it (``minillm/multi_step.py``)."""
-    return num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens
+    """The request brings its last token and samples the next, and needs the host only at the end (no penalties,
+    no logprobs: ``SamplingParams.one_token_at_a_time``): a batch of such requests can run several passes, or have
+    another chained to it (``minillm/multi_step.py``)."""
+    return num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens and \
+        not request.params.one_token_at_a_time
 
 
 class StaticScheduler:
@@ -337,6 +340,7 @@ class ContinuousScheduler:
         request.status = RequestStatus.RUNNING
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = now
+            request.num_cached_tokens = request.num_computed_tokens  # what the prefix match skipped
         self.block_tables.grow(request.request_id, num_tokens)
         if swapped:
             cpu_blocks = self.cpu_block_tables.tables[request.request_id]
@@ -349,13 +353,18 @@ class ContinuousScheduler:
     def _match_prefix(self, request: Request) -> None:
         """A waiting request about to be considered takes the cached blocks of its longest cached
         prefix (whole blocks, and never its last token: that one must be computed to give logits);
-        it then computes only the rest. Undone at the end of the step if it is not admitted."""
-        cache = self.prefix_cache
-        if cache is None or request.num_computed_tokens or request.request_id in self._prefix_nodes:
+        it then computes only the rest. Without any, a sequence of a request with n > 1 takes its first
+        sequence's prompt blocks the same way (``sequence_group.share_prompt``). Undone at the end of
+        the step if it is not admitted."""
+        if request.num_computed_tokens or request.request_id in self._prefix_nodes or \
+                request.params.prompt_logprobs is not None:  # (to be scored, every prompt position is computed)
             return
-        limit = (request.num_tokens - 1) // cache.block_size * cache.block_size
-        node, blocks = cache.match_prefix(request.all_token_ids[:limit])
+        cache = self.prefix_cache
+        limit = 0 if cache is None else (request.num_tokens - 1) // cache.block_size * cache.block_size
+        node, blocks = cache.match_prefix(request.all_token_ids[:limit]) if limit else (None, [])
         if not blocks:
+            if share_prompt(request, self.block_tables):
+                self._matched_waiting.append(request)
             return
         for block in blocks:
             cache.allocator.share(block)

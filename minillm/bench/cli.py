@@ -23,7 +23,7 @@ def cmd_bench(args) -> None:
 
     result = bench_throughput(model=args.model, workload=args.workload, scale=args.scale,
                               num_requests=args.num_requests, peers=args.peers, peer_batch_size=args.peer_batch_size,
-                              variants=tuple(args.variants),
+                              variants=tuple(args.variants), think_time=args.think_time,
                               command=args.command_line, **engine_kwargs(args), **parallel_kwargs(args))
     _write_with_plot(result, args.output)
     print(format_table(result))
@@ -90,6 +90,25 @@ def cmd_bench_load(args) -> None:
     first, second = result["runs"]["first_load"]["seconds"], result["runs"]["second_load"]["seconds"]
     print(f"{result['model']}: first load {first:.1f} s (convert + cache), second {second:.2f} s "
           f"({result['speedup']:.0f}x faster)")
+
+
+THROUGHPUT_DESCRIPTION = """\
+minillm on one workload end to end (a warm-up first, then one timed run), beside the transformers peers and
+minillm's variants, in one process: vLLM's serving metrics, step statistics and prefix-cache hits; JSON and plot.
+
+--workload multi-turn runs chats in a closed loop (minillm.bench.chat_loop): 64 chats (8 at cpu scale) of
+4 turns, each turn = the chat's history + the answer the engine really gave + a new 64-token message, sent
+only when the last answer has finished (+ --think-time). It reports, per turn and overall, the prefix cache's
+hit rate beside the shared-token fraction computed from the chats themselves. minillm alone (--peers with no
+names). multi-turn-open is the same chats as one list of requests made in advance, every turn at t = 0, with
+stand-in answers.
+
+examples:
+  minillm bench throughput --batching continuous --model llama2-7b --load-format dummy --workload mixed \\
+      --enable-prefix-caching --variants prefix_cache_off prefix_cache_on --peers --output mixed.json
+  minillm bench throughput --batching continuous --model llama2-7b --load-format dummy --workload multi-turn \\
+      --enable-prefix-caching --variants prefix_cache_off prefix_cache_on --peers --output multi_turn.json
+"""
 
 
 PARALLEL_DESCRIPTION = """\
@@ -229,7 +248,7 @@ def cmd_bench_offload(args) -> None:
 
 def add_bench_parser(sub) -> None:
     """The ``bench`` command and its subcommands, on ``sub`` (the top-level subparsers)."""
-    from minillm.bench.harness import LATENCY_PEERS, PEERS, VARIANTS
+    from minillm.bench.harness import CLOSED_LOOP, LATENCY_PEERS, PEERS, VARIANTS
     from minillm.bench.tuning_path import STEP_NAMES as TUNING_STEPS
     from minillm.bench.workloads import WORKLOADS
     from minillm.model.config import PRESETS
@@ -242,16 +261,23 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--peers", nargs="*", default=["hf_static"], choices=["hf_static", "hf_cb"],
                    help="transformers beside the engine (default: its static generate)")
     t.set_defaults(func=cmd_bench_tour)
-    t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
-    t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
+    t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out",
+                         description=THROUGHPUT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--workload", default="mixed", choices=[*WORKLOADS, CLOSED_LOOP],
+                   help="BENCHMARKS.md's workloads (default: mixed); multi-turn: chats in a closed loop, see above")
     t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
-    t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
+    t.add_argument("--num-requests", type=int, default=None,
+                   help="the first N requests of the workload (multi-turn: N chats of 4 turns)")
+    t.add_argument("--think-time", type=float, default=0.0,
+                   help="multi-turn: seconds a chat waits between an answer and its next turn (default 0)")
     t.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),
                    help="peers run in the same process on the same workload")
     t.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
                    help="also run minillm on the same engine with a step of the tuning path undone, in the "
                         "order given (continuous): prefix_cache_off (needs --enable-prefix-caching), "
-                        "triton_eager = no CUDA graphs, torch_eager = the torch reference attention")
+                        "prefix_cache_on = the cache back on after prefix_cache_off (on, off, on again: neither "
+                        "side of the comparison is the first timed run), triton_eager = no CUDA graphs, "
+                        "torch_eager = the torch reference attention")
     t.add_argument("--peer-batch-size", type=int, default=None,
                    help="hf_static's batch size (default: minillm's static batch, or 16 against continuous)")
     t.add_argument("--output", default=None, help="write the JSON result here")

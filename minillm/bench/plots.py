@@ -23,6 +23,8 @@ def _figure(width: float):
 def plot_throughput(result: dict, path: str | Path) -> Path:
     """Output tok/s and mean TTFT of every run (minillm, its variants, the peers) of one workload."""
     runs = {name: m for name, m in result["runs"].items() if "output_throughput" in m}
+    if any("turns" in m for m in runs.values()):
+        return plot_chat_turns(result, path)
     names = list(runs)
     plt, fig, (left, right) = _figure(4 + 1.3 * len(names))
     colors = ["tab:blue" if n.startswith("minillm") else "tab:gray" for n in names]
@@ -34,6 +36,39 @@ def plot_throughput(result: dict, path: str | Path) -> Path:
     for axis in (left, right):
         axis.tick_params(axis="x", labelrotation=20, labelsize=7)
     fig.suptitle(f"{result['workload']} ({result.get('num_requests', '?')} requests), {result['model']}, "
+                 f"{result['device']} · commit {result['commit']}", fontsize=9)
+    return _save(plt, fig, path)
+
+
+def plot_chat_turns(result: dict, path: str | Path) -> Path:
+    """Closed-loop chats (``multi-turn``): output tok/s of every run, then mean TTFT and the prefix hit
+    rate by turn, the engine's beside the shared-token fraction of the chats themselves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {name: m for name, m in result["runs"].items() if "turns" in m}
+    fig, (bars, ttft, hits) = plt.subplots(1, 3, figsize=(14, 3.8))
+    drawn = bars.bar(list(runs), [m["output_throughput"] for m in runs.values()], color="tab:blue")
+    bars.bar_label(drawn, fmt="%.0f", fontsize=8)
+    bars.set_ylabel("output tok/s")
+    bars.tick_params(axis="x", labelrotation=20, labelsize=7)
+    for name, m in runs.items():
+        turns = [t["turn"] + 1 for t in m["turns"]]
+        ttft.plot(turns, [t["mean_ttft_ms"] for t in m["turns"]], "o-", label=name)
+        hits.plot(turns, [100 * t["cached_token_fraction"] for t in m["turns"]], "o-", label=f"{name} (engine)")
+    first = next(iter(runs.values()))["turns"]
+    hits.plot([t["turn"] + 1 for t in first], [100 * t["shared_token_fraction"] for t in first], "k--",
+              label="shared tokens (the chats)")
+    ttft.set_ylabel("mean TTFT (ms)")
+    hits.set_ylabel("prompt tokens cached (%)")
+    hits.set_ylim(0, 100)
+    for axis in (ttft, hits):
+        axis.set_xlabel("turn")
+        axis.set_xticks([t["turn"] + 1 for t in first])
+        axis.legend(fontsize=7)
+    fig.suptitle(f"{result['workload']} ({result.get('num_requests', '?')} turns), {result['model']}, "
                  f"{result['device']} · commit {result['commit']}", fontsize=9)
     return _save(plt, fig, path)
 
