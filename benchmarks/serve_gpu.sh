@@ -10,6 +10,7 @@
 # serve_sweep.png, both servers' runs), serve_summary.json (the two ratios). A peer that fails or runs out of
 # HF_TIMEOUT seconds keeps the rates it finished. transformers serve needs fastapi, uvicorn, pydantic and openai
 # importable (carried wheels on PYTHONPATH). Run from the repository root: OUT=/tmp/out bash benchmarks/serve_gpu.sh
+# (on a copy without .git, MINILLM_COMMIT=<commit> names the code in the JSON).
 # A CPU check of the script itself (a minute or two):
 #   MODEL=tiny SCALE=cpu DTYPE=float32 DEVICE=cpu NUM_REQUESTS=8 SWEEP_REQUESTS=8 RATES="inf 4" WARMUPS=2 \
 #     HF_FLAGS="--cb-num-blocks 64 --cb-max-batch-tokens 256" bash benchmarks/serve_gpu.sh
