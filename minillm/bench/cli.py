@@ -187,6 +187,38 @@ def cmd_bench_parallel(args) -> None:
     print(format_parallel_table(result))
 
 
+SERVE_DESCRIPTION = """\
+The online benchmark (vLLM's `vllm bench serve`): a workload's requests sent to an OpenAI-compatible server's
+/v1/completions by an async client, streaming, arriving as a Poisson process at each --request-rate (inf = all
+at once), at most --max-concurrency in flight. Reports TTFT, TPOT, ITL and E2E latency (mean, P50, P95, P99),
+throughput and goodput under --goodput SLOs; one run per rate (the latency-throughput curve), JSON and a plot.
+Target a running server (--base-url: minillm's, vLLM's, `transformers serve`...) or start minillm's own:
+--start-server, last, followed by `minillm serve`'s flags.
+
+examples:
+  minillm bench serve --request-rate 1 2 4 inf --goodput ttft:500 tpot:50 --output figures/cpu/serve.json \\
+      --start-server --max-num-seqs 16
+  minillm bench serve --base-url http://127.0.0.1:8000 --workload mixed --request-rate 4 inf --label vllm
+  minillm bench serve --base-url http://127.0.0.1:8001 --tokenizer ./hf-model --no-ignore-eos --label hf_serve
+"""
+
+
+def cmd_bench_serve(args) -> None:
+    from minillm.bench.harness import write_result
+    from minillm.bench.plots import plot_result
+    from minillm.bench.serve import bench_serve_command, format_serve_table
+
+    def progress(document: dict) -> None:
+        print(f"done: {', '.join(document['runs'])}", flush=True)
+        if args.output:
+            write_result(document, args.output)
+
+    result = bench_serve_command(args, on_progress=progress)
+    if args.output:
+        print(f"wrote {write_result(result, args.output)} and {plot_result(result, args.output)}")
+    print(format_serve_table(result))
+
+
 OFFLOAD_DESCRIPTION = """\
 What cpu_offload_gb costs: for each amount (0 GiB always runs first, as the reference), one engine
 (continuous batching; CUDA graphs on GPUs, the weight copies captured inside) measures batch-1 decode
@@ -223,7 +255,7 @@ def add_bench_parser(sub) -> None:
 
     p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
     bench = p.add_subparsers(dest="bench", required=True,
-                             metavar="{tour,throughput,latency,kernels,kv-capacity,load,parallel,tuning-path,offload}")
+                             metavar="{tour,throughput,latency,serve,kernels,kv-capacity,load,parallel,tuning-path,offload}")
     t = bench.add_parser("tour", help="the embedded model on a CPU-sized run: static batching, continuous "
                                       "batching, prefix caching and transformers, one table (make tour)")
     t.add_argument("--peers", nargs="*", default=["hf_static"], choices=["hf_static", "hf_cb"],
@@ -312,6 +344,34 @@ def add_bench_parser(sub) -> None:
     add_model_args(t)
     # None: the scale's own (tuning_path.CALIBRATION_SAMPLES: 32 on gpu, 8 on cpu).
     t.set_defaults(func=cmd_bench_tuning_path, calibration_samples=None)
+    t = bench.add_parser("serve", help="the online benchmark: an async client streams a workload from an "
+                                       "OpenAI-compatible server at request rates; vLLM's metrics, JSON and a plot",
+                         description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000 (or --start-server)")
+    t.add_argument("--model", default=None, help="the model name requests ask for (default: the server's first)")
+    t.add_argument("--label", default=None, help="names the runs LABEL@RATE (default: minillm, or server)")
+    t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
+    t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
+    t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
+    t.add_argument("--request-rate", nargs="+", default=["inf"], metavar="RATE",
+                   help="requests per second, one run each; inf = all at once (default: inf)")
+    t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
+    t.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps between arrivals: 1 = Poisson, < 1 burstier, > 1 steadier")
+    t.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
+    t.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="send ignore_eos so outputs have the workload's lengths (a server that rejects the field: "
+                        "--no-ignore-eos)")
+    t.add_argument("--tokenizer", default=None,
+                   help="send prompts as text decoded with this tokenizer (for servers that take no token ids)")
+    t.add_argument("--vocab-size", type=int, default=32000, help="prompt token ids are drawn below this (default 32000)")
+    t.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first (default 0)")
+    t.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrivals")
+    t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
+    t.add_argument("--start-server", nargs=argparse.REMAINDER, default=None, metavar="SERVE_FLAGS",
+                   help="start `minillm serve SERVE_FLAGS` in a subprocess on a free port and benchmark it; last")
+    t.set_defaults(func=cmd_bench_serve)
     # "resolve": the sweep's --cpu-offload-gb (several amounts) replaces the model flags' single one.
     t = bench.add_parser("offload", help="cpu_offload_gb swept: batch-1 decode and throughput against the "
                                          "bytes crossing PCIe per step; table, JSON and plot",

@@ -1,7 +1,7 @@
 """Plots of the throughput and latency benchmarks, drawn from their JSON (so a committed JSON can be
 redrawn at any time: ``python -m minillm.bench.plots figures/h200/*.json``).
 
-``minillm bench throughput|latency|tuning-path|offload --output x.json`` also writes ``x.png`` beside the JSON.
+``minillm bench throughput|latency|serve|tuning-path|offload --output x.json`` also writes ``x.png`` beside the JSON.
 """
 
 from __future__ import annotations
@@ -91,6 +91,33 @@ def plot_latency(result: dict, path: str | Path) -> Path:
     return _save(plt, fig, path)
 
 
+def plot_serve(result: dict, path: str | Path) -> Path:
+    """The online benchmark's curve: TTFT P50/P95/P99 and output tok/s against the offered request rate, one
+    colour per server (the runs' label)."""
+    runs = result["runs"].values()
+    labels = list(dict.fromkeys(m["label"] for m in runs))
+    rates = sorted({m["request_rate"] for m in runs}, key=float)  # float("inf") sorts last
+    plt, fig, (left, right) = _figure(10)
+    for color, label in zip(("tab:blue", "tab:gray", "tab:orange", "tab:green"), labels):
+        mine = {m["request_rate"]: m for m in runs if m["label"] == label}
+        xs = [i for i, rate in enumerate(rates) if rate in mine]
+        at = [mine[rates[i]] for i in xs]
+        for q, style in (("median", "-"), ("p95", "--"), ("p99", ":")):
+            left.plot(xs, [m[f"{q}_ttft_ms"] for m in at], style, marker="o", color=color,
+                      label=f"{label} {'P50' if q == 'median' else q.upper()}")
+        right.plot(xs, [m["output_throughput"] for m in at], marker="o", color=color, label=label)
+    left.set_yscale("log")
+    left.set_ylabel("TTFT (ms)")
+    right.set_ylabel("output tok/s")
+    for axis in (left, right):
+        axis.set_xticks(range(len(rates)), rates)
+        axis.set_xlabel("request rate (req/s)")
+        axis.legend(fontsize=7)
+    fig.suptitle(f"{result['workload']} ({result['num_requests']} requests), {result['model']}, "
+                 f"{result['device']} · commit {result['commit']}", fontsize=9)
+    return _save(plt, fig, path)
+
+
 def _save(plt, fig, path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -104,14 +131,14 @@ def plot_result(result: dict, json_path: str | Path) -> Path | None:
     from minillm.bench.tuning_path import plot_tuning_path
 
     plotters = {"throughput": plot_throughput, "latency": plot_latency, "tuning-path": plot_tuning_path,
-                "offload": plot_offload}
+                "offload": plot_offload, "serve": plot_serve}
     plot = plotters.get(result.get("benchmark"))
     return None if plot is None else plot(result, Path(json_path).with_suffix(".png"))
 
 
 def main(paths: list[str]) -> None:
     if not paths:
-        sys.exit("usage: python -m minillm.bench.plots RESULT.json [...]  (throughput, latency, tuning-path, offload)")
+        sys.exit("usage: python -m minillm.bench.plots RESULT.json [...]  (throughput, latency, serve, tuning-path, offload)")
     for path in paths:
         written = plot_result(json.loads(Path(path).read_text()), path)
         print(f"{path}: " + (f"wrote {written}" if written else "no plot for this benchmark"))

@@ -168,9 +168,10 @@ class AsyncLLM:
             raise QueueFullError(self.num_waiting, limit)
         loop = asyncio.get_running_loop()
         added: concurrent.futures.Future = concurrent.futures.Future()
+        arrival_time = time.perf_counter()  # TTFT and queue time count from here, not from the engine thread's turn
         with self._wakeup:
             self._num_pending_adds += 1
-            self._commands.append(("add", prompt, params, request_id, priority, loop, added))
+            self._commands.append(("add", prompt, params, request_id, priority, arrival_time, loop, added))
             self._wakeup.notify_all()
         try:
             return await asyncio.wrap_future(added)
@@ -257,11 +258,12 @@ class AsyncLLM:
         self._refresh_counts()  # the new arrivals count as waiting while the step runs
         return aborted
 
-    def _add(self, prompt, params, request_id, priority, loop, added: concurrent.futures.Future) -> None:
+    def _add(self, prompt, params, request_id, priority, arrival_time, loop, added: concurrent.futures.Future) -> None:
         try:
             if not added.set_running_or_notify_cancel():
                 return  # the caller was cancelled before the engine thread got to its request
-            request_id = self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+            request_id = self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
+                                                 arrival_time=arrival_time)
             stream = RequestStream(request_id, self, loop)
             self._streams[request_id] = stream
             added.set_result(stream)
