@@ -11,7 +11,8 @@ The public surface mirrors vLLM's offline API::
 from minillm.config import EngineConfig
 from minillm.info import info
 from minillm.llm import LLM
-from minillm.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from minillm.request import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "EngineConfig", "info"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineConfig",
+           "info"]

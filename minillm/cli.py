@@ -42,9 +42,9 @@ def _sampling(args):
 def cmd_generate(args) -> None:
     from minillm import LLM
 
-    params = _sampling(args)  # bad sampling values fail before the model loads
+    params = _sampling(args)  # bad sampling values and a missing prompt fail before the model loads
+    prompts = args.prompts or _stdin_prompts()
     llm = LLM(args.model, **engine_kwargs(args), **parallel_kwargs(args))
-    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
@@ -55,6 +55,15 @@ def cmd_generate(args) -> None:
               f"finish: {completion.finish_reason}, TTFT {out.metrics.ttft * 1000:.0f} ms]\n")
 
 
+def _stdin_prompts() -> list[str]:
+    if sys.stdin.isatty():
+        raise ValueError("no prompt given: pass prompts as arguments, or pipe them in on stdin, one per line")
+    prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise ValueError("no prompt given: stdin held no non-empty line, and no prompt was passed as an argument")
+    return prompts
+
+
 def cmd_chat(args) -> None:
     from minillm import LLM
     from minillm.tokenizer import encode_chat
@@ -62,7 +71,7 @@ def cmd_chat(args) -> None:
     params = _sampling(args)
     llm = LLM(args.model, **engine_kwargs(args), **parallel_kwargs(args))
     history = [{"role": "system", "content": args.system}] if args.system else []
-    turns = [args.message] if args.message else None
+    turns = list(args.message) if args.message else None  # --message is repeatable: one turn each
     print("minillm chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         if turns is not None:
@@ -227,6 +236,9 @@ def main(argv: list[str] | None = None) -> None:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"minillm: error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status for SIGINT, no traceback
+        print("\nminillm: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
 import torch
 
 from minillm.kv.quant import check_kv_cache_dtype
+from minillm.validation import InvalidArgumentType, check_float, check_int, describe
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
@@ -71,6 +73,16 @@ class EngineConfig:
     #                            in every forward pass (minillm/offload.py); the device keeps the rest + staging
 
     def __post_init__(self):
+        if self.model is not None:
+            if not isinstance(self.model, (str, os.PathLike)):
+                raise InvalidArgumentType("model", f"model must be None (the embedded SmolLM2), a path or a preset "
+                                                   f"name, got {describe(self.model)}")
+            self.model = os.fspath(self.model)
+        if not isinstance(self.device, str):
+            raise InvalidArgumentType("device", f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
+                                                f"got {describe(self.device)}")
+        self.seed = check_int("seed", self.seed, minimum=-2**63, below=2**64,  # torch.Generator's range
+                              valid="an integer in [-2**63, 2**64)")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching {self.batching!r} is not supported; valid: {BATCHING_MODES}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -109,18 +121,18 @@ class EngineConfig:
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.max_num_seqs is None:
             self.max_num_seqs = 256 if self.batching == "continuous" else 8
-        if not isinstance(self.batch_timeout, (int, float)) or not self.batch_timeout >= 0:
-            raise ValueError(f"batch_timeout must be a number of seconds >= 0, got {self.batch_timeout!r}")
+        self.batch_timeout = check_float("batch_timeout", self.batch_timeout, minimum=0.0,
+                                         valid="a number of seconds >= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "bucket_width"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+            setattr(self, name, check_int(name, getattr(self, name), minimum=1, valid="a positive integer"))
+        if self.num_kv_blocks is not None:
+            self.num_kv_blocks = check_int("num_kv_blocks", self.num_kv_blocks, minimum=1,
+                                           valid="None or a positive integer")
+        if self.max_model_len is not None:
+            self.max_model_len = check_int("max_model_len", self.max_model_len, minimum=2,
+                                           valid="None or an integer >= 2")
+        self.gpu_memory_utilization = check_float("gpu_memory_utilization", self.gpu_memory_utilization, above=0.0,
+                                                  maximum=1.0, valid="a number in (0, 1]")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r} is not supported; valid: 'auto', 'cpu', 'cuda', 'cuda:N'")
         if self.memory_budget is not None:

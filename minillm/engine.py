@@ -8,6 +8,8 @@ decode batch may run several passes in one step, or have the next batch chained 
 are postprocessed pass by pass, as if each had been a step. With
 preemption_mode="swap", the KV copies the scheduler decided (``batch.swaps``) run first, through
 ``KVSwapper``. Everything else (which requests, which tensors) lives in the scheduler and the runner.
+A request with ``n`` > 1 is a ``SequenceGroup`` of n sequences (``minillm/sequence_group.py``); the
+log-probabilities a request asked for come with the runner's tokens and are recorded as they are appended.
 """
 
 from __future__ import annotations
@@ -25,10 +27,15 @@ from minillm.kv.budget import units_that_fit
 from minillm.kv.paged import BlockAllocator, BlockTables, PagedBatch, PagedKVCache
 from minillm.kv.quant import kv_bytes_per_token
 from minillm.model.loader import load_model, model_bytes, resolve_dtype
+from minillm.logprobs import StepLogprobs
 from minillm.request import Request, RequestOutput, SamplingParams
 from minillm.runner import PagedRunner, StaticRunner
-from minillm.scheduler import ContinuousScheduler, DynamicScheduler, ScheduledBatch, StaticScheduler
+from minillm.scheduler import ContinuousScheduler, ScheduledBatch
+from minillm.static_scheduler import DynamicScheduler, StaticScheduler
+from minillm.sequence_group import SequenceGroup, SequenceGroups, sequence_id
 from minillm.tokenizer import detokenize_step, encode_prompt
+from minillm.validation import (InvalidArgument, InvalidArgumentType, check_int, check_text, check_token_ids,
+                                describe)
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -112,7 +119,8 @@ class Engine:
         if self.workers is not None:
             self.workers.connect(self.runner)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request | SequenceGroup] = {}  # by request id; n > 1: a group of sequences
+        self.groups = SequenceGroups()
         self._ids = itertools.count()
         self.stats: deque[StepStats] = deque(maxlen=100_000)  # the most recent steps
         # Async scheduling: the batch launched and not yet read, with its tokens (multi_step.LaunchedSteps).
@@ -216,41 +224,61 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
         """Validate and queue one request; returns its id. Bad input raises ValueError here."""
+        return self.queue(self.make_request(prompt, params, request_id=request_id, priority=priority,
+                                            arrival_time=arrival_time))
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Check one request and tokenize it, without queueing it: a caller with several requests checks
+        them all before queueing any. Bad input raises ``validation.InvalidArgument`` (a ValueError)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidArgumentType("sampling_params", f"sampling_params must be a SamplingParams, "
+                                                         f"got {describe(params)}")
+        priority = check_int("priority", priority)
         if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority!r} needs scheduling_policy='priority' "
-                             f"(now {self.config.scheduling_policy!r})")
+            raise InvalidArgument("priority", f"priority={priority!r} needs scheduling_policy='priority' "
+                                              f"(now {self.config.scheduling_policy!r})")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty; give at least one character or token id")
-            text, token_ids = prompt, encode_prompt(self.tokenizer, prompt)
+                raise InvalidArgument("prompt", "prompt is empty; give at least one character or token id")
+            text, token_ids = check_text("prompt", prompt), encode_prompt(self.tokenizer, prompt)
         else:
-            text, token_ids = None, list(prompt)
+            text, token_ids = None, check_token_ids("prompt", prompt, self.model_config.vocab_size, "prompt token ids")
         if not token_ids:
-            raise ValueError("prompt is empty; give at least one token id")
-        vocab = self.model_config.vocab_size
-        for index, token in enumerate(token_ids):
-            if not isinstance(token, int) or not 0 <= token < vocab:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); "
-                                 f"position {index} holds {token!r}")
+            raise InvalidArgument("prompt", "prompt is empty; give at least one token id")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
-                             f"(prompt + at least one output token must fit); shorten it or raise max_model_len")
+            raise InvalidArgument("prompt", f"prompt has {len(token_ids)} tokens, but max_model_len is "
+                                            f"{self.max_model_len} (prompt + at least one output token must fit); "
+                                            f"shorten it or raise max_model_len")
         if self.config.batching == "continuous":
             total = min(len(token_ids) + params.max_tokens, self.max_model_len)
             if -(-total // self.config.block_size) > self.block_tables.allocator.num_blocks:
-                raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
-                                 f"{total} tokens of KV cache, but it holds only {self.kv_capacity_tokens}; "
-                                 f"lower max_tokens or give the cache more memory")
+                raise InvalidArgument("max_tokens", f"prompt ({len(token_ids)} tokens) + max_tokens "
+                                                    f"({params.max_tokens}) needs {total} tokens of KV cache, but it "
+                                                    f"holds only {self.kv_capacity_tokens}; lower max_tokens or give "
+                                                    f"the cache more memory")
+        params.check_engine(self.model_config.vocab_size, self.config.batching)
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, text, token_ids, params, priority, arrival_time)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
-        return request_id
+        self._check_id_free(request_id, params.n)
+        if params.n == 1:
+            return Request(request_id, text, token_ids, params, priority, arrival_time)
+        return SequenceGroup(request_id, text, token_ids, params, priority, arrival_time)
+
+    def queue(self, request: Request | SequenceGroup) -> str:
+        """Hand a request from ``make_request`` to the scheduler; returns its id. A request with n > 1 queues its
+        first sequence: the others fork from it once it has prefilled the prompt."""
+        self._check_id_free(request.request_id, request.params.n)
+        self.requests[request.request_id] = request
+        if isinstance(request, SequenceGroup):
+            self.groups.add(request)
+        self.scheduler.add(request.first if isinstance(request, SequenceGroup) else request)
+        return request.request_id
+
+    def _check_id_free(self, request_id: str, n: int) -> None:
+        for seq_id in (sequence_id(request_id, i) for i in range(n)):  # n > 1: the sequences' ids too
+            if seq_id in self.requests or seq_id in self.groups:
+                raise InvalidArgument("request_id", f"request id {seq_id!r} is already in use")
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step: one forward pass, or up to ``num_scheduler_steps`` decode passes;
@@ -276,7 +304,7 @@ class Engine:
         if batch.num_steps > 1:
             outputs = self._postprocess_passes(batch, self.runner.run_steps(batch))
         else:
-            outputs = self._postprocess(batch, self.runner.run(batch))
+            outputs = self._postprocess(batch, *self.runner.run(batch))
         self._record_step(batch)
         return outputs
 
@@ -308,8 +336,12 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None or request.finished:
             return None
-        self.scheduler.remove(request_id)
-        request.finish("abort")
+        sequences = request.sequences if isinstance(request, SequenceGroup) else [request]
+        self.groups.forget(sequences)
+        for sequence in sequences:
+            if not sequence.finished:
+                self.scheduler.remove(sequence.request_id)
+                sequence.finish("abort")
         return request.to_output()
 
     @property
@@ -331,28 +363,35 @@ class Engine:
 
     # -- after the forward pass -------------------------------------------------------------------
 
-    def _postprocess(self, batch: ScheduledBatch, token_ids: list[int | None]) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, token_ids: list[int | None],
+                     logprobs: StepLogprobs | None = None) -> list[RequestOutput]:
         now = time.perf_counter()
-        outputs = []
-        for request, num_new, token in zip(batch.requests, batch.num_new_tokens, token_ids):
+        outputs = {}  # by request id: the n sequences of one request give one output
+        for index, (request, num_new, token) in enumerate(zip(batch.requests, batch.num_new_tokens, token_ids)):
             if request.finished:
                 continue  # a finished row of a static batch: computed, ignored
             request.num_computed_tokens += num_new
+            if logprobs is not None:
+                logprobs.record(index, request, self.tokenizer)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt yet
             request.output_token_ids.append(token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.token_times.append(now)
+            for forked in self.groups.after_token(request):  # n > 1: the prompt is computed
+                self.scheduler.add(forked)
             delta = detokenize_step(self.tokenizer, request)
             self._check_stop(request, token, len(request.text) - len(delta), now)
             if request.finished and not isinstance(request.stop_reason, str):
                 detokenize_step(self.tokenizer, request, final=True)  # keep a trailing partial character
             if request.finished:
-                self.requests.pop(request.request_id, None)
                 self.scheduler.finish(request)
-            outputs.append(request.to_output())
-        return outputs
+            output = self.groups.output(request) or request.to_output()
+            if output.finished:
+                self.requests.pop(output.request_id, None)
+            outputs[output.request_id] = output
+        return list(outputs.values())
 
     def _postprocess_passes(self, batch: ScheduledBatch, passes: list[list[int]]) -> list[RequestOutput]:
         """A multi-step batch's tokens, pass by pass. ``_postprocess`` skips finished requests, so a

@@ -25,10 +25,12 @@ chain: a request's passes after its stop are computed and dropped (one more batc
 arrival waits for the batch in flight.
 
 Only a *pure decode* batch runs several passes: every sequence brings one token that completes its
-context. The scheduler (``MultiStepScheduler.lookahead``) picks k_eff = min(k, every request's remaining output
-budget), so no request is computed past ``max_tokens`` or ``max_model_len``, and allocates the KV
-blocks of all k_eff tokens up front (counted like any others: the cache's usage and preemption see
-them); it lowers k_eff until they fit in the free blocks rather than preempting anyone for them.
+context, and none asks for penalties or logprobs (they need the host after every token: such a
+request runs one pass per step). The scheduler (``MultiStepScheduler.lookahead``) picks
+k_eff = min(k, every request's remaining output budget), so no request is computed past
+``max_tokens`` or ``max_model_len``, and allocates the KV blocks of all k_eff tokens up front
+(counted like any others: the cache's usage and preemption see them); it lowers k_eff until they fit
+in the free blocks rather than preempting anyone for them.
 
 The trade-offs, known from vLLM's:
 - a request that arrives during the passes is admitted at the next scheduler step, up to k - 1

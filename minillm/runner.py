@@ -6,17 +6,28 @@
 - ``PagedRunner`` (paged cache): all scheduled tokens are packed into one flat row — decodes first,
   then prefill chunks — with each token's position and pool slot; only sequences whose whole
   context is computed after this step get a sampled token.
+
+Both return the step's tokens with the log-probabilities the requests asked for (``logprobs.py``): a
+request with ``prompt_logprobs`` has the LM head run on its prompt positions too, only then.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from minillm.kv.contiguous import ContiguousKVCache, LeftPaddedBatch
 from minillm.kv.paged import BlockTables, PagedBatch, PagedKVCache, PagedStep, to_device
+from minillm.logprobs import StepLogprobs, prompt_positions
 from minillm.model.llama import LlamaForCausalLM
 from minillm.sampling import Sampler
 from minillm.scheduler import ScheduledBatch
+
+
+class StepOutput(NamedTuple):
+    token_ids: list[int | None]  # one per request of the batch; None: it samples nothing this step
+    logprobs: StepLogprobs | None = None  # None when no request asked for any
 
 
 class StaticRunner:
@@ -31,14 +42,22 @@ class StaticRunner:
         self.next_col = 0  # the cache column the next decode token goes to
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
+    def run(self, batch: ScheduledBatch) -> StepOutput:
         if batch.is_prefill:
             input_ids, positions, attn = self._prepare_prefill(batch)
         else:
             input_ids, positions, attn = self._prepare_decode(batch)
         hidden = self.model(input_ids, positions, attn)
         logits = self.model.compute_logits(hidden[:, -1])
-        return self.sampler(logits, batch.requests)
+        tokens = self.sampler.sample(logits, batch.requests)
+        logprobs = StepLogprobs()
+        logprobs.score_sampled(logits, tokens, batch.requests, list(range(len(batch.requests))))
+        for row, request in enumerate(batch.requests if batch.is_prefill else ()):
+            scored = None if request.prompt_logprobs is None else prompt_positions(request, 0, request.num_prompt_tokens)
+            if scored:  # the prompt is right-aligned in the first columns: position p sits at column pad + p
+                columns = int(self.pad[row]) + torch.tensor(scored, device=hidden.device)
+                logprobs.score_prompt(row, request, self.model.compute_logits(hidden[row, columns]), scored)
+        return StepOutput(tokens.tolist(), logprobs or None)
 
     def _prepare_prefill(self, batch: ScheduledBatch):
         prompts = [r.prompt_token_ids for r in batch.requests]
@@ -89,11 +108,12 @@ class PagedRunner:
         self.on_forward = self.on_decode_steps = None
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
+    def run(self, batch: ScheduledBatch) -> StepOutput:
         # Sequences with one new token go first so the attention context can batch them.
         order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] != 1)
         ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
-        last_index, sampling = [], []  # flat index of each sampling sequence's last token
+        logit_rows, sampling, sampling_rows = [], [], []  # flat indices needing logits; who samples, from which
+        prompt_rows = {}  # prompt_logprobs: request -> (its rows in logit_rows, the positions they score)
         for i in order:
             request, n = batch.requests[i], batch.num_new_tokens[i]
             start = request.num_computed_tokens
@@ -103,16 +123,27 @@ class PagedRunner:
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(self.block_tables.tables[request.request_id])
+            scored = None if request.prompt_logprobs is None else prompt_positions(request, start, start + n)
+            if scored:
+                prompt_rows[i] = (range(len(logit_rows), len(logit_rows) + len(scored)), scored)
+                logit_rows += [len(ids) - n + p - start for p in scored]
             if start + n == request.num_tokens:
-                last_index.append(len(ids) - 1)
+                sampling_rows.append(len(logit_rows))
+                logit_rows.append(len(ids) - 1)
                 sampling.append(i)
         tokens: list[int | None] = [None] * len(batch.requests)
-        logits = self.forward(ids, positions, slots, tables, query_lens, context_lens, last_index)
-        if not sampling:
-            return tokens  # prefill chunks that end before their prompts do: they only wrote K/V
-        for i, token in zip(sampling, self.sampler(logits, [batch.requests[i] for i in sampling])):
-            tokens[i] = token
-        return tokens
+        logits = self.forward(ids, positions, slots, tables, query_lens, context_lens, logit_rows)
+        logprobs = StepLogprobs()
+        for i, (rows, scored) in prompt_rows.items():
+            logprobs.score_prompt(i, batch.requests[i], logits[rows.start:rows.stop], scored)
+        if sampling:  # (prefill chunks that end before their prompts do only write K/V)
+            requests = [batch.requests[i] for i in sampling]
+            sampling_logits = logits[sampling_rows] if prompt_rows else logits
+            sampled = self.sampler.sample(sampling_logits, requests)
+            logprobs.score_sampled(sampling_logits, sampled, requests, sampling)
+            for i, token in zip(sampling, sampled.tolist()):
+                tokens[i] = token
+        return StepOutput(tokens, logprobs or None)
 
     def forward(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
                 query_lens: list[int], context_lens: list[int], last_index: list[int]) -> torch.Tensor | None:

@@ -1,8 +1,9 @@
 """Turning the last position's logits into the next token, per request.
 
-Greedy rows take the argmax (what the correctness tests compare with transformers). Sampled rows
-apply temperature, top-k and top-p, then draw from the request's own generator when it has a seed,
-so a seeded request gives the same tokens whatever else is in its batch.
+Rows whose request asks for penalties or a logit bias are adjusted first (``logits_processors.py``; skipped
+when no row asks). Greedy rows then take the argmax (what the correctness tests compare with transformers).
+Sampled rows apply temperature, min-p, top-k and top-p, then draw from the request's own generator when it
+has a seed, so a seeded request gives the same tokens whatever else is in its batch.
 
 ``top_p_filter`` is exercise ex01: a learner's version can replace ``Sampler.top_p_filter`` on a
 running engine (see exercises/ex01_top_p.py).
@@ -13,7 +14,16 @@ from __future__ import annotations
 import torch
 
 from minillm.kv.paged import to_device
+from minillm.logits_processors import adjust_logits
 from minillm.request import Request
+
+
+def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Min-p sampling (Nguyen et al., 2024): per row, drop the tokens whose probability is below ``min_p[i]``
+    times the most likely token's; the rest become -inf. logits: [B, V]; min_p: [B] in [0, 1]."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -51,13 +61,12 @@ class Sampler:
         # on a GPU, where torch's generic reduction is slow for one row.
         self.argmax = lambda logits: logits.argmax(dim=-1)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits: [B, V] fp32, one row per request -> one token id per request."""
-        return self.sample(logits, requests).tolist()
-
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """As ``__call__``, but the [B] int64 tokens stay on the device: no host sync (multi-step
-        decoding feeds them to the next forward pass)."""
+        """logits: [B, V] fp32, one row per request -> [B] int64 token ids, left on the device: no host
+        sync (multi-step decoding feeds them to the next forward pass)."""
+        adjusted = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
+        if adjusted:
+            logits = adjust_logits(logits, requests, adjusted)
         tokens = self.argmax(logits)
         # Finished rows of a static batch take the argmax: drawing for them would advance the
         # shared generator and make unseeded requests depend on when their batch mates finished.
@@ -74,8 +83,12 @@ class Sampler:
         # for the GPU, a host sync in every pass of a multi-step batch.
         temperature = to_device([p.temperature for p in params], torch.float32, logits.device)
         logits = logits / temperature[:, None]
+        if any(p.min_p > 0.0 for p in params):
+            logits = min_p_filter(logits, to_device([p.min_p for p in params], torch.float32, logits.device))
         if any(p.top_k > 0 for p in params):
-            logits = top_k_filter(logits, to_device([max(p.top_k, 0) for p in params], torch.long, logits.device))
+            vocab = logits.shape[-1]  # a top_k beyond the vocabulary keeps all (and would overflow an int64)
+            logits = top_k_filter(logits, to_device([min(max(p.top_k, 0), vocab) for p in params], torch.long,
+                                                    logits.device))
         if any(p.top_p < 1.0 for p in params):
             logits = self.top_p_filter(logits, to_device([p.top_p for p in params], torch.float32, logits.device))
         probs = logits.softmax(dim=-1)

@@ -1,18 +1,12 @@
-"""Who runs this step, and how many tokens each. The scheduler only decides; it never touches
-tensors (the runner does).
+"""Who runs this step, and how many tokens each, under continuous batching. The scheduler only
+decides; it never touches tensors (the runner does).
 
-- ``StaticScheduler`` (tuning path step 0): first come, first served, ``max_batch`` at a time; the
-  batch is prefilled together (left-padded to its longest prompt), then decodes one token per row
-  per step until *every* row is finished. Rows that finished early keep occupying the batch and
-  newcomers wait for the whole batch to end — the two wastes continuous batching removes.
-- ``DynamicScheduler``: static batches formed more wisely — wait up to ``batch_timeout`` for a
-  full batch, and group requests of similar prompt length (length buckets) to pad less.
-- ``ContinuousScheduler`` (step 1): iteration-level scheduling (Orca, OSDI 2022) over a paged KV
-  cache with one token budget per step (vLLM V1): running requests first, then admissions;
-  long prompts are split into chunks (chunked prefill); preemption when blocks run out or a more
-  urgent request waits, by recomputation or, with CPU swap space, by swapping (``minillm.kv.swap``).
-  How one step spends its budget is ``fill_token_budget``, a plain function so that exercise ex03
-  can swap a learner's version into a live engine.
+``ContinuousScheduler`` (tuning path step 1): iteration-level scheduling (Orca, OSDI 2022) over a paged KV
+cache with one token budget per step (vLLM V1): running requests first, then admissions; long prompts are
+split into chunks (chunked prefill); preemption when blocks run out or a more urgent request waits, by
+recomputation or, with CPU swap space, by swapping (``minillm.kv.swap``). How one step spends its budget is
+``fill_token_budget``, a plain function so that exercise ex03 can swap a learner's version into a live
+engine. The static and dynamic schedulers it replaces are in ``minillm/static_scheduler.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from minillm.request import Request, RequestStatus, output_budget
+from minillm.request import Request, RequestStatus
+from minillm.sequence_group import share_prompt
 
 if TYPE_CHECKING:  # (prefix caching is optional: the engine imports the radix tree when asked for)
     from minillm.kv.radix import RadixCache, RadixNode
@@ -45,87 +40,11 @@ class ScheduledBatch:
 
 
 def is_pure_decode(request: Request, num_new: int) -> bool:
-    """The request brings its last token and samples the next: a batch of such requests can run several passes,
-    or have another chained to it (``minillm/multi_step.py``)."""
-    return num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens
-
-
-class StaticScheduler:
-    def __init__(self, max_batch: int, max_model_len: int):
-        self.max_batch, self.max_model_len = max_batch, max_model_len
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
-
-    def remove(self, request_id: str) -> Request | None:
-        """Abort: a waiting request leaves the queue; a running row idles until its batch ends."""
-        for request in self.waiting:
-            if request.request_id == request_id:
-                self.waiting.remove(request)
-                return request
-        return None
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting) or any(not r.finished for r in self.running)
-
-    def schedule(self, now: float) -> ScheduledBatch | None:
-        if any(not r.finished for r in self.running):
-            return ScheduledBatch(self.running, [1] * len(self.running))
-        self.running = self._next_batch(now)
-        for request in self.running:
-            request.status = RequestStatus.RUNNING
-            request.metrics.first_scheduled_time = now
-        if not self.running:
-            return None
-        return ScheduledBatch(self.running, [r.num_prompt_tokens for r in self.running], is_prefill=True)
-
-    def finish(self, request: Request) -> None:
-        """A finished row stays in its static batch until the batch ends."""
-
-    def _next_batch(self, now: float) -> list[Request]:
-        return self._fill([r for r in self.waiting if r.metrics.arrival_time <= now])
-
-    def _fill(self, candidates: list[Request]) -> list[Request]:
-        """Take candidates in order while the left-padded batch fits the cache's columns (longest
-        prompt + longest output budget - 1 <= max_model_len); one that does not fit waits for the
-        next batch, which it then heads (it is older than everything behind it)."""
-        batch: list[Request] = []
-        longest_prompt = longest_output = 0
-        for request in candidates:
-            if len(batch) == self.max_batch:
-                break
-            prompt = max(longest_prompt, request.num_prompt_tokens)
-            output = max(longest_output, output_budget(request, self.max_model_len))
-            if batch and prompt + output - 1 > self.max_model_len:
-                continue
-            batch.append(request)
-            longest_prompt, longest_output = prompt, output
-        for request in batch:
-            self.waiting.remove(request)
-        return batch
-
-
-class DynamicScheduler(StaticScheduler):
-    """Dynamic batching (the seeds' intermediate step): a batch starts when ``max_batch`` requests
-    wait or the oldest has waited ``batch_timeout`` seconds; it takes the oldest request's length
-    bucket (prompt length // ``bucket_width``) first, in arrival order, then fills up from the rest.
-    Batches still run until their longest request ends."""
-
-    def __init__(self, max_batch: int, max_model_len: int, batch_timeout: float, bucket_width: int):
-        super().__init__(max_batch, max_model_len)
-        self.batch_timeout, self.bucket_width = batch_timeout, bucket_width
-
-    def _next_batch(self, now: float) -> list[Request]:
-        arrived = [r for r in self.waiting if r.metrics.arrival_time <= now]
-        if not arrived:
-            return []
-        if len(arrived) < self.max_batch and now - arrived[0].metrics.arrival_time < self.batch_timeout:
-            return []  # wait for more requests
-        bucket = arrived[0].num_prompt_tokens // self.bucket_width
-        same = [r for r in arrived if r.num_prompt_tokens // self.bucket_width == bucket]
-        return self._fill(same + [r for r in arrived if r.num_prompt_tokens // self.bucket_width != bucket])
+    """The request brings its last token and samples the next, and needs the host only at the end (no penalties,
+    no logprobs: ``SamplingParams.one_token_at_a_time``): a batch of such requests can run several passes, or have
+    another chained to it (``minillm/multi_step.py``)."""
+    return num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens and \
+        not request.params.one_token_at_a_time
 
 
 def fill_token_budget(scheduler: ContinuousScheduler, now: float) -> list[tuple[Request, int]]:
@@ -337,6 +256,7 @@ class ContinuousScheduler:
         request.status = RequestStatus.RUNNING
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = now
+            request.num_cached_tokens = request.num_computed_tokens  # what the prefix match skipped
         self.block_tables.grow(request.request_id, num_tokens)
         if swapped:
             cpu_blocks = self.cpu_block_tables.tables[request.request_id]
@@ -349,13 +269,18 @@ class ContinuousScheduler:
     def _match_prefix(self, request: Request) -> None:
         """A waiting request about to be considered takes the cached blocks of its longest cached
         prefix (whole blocks, and never its last token: that one must be computed to give logits);
-        it then computes only the rest. Undone at the end of the step if it is not admitted."""
-        cache = self.prefix_cache
-        if cache is None or request.num_computed_tokens or request.request_id in self._prefix_nodes:
+        it then computes only the rest. Without any, a sequence of a request with n > 1 takes its first
+        sequence's prompt blocks the same way (``sequence_group.share_prompt``). Undone at the end of
+        the step if it is not admitted."""
+        if request.num_computed_tokens or request.request_id in self._prefix_nodes or \
+                request.params.prompt_logprobs is not None:  # (to be scored, every prompt position is computed)
             return
-        limit = (request.num_tokens - 1) // cache.block_size * cache.block_size
-        node, blocks = cache.match_prefix(request.all_token_ids[:limit])
+        cache = self.prefix_cache
+        limit = 0 if cache is None else (request.num_tokens - 1) // cache.block_size * cache.block_size
+        node, blocks = cache.match_prefix(request.all_token_ids[:limit]) if limit else (None, [])
         if not blocks:
+            if share_prompt(request, self.block_tables):
+                self._matched_waiting.append(request)
             return
         for block in blocks:
             cache.allocator.share(block)

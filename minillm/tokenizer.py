@@ -8,22 +8,28 @@ holding back a trailing U+FFFD until the rest of its bytes arrive.
 from __future__ import annotations
 
 from minillm.request import Request
+from minillm.validation import InvalidArgument, check_conversations
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer (dummy weights): pass prompts as lists of token ids")
+        raise InvalidArgument("prompt", "this model has no tokenizer (dummy weights): pass prompts as lists of "
+                                        "token ids")
     return tokenizer.encode(prompt, add_special_tokens=True)
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Apply the model's chat template and return token ids ready for generation."""
+    """Apply the model's chat template to one conversation (checked by ``validation.check_conversations``:
+    roles, and content as a string or text parts) and return token ids ready for generation."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; use generate() with a plain prompt")
-    for message in messages:
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {message!r}")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        raise InvalidArgument("messages", "this model has no chat template; use generate() with a plain prompt")
+    from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+    [messages] = check_conversations([messages])
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:  # the template's own rules, e.g. roles that must alternate
+        raise InvalidArgument("messages", f"the model's chat template refused these messages: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 

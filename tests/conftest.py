@@ -111,3 +111,35 @@ def tiny_llm():
     from minillm import LLM
 
     return LLM("tiny", load_format="dummy", dtype="float32", device="cpu", max_num_seqs=4)
+
+
+# ChatML, the format SmolLM2's template writes.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dir(tmp_path_factory):
+    """A tiny random Llama with a real tokenizer and chat template, for tests of text, streams and chat
+    that need no real model: a byte-level BPE trained in milliseconds on a few sentences (every string
+    encodes, through its 256 byte tokens), its vocabulary the model's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(
+        ["The capital of France is Paris.", "def fibonacci(n): return n if n < 2 else fib(n - 1) + fib(n - 2)",
+         "Name a color. Red, green and blue are colors.", "Once upon a time, a small model learned to talk."] * 8,
+        trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>")
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    path = tmp_path_factory.mktemp("tiny_text_model")
+    model = build_tiny_hf(LlamaConfig, seed=7, vocab_size=len(tokenizer), bos_token_id=0,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -5,10 +5,10 @@ argument not listed in ``do_not_specialize``, whether an integer is 1 or a multi
 whether a pointer sits on a 16-byte boundary (``triton.jit``; ``specialize_impl`` in
 ``triton/runtime/jit.py``). If the engine's arguments move between those classes from step to
 step, a run meets new variants as it goes and stops for a compile each time. The warm-up cannot be
-trusted to have met them all: replayed on a CPU, the schedule of the multi-turn benchmark at commit
-776800a meets a new paged-prefill variant at its 18th step, and one stall of 0.9 s there accounts
-for the prefix-cache run's TTFT and TPOT shifts and its 24 % lower throughput
-(figures/h200/prefix_cache_multi_turn_fcfs.json).
+trusted to have met them all: replayed on a CPU, the schedule of the open-loop multi-turn benchmark
+(`multi-turn-open`) as it ran for figures/h200/prefix_cache_multi_turn_fcfs.json meets a new
+paged-prefill variant at its 18th step, and one stall of 0.9 s there accounts for the prefix-cache
+run's TTFT and TPOT shifts and its 24 % lower throughput.
 
 The paged prefill kernel reads the rows of a mixed step that follow its decode rows, through views
 ``context_lens[n:]`` and ``block_tables[n:]`` (``TritonPagedBatch``): n * 4 bytes into int32

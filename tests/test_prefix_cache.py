@@ -120,6 +120,67 @@ def test_eviction_is_least_recently_used_and_respects_locks():
     assert cache.evict(100) == 2 and allocator.num_free == 10
 
 
+def test_eviction_takes_the_least_recently_used_leaf_after_random_use():
+    """Matches re-stamp whole paths and locks come and go; every single-leaf eviction must still take an
+    unlocked leaf of the oldest last access of all (the brute-force answer over the whole tree)."""
+    rng = random.Random(1)
+    allocator = BlockAllocator(64)
+    cache = RadixCache(allocator, BS)
+    stems = [[rng.randrange(VOCAB) for _ in range(BS * rng.randint(1, 3))] for _ in range(5)]
+    locked = []
+    for _ in range(400):
+        tokens = rng.choice(stems) + [rng.randrange(4) for _ in range(BS * rng.randint(0, 2))]
+        op = rng.random()
+        if op < 0.4 and allocator.num_free >= len(tokens) // BS:
+            blocks = [allocator.allocate() for _ in range(len(tokens) // BS)]
+            cache.insert(tokens, blocks)
+            for block in blocks:
+                allocator.release(block)
+        elif op < 0.6:
+            node, _ = cache.match_prefix(tokens)
+            if node is not cache.root and rng.random() < 0.5:
+                cache.lock(node)
+                locked.append(node)
+        elif op < 0.75 and locked:
+            cache.unlock(locked.pop(rng.randrange(len(locked))))
+        else:
+            leaves = [n for n in cache._nodes() if not n.children and n.lock_ref == 0]
+            oldest = min((n.last_access for n in leaves), default=None)
+            before = {id(n): n for n in cache._nodes()}
+            freed = cache.evict(1)
+            gone = [n for key, n in before.items() if key not in {id(m) for m in cache._nodes()}]
+            assert (freed > 0) == (oldest is not None) and len(gone) == (freed > 0)
+            if gone:
+                assert gone[0].last_access == oldest
+
+
+def test_eviction_does_not_walk_the_tree():
+    """A full pool in the steady state of a server: every new request's blocks come from evicting the
+    least recently used leaf. The work per eviction must not grow with the tree (it once visited every
+    node, every time)."""
+    allocator = BlockAllocator(400)
+    cache = RadixCache(allocator, BS)
+    visited = [0]
+    walk = cache._nodes
+
+    def counted_walk():
+        for node in walk():
+            visited[0] += 1
+            yield node
+
+    cache._nodes = counted_walk
+    rng = random.Random(2)
+    cycles = 2000
+    for _ in range(cycles):
+        if allocator.num_free == 0:
+            assert cache.evict(1) == 1
+        block = allocator.allocate()
+        cache.insert([rng.randrange(VOCAB) for _ in range(BS)], [block])
+        allocator.release(block)
+    assert cache.num_cached_blocks == 400
+    assert visited[0] <= 2 * cycles  # whole-tree walks: 400 nodes for each of the 1600 evictions
+
+
 def test_a_split_edge_keeps_its_blocks_and_locks():
     allocator = BlockAllocator(10)
     cache = RadixCache(allocator, BS)

@@ -14,7 +14,7 @@ from serving import MODEL_NAME, make_async_llm, tiny_chat_model_dir  # noqa: F40
 
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
           checks.response_headers_conformance, checks.response_schema_conformance]
-OPERATIONS = {"GET /health": 5, "GET /version": 5, "GET /v1/models": 5,
+OPERATIONS = {"GET /health": 5, "GET /version": 5, "GET /v1/models": 5, "GET /metrics": 5,
               "POST /v1/completions": 60, "POST /v1/chat/completions": 60}  # examples each
 
 

@@ -23,7 +23,7 @@ def cmd_bench(args) -> None:
 
     result = bench_throughput(model=args.model, workload=args.workload, scale=args.scale,
                               num_requests=args.num_requests, peers=args.peers, peer_batch_size=args.peer_batch_size,
-                              variants=tuple(args.variants),
+                              variants=tuple(args.variants), think_time=args.think_time,
                               command=args.command_line, **engine_kwargs(args), **parallel_kwargs(args))
     _write_with_plot(result, args.output)
     print(format_table(result))
@@ -90,6 +90,25 @@ def cmd_bench_load(args) -> None:
     first, second = result["runs"]["first_load"]["seconds"], result["runs"]["second_load"]["seconds"]
     print(f"{result['model']}: first load {first:.1f} s (convert + cache), second {second:.2f} s "
           f"({result['speedup']:.0f}x faster)")
+
+
+THROUGHPUT_DESCRIPTION = """\
+minillm on one workload end to end (a warm-up first, then one timed run), beside the transformers peers and
+minillm's variants, in one process: vLLM's serving metrics, step statistics and prefix-cache hits; JSON and plot.
+
+--workload multi-turn runs chats in a closed loop (minillm.bench.chat_loop): 64 chats (8 at cpu scale) of
+4 turns, each turn = the chat's history + the answer the engine really gave + a new 64-token message, sent
+only when the last answer has finished (+ --think-time). It reports, per turn and overall, the prefix cache's
+hit rate beside the shared-token fraction computed from the chats themselves. minillm alone (--peers with no
+names). multi-turn-open is the same chats as one list of requests made in advance, every turn at t = 0, with
+stand-in answers.
+
+examples:
+  minillm bench throughput --batching continuous --model llama2-7b --load-format dummy --workload mixed \\
+      --enable-prefix-caching --variants prefix_cache_off prefix_cache_on --peers --output mixed.json
+  minillm bench throughput --batching continuous --model llama2-7b --load-format dummy --workload multi-turn \\
+      --enable-prefix-caching --variants prefix_cache_off prefix_cache_on --peers --output multi_turn.json
+"""
 
 
 PARALLEL_DESCRIPTION = """\
@@ -168,6 +187,38 @@ def cmd_bench_parallel(args) -> None:
     print(format_parallel_table(result))
 
 
+SERVE_DESCRIPTION = """\
+The online benchmark (vLLM's `vllm bench serve`): a workload's requests sent to an OpenAI-compatible server's
+/v1/completions by an async client, streaming, arriving as a Poisson process at each --request-rate (inf = all
+at once), at most --max-concurrency in flight. Reports TTFT, TPOT, ITL and E2E latency (mean, P50, P95, P99),
+throughput and goodput under --goodput SLOs; one run per rate (the latency-throughput curve), JSON and a plot.
+Target a running server (--base-url: minillm's, vLLM's, `transformers serve`...) or start minillm's own:
+--start-server, last, followed by `minillm serve`'s flags.
+
+examples:
+  minillm bench serve --request-rate 1 2 4 inf --goodput ttft:500 tpot:50 --output figures/cpu/serve.json \\
+      --start-server --max-num-seqs 16
+  minillm bench serve --base-url http://127.0.0.1:8000 --workload mixed --request-rate 4 inf --label vllm
+  minillm bench serve --base-url http://127.0.0.1:8001 --tokenizer ./hf-model --no-ignore-eos --label hf_serve
+"""
+
+
+def cmd_bench_serve(args) -> None:
+    from minillm.bench.harness import write_result
+    from minillm.bench.plots import plot_result
+    from minillm.bench.serve import bench_serve_command, format_serve_table
+
+    def progress(document: dict) -> None:
+        print(f"done: {', '.join(document['runs'])}", flush=True)
+        if args.output:
+            write_result(document, args.output)
+
+    result = bench_serve_command(args, on_progress=progress)
+    if args.output:
+        print(f"wrote {write_result(result, args.output)} and {plot_result(result, args.output)}")
+    print(format_serve_table(result))
+
+
 OFFLOAD_DESCRIPTION = """\
 What cpu_offload_gb costs: for each amount (0 GiB always runs first, as the reference), one engine
 (continuous batching; CUDA graphs on GPUs, the weight copies captured inside) measures batch-1 decode
@@ -197,29 +248,36 @@ def cmd_bench_offload(args) -> None:
 
 def add_bench_parser(sub) -> None:
     """The ``bench`` command and its subcommands, on ``sub`` (the top-level subparsers)."""
-    from minillm.bench.harness import LATENCY_PEERS, PEERS, VARIANTS
+    from minillm.bench.harness import CLOSED_LOOP, LATENCY_PEERS, PEERS, VARIANTS
     from minillm.bench.tuning_path import STEP_NAMES as TUNING_STEPS
     from minillm.bench.workloads import WORKLOADS
     from minillm.model.config import PRESETS
 
     p = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md): minillm and its peers in one run")
     bench = p.add_subparsers(dest="bench", required=True,
-                             metavar="{tour,throughput,latency,kernels,kv-capacity,load,parallel,tuning-path,offload}")
+                             metavar="{tour,throughput,latency,serve,kernels,kv-capacity,load,parallel,tuning-path,offload}")
     t = bench.add_parser("tour", help="the embedded model on a CPU-sized run: static batching, continuous "
                                       "batching, prefix caching and transformers, one table (make tour)")
     t.add_argument("--peers", nargs="*", default=["hf_static"], choices=["hf_static", "hf_cb"],
                    help="transformers beside the engine (default: its static generate)")
     t.set_defaults(func=cmd_bench_tour)
-    t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out")
-    t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
+    t = bench.add_parser("throughput", help="a whole workload end to end; vLLM's metrics; JSON out",
+                         description=THROUGHPUT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--workload", default="mixed", choices=[*WORKLOADS, CLOSED_LOOP],
+                   help="BENCHMARKS.md's workloads (default: mixed); multi-turn: chats in a closed loop, see above")
     t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
-    t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
+    t.add_argument("--num-requests", type=int, default=None,
+                   help="the first N requests of the workload (multi-turn: N chats of 4 turns)")
+    t.add_argument("--think-time", type=float, default=0.0,
+                   help="multi-turn: seconds a chat waits between an answer and its next turn (default 0)")
     t.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS),
                    help="peers run in the same process on the same workload")
     t.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
                    help="also run minillm on the same engine with a step of the tuning path undone, in the "
                         "order given (continuous): prefix_cache_off (needs --enable-prefix-caching), "
-                        "triton_eager = no CUDA graphs, torch_eager = the torch reference attention")
+                        "prefix_cache_on = the cache back on after prefix_cache_off (on, off, on again: neither "
+                        "side of the comparison is the first timed run), triton_eager = no CUDA graphs, "
+                        "torch_eager = the torch reference attention")
     t.add_argument("--peer-batch-size", type=int, default=None,
                    help="hf_static's batch size (default: minillm's static batch, or 16 against continuous)")
     t.add_argument("--output", default=None, help="write the JSON result here")
@@ -286,6 +344,34 @@ def add_bench_parser(sub) -> None:
     add_model_args(t)
     # None: the scale's own (tuning_path.CALIBRATION_SAMPLES: 32 on gpu, 8 on cpu).
     t.set_defaults(func=cmd_bench_tuning_path, calibration_samples=None)
+    t = bench.add_parser("serve", help="the online benchmark: an async client streams a workload from an "
+                                       "OpenAI-compatible server at request rates; vLLM's metrics, JSON and a plot",
+                         description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000 (or --start-server)")
+    t.add_argument("--model", default=None, help="the model name requests ask for (default: the server's first)")
+    t.add_argument("--label", default=None, help="names the runs LABEL@RATE (default: minillm, or server)")
+    t.add_argument("--workload", default="mixed", choices=list(WORKLOADS))
+    t.add_argument("--scale", default=None, choices=["gpu", "cpu"], help="default: gpu on CUDA, else cpu")
+    t.add_argument("--num-requests", type=int, default=None, help="the first N requests of the workload")
+    t.add_argument("--request-rate", nargs="+", default=["inf"], metavar="RATE",
+                   help="requests per second, one run each; inf = all at once (default: inf)")
+    t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
+    t.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps between arrivals: 1 = Poisson, < 1 burstier, > 1 steadier")
+    t.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
+    t.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="send ignore_eos so outputs have the workload's lengths (a server that rejects the field: "
+                        "--no-ignore-eos)")
+    t.add_argument("--tokenizer", default=None,
+                   help="send prompts as text decoded with this tokenizer (for servers that take no token ids)")
+    t.add_argument("--vocab-size", type=int, default=32000, help="prompt token ids are drawn below this (default 32000)")
+    t.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first (default 0)")
+    t.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrivals")
+    t.add_argument("--output", default=None, help="write the JSON result here (and a plot beside it)")
+    t.add_argument("--start-server", nargs=argparse.REMAINDER, default=None, metavar="SERVE_FLAGS",
+                   help="start `minillm serve SERVE_FLAGS` in a subprocess on a free port and benchmark it; last")
+    t.set_defaults(func=cmd_bench_serve)
     # "resolve": the sweep's --cpu-offload-gb (several amounts) replaces the model flags' single one.
     t = bench.add_parser("offload", help="cpu_offload_gb swept: batch-1 decode and throughput against the "
                                          "bytes crossing PCIe per step; table, JSON and plot",

@@ -23,20 +23,19 @@ import torch
 from tqdm.auto import tqdm
 
 from minillm import env
+from minillm.bench.chat_loop import ChatScript, chat_run_metrics, format_turns, make_chats, run_chats
 from minillm.bench.jit_compiles import CompileCounter
 from minillm.bench.kv_waste import ServedRequest, kv_memory_summary
 from minillm.bench.metrics import RequestTiming, serving_metrics
 from minillm.bench.peers import hf_model_sharing_weights, run_hf_continuous, run_hf_static
+from minillm.bench.variants import VARIANTS, use_variant
 from minillm.bench.workloads import WorkloadRequest, make_workload
 from minillm.info import device_description, info_dict
 from minillm.llm import LLM
 from minillm.request import SamplingParams
 
 PEERS = ("hf_static", "hf_cb")
-# minillm itself with one step of the tuning path undone, on the same engine (same weights, same KV
-# cache), so each step is measured side by side: no prefix cache, Triton kernels without CUDA
-# graphs, and the pure-torch reference backend (eager).
-VARIANTS = ("prefix_cache_off", "triton_eager", "torch_eager")
+CLOSED_LOOP = "multi-turn"  # the workload of minillm.bench.chat_loop: each chat's turns sent one after another
 LATENCY_PEERS = ("hf_static", "hf_compiled")  # hf_compiled: static cache + torch.compile (CUDA graphs)
 
 
@@ -112,28 +111,6 @@ def run_minillm(llm: LLM, workload: list[WorkloadRequest],
     return timings, [o.outputs[0].token_ids for o in outputs], duration
 
 
-def use_variant(engine, variant: str) -> None:
-    """Switch a continuous engine in place (see VARIANTS); variants apply in the order given, each on
-    top of the ones before."""
-    from minillm.kv.paged import PagedBatch
-
-    if variant == "prefix_cache_off":
-        if engine.prefix_cache is None:
-            raise ValueError("variant 'prefix_cache_off' compares against the cache: run with enable_prefix_caching")
-        engine.prefix_cache.reset()
-        engine.scheduler.prefix_cache = engine.block_tables.evict = None
-        engine.prefix_cache = None
-        if engine.scheduler.policy == "lpm":  # nothing cached to order by: arrival order
-            engine.scheduler.policy = "fcfs"
-        return
-    engine.runner.graphs = None
-    if variant == "torch_eager":
-        engine.runner.make_attention = PagedBatch
-        engine.model.enable_fused_kernels(False)
-    elif engine.attention_backend != "triton":
-        raise ValueError(f"variant {variant!r} needs the engine on attention_backend='triton'")
-
-
 def compile_warnings(runs: dict) -> list[str]:
     """A line for each run whose timed part compiled Triton kernels (its time includes them)."""
     return [f"{name}: {m['triton_compiles']} Triton compiles inside the timed run: the warm-up missed them, "
@@ -149,9 +126,10 @@ def engine_warmup(requests: list[WorkloadRequest], device: torch.device) -> list
     return [WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, 8)) for r in requests[:warm]]
 
 
-def _timed_run(llm: LLM, requests, warmup,
+def _timed_run(llm: LLM, requests: list[WorkloadRequest] | ChatScript, warmup,
                use_tqdm: bool = True) -> tuple[dict, list[list[int]], list[RequestTiming]]:
-    """Warm up, then run the workload once; serving metrics, step statistics, prefix-cache hits."""
+    """Warm up, then run the workload once (``requests``, or chats in a closed loop); serving metrics,
+    step statistics, prefix-cache hits."""
     engine = llm.engine
     run_minillm(llm, warmup, use_tqdm)
     engine.stats.clear()
@@ -163,8 +141,13 @@ def _timed_run(llm: LLM, requests, warmup,
         cache.reset()
         cache.queries = cache.hits = 0
     with CompileCounter() as compiles:
-        timings, tokens, duration = run_minillm(llm, requests, use_tqdm)
-    metrics = serving_metrics(timings, duration) | step_summary(engine.stats)
+        if isinstance(requests, ChatScript):
+            chats = run_chats(engine, requests, use_tqdm)
+            timings, tokens, metrics = chats.timings(), chats.token_ids(), chat_run_metrics(chats)
+        else:
+            timings, tokens, duration = run_minillm(llm, requests, use_tqdm)
+            metrics = serving_metrics(timings, duration)
+    metrics |= step_summary(engine.stats)
     metrics["triton_compiles"] = compiles.count  # 0 unless the warm-up missed a kernel variant
     if graphs is not None:
         metrics["cuda_graph_steps"] = graphs.num_replays
@@ -186,22 +169,34 @@ def step_summary(stats) -> dict:
 
 def bench_throughput(*, model: str | None, load_format: str, workload: str, scale: str,
                      num_requests: int | None, peers: list[str], seed: int = 0, command: str = "",
-                     peer_batch_size: int | None = None, variants: tuple[str, ...] = (), **engine_kwargs) -> dict:
+                     peer_batch_size: int | None = None, variants: tuple[str, ...] = (), think_time: float = 0.0,
+                     **engine_kwargs) -> dict:
+    """``num_requests``: the first N requests, or for ``multi-turn`` (closed loop) N chats; ``think_time``
+    (multi-turn only): seconds a chat waits between an answer and its next turn."""
     check_choices("peer", peers, PEERS)
     check_choices("variant", variants, VARIANTS)
     check_peers_can_share_weights(peers, engine_kwargs)
     if variants and engine_kwargs.get("batching") != "continuous":
         raise ValueError("variants switch parts of the paged engine; they need batching='continuous'")
+    if workload == CLOSED_LOOP and (peers or engine_kwargs.get("batching") != "continuous"):
+        raise ValueError(f"workload {CLOSED_LOOP!r} runs chats in a closed loop through minillm's continuous engine: "
+                         f"give batching='continuous' and no peers (--batching continuous --peers), got "
+                         f"batching={engine_kwargs.get('batching')!r} and peers {peers}")
     llm = LLM(model, load_format=load_format, seed=seed, **engine_kwargs)
     engine = llm.engine
-    requests = make_workload(workload, scale, num_requests, seed, engine.model_config.vocab_size)
+    vocab = engine.model_config.vocab_size
+    if workload == CLOSED_LOOP:
+        chats = make_chats(scale, num_requests, seed, vocab, think_time)
+        requests = chats.first_turns()  # the warm-ups' prompts
+    else:
+        chats = requests = make_workload(workload, scale, num_requests, seed, vocab)
     warmup = [WorkloadRequest(requests[0].prompt_token_ids[:16], 4)]
     minillm_warmup = engine_warmup(requests, engine.device)
     runs, tokens = {}, {}
-    runs["minillm"], tokens["minillm"], timings = _timed_run(llm, requests, minillm_warmup)
+    runs["minillm"], tokens["minillm"], timings = _timed_run(llm, chats, minillm_warmup)
     for variant in variants:
         use_variant(engine, variant)
-        runs[f"minillm_{variant}"], tokens[f"minillm_{variant}"], _ = _timed_run(llm, requests, minillm_warmup)
+        runs[f"minillm_{variant}"], tokens[f"minillm_{variant}"], _ = _timed_run(llm, chats, minillm_warmup)
     served = [ServedRequest(t.num_input_tokens, t.num_output_tokens) for t in timings if t.token_times]
     if peers:
         release_engine_memory(engine)
@@ -221,12 +216,12 @@ def bench_throughput(*, model: str | None, load_format: str, workload: str, scal
         hf = hf_model_sharing_weights(engine.model, engine.model_config)
         timings, tokens["hf_cb"], duration = run_hf_continuous(hf, requests)
         runs["hf_cb"] = serving_metrics(timings, duration)
-    agreement = {name: sum(a == b for a, b in zip(tokens["minillm"], toks)) / len(requests)
+    agreement = {name: sum(a == b for a, b in zip(tokens["minillm"], toks)) / len(toks)
                  for name, toks in tokens.items() if name != "minillm"}
     return {
         **result_header("throughput", workload, engine.model_source, command),
         "scale": scale,
-        "num_requests": len(requests),
+        "num_requests": len(tokens["minillm"]),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "peer_batch_size": peer_batch_size,
         "engine": {"batching": engine.config.batching, "max_batch": engine.max_batch,
@@ -320,17 +315,28 @@ def format_latency_table(result: dict) -> str:
 def format_table(result: dict) -> str:
     runs = result["runs"]
     base = runs.get("hf_static")
+    width = max(12, *(len(name) + 2 for name in runs))
     lines = [f"{result['workload']} ({result['num_requests']} requests) on {result['device']}, "
              f"{result['model']} {result['dtype']}",
-             f"{'run':<12}{'output tok/s':>14}{'req/s':>9}{'mean TTFT ms':>14}{'mean TPOT ms':>14}{'vs hf_static':>14}"]
+             f"{'run':<{width}}{'output tok/s':>14}{'req/s':>9}{'mean TTFT ms':>14}{'mean TPOT ms':>14}{'vs hf_static':>14}"]
     for name, m in runs.items():
         ratio = f"{m['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
-        lines.append(f"{name:<12}{m['output_throughput']:>14.1f}{m['request_throughput']:>9.2f}"
+        lines.append(f"{name:<{width}}{m['output_throughput']:>14.1f}{m['request_throughput']:>9.2f}"
                      f"{m['mean_ttft_ms']:>14.1f}{m['mean_tpot_ms']:>14.1f}{ratio:>14}")
     for name, m in runs.items():
         if "prefix_cache_hit_rate" in m:
+            shared = f"; shared-token fraction of the chats {m['shared_token_fraction']:.1%}" if "turns" in m else ""
             lines.append(f"{name}: prefix cache hit rate {m['prefix_cache_hit_rate']:.1%} "
-                         f"({m['prefix_cache_hits']} of {m['prefix_cache_queries']} prompt tokens)")
+                         f"({m['prefix_cache_hits']} of {m['prefix_cache_queries']} prompt tokens){shared}")
+    chats = {name: m for name, m in runs.items() if "turns" in m}
+    if chats:
+        lines.append(format_turns(chats))
+    off = runs.get("minillm_prefix_cache_off")
+    on = runs.get("minillm_prefix_cache_on", runs["minillm"])
+    if off:
+        lines.append(f"prefix cache on / off: output tok/s {on['output_throughput'] / off['output_throughput']:.3f}x, "
+                     f"mean TPOT {on['mean_tpot_ms'] / off['mean_tpot_ms']:.3f}x, "
+                     f"mean TTFT {on['mean_ttft_ms'] / off['mean_ttft_ms']:.3f}x")
     lines += compile_warnings(runs)
     kv = result.get("kv_memory")
     if kv:

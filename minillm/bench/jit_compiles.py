@@ -3,10 +3,10 @@
 Why: Triton compiles a kernel again whenever a launch brings a specialisation it has not met in this
 process (new constexprs, an integer argument newly equal to 1 or divisible by 16, a pointer newly
 on or off a 16-byte boundary). A compile stalls the run for up to about a second, so one inside a
-timed run reads as a slower engine: the prefix-cache run of the multi-turn benchmark at commit
-776800a lost 24 % of its throughput to a single one (tests/test_kernel_specialization.py). The
-throughput harness records the count of every timed run: anything above 0 means the warm-up missed
-a variant and the time includes compiling.
+timed run reads as a slower engine: the prefix-cache run of the open-loop multi-turn benchmark
+(`multi-turn-open`, figures/h200/prefix_cache_multi_turn_fcfs.json) lost 24 % of its throughput to a
+single one (tests/test_kernel_specialization.py). The throughput harness records the count of every
+timed run: anything above 0 means the warm-up missed a variant and the time includes compiling.
 
 Triton calls ``triton.knobs.runtime.jit_cache_hook`` before each compile (Triton >= 3.4; a variant
 found in Triton's on-disk cache counts too: it is still loaded mid-run). Older Triton, or none,

@@ -23,7 +23,7 @@ class RequestTiming:
         return len(self.token_times)
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default)."""
     ordered = sorted(values)
     if len(ordered) == 1:
@@ -34,12 +34,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def _summary(name: str, seconds: list[float]) -> dict[str, float]:
+def latency_summary(name: str, seconds: list[float]) -> dict[str, float]:
+    """``mean_{name}_ms``, ``median_{name}_ms``, ``p95_{name}_ms``, ``p99_{name}_ms`` (0 when there are none)."""
     if not seconds:
-        return {f"mean_{name}_ms": 0.0, f"median_{name}_ms": 0.0, f"p99_{name}_ms": 0.0}
+        return {f"{stat}_{name}_ms": 0.0 for stat in ("mean", "median", "p95", "p99")}
     ms = [s * 1000 for s in seconds]
     return {f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms),
-            f"p99_{name}_ms": _percentile(ms, 99)}
+            f"p95_{name}_ms": percentile(ms, 95), f"p99_{name}_ms": percentile(ms, 99)}
 
 
 def serving_metrics(timings: list[RequestTiming], duration: float) -> dict[str, float]:
@@ -61,5 +62,5 @@ def serving_metrics(timings: list[RequestTiming], duration: float) -> dict[str, 
         "total_token_throughput": (total_in + total_out) / duration,
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
-        metrics.update(_summary(name, values))
+        metrics.update(latency_summary(name, values))
     return metrics

@@ -11,6 +11,7 @@ transformers model gets views of the fused matrices.)
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -130,3 +131,28 @@ def run_hf_continuous(hf_model, workload: list[WorkloadRequest]) -> tuple[list[R
     outputs = [results[str(i)] for i in range(len(workload))]
     timings = [RequestTiming(start, list(o.timestamps), len(r.prompt_token_ids)) for o, r in zip(outputs, workload)]
     return timings, [list(o.generated_tokens) for o in outputs], duration
+
+
+def write_hf_checkpoint(preset: str, path: str | Path, dtype: str = "bfloat16", device: str = "cpu") -> Path:
+    """A Hugging Face model directory with a minillm preset's shape and random weights, for a peer that loads its
+    model from disk (``transformers serve``). No EOS token (in the config and the generation config), so every
+    request runs to its ``max_tokens``, as ``ignore_eos`` makes minillm do; and a word-level tokenizer with one
+    word per token id (``"t5 t17 ..."``), so a workload's token ids travel as text and come back as the same ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from minillm.model.config import PRESETS
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+    path = Path(path)
+    config = hf_config_for(PRESETS[preset])
+    config.eos_token_id = config.bos_token_id = None
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+    model.save_pretrained(path)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(path)
+    return path

@@ -6,8 +6,8 @@ written. Here K/V live in a shared pool of blocks of ``block_size`` tokens, and 
 generates. Token ``p`` of a request lives in slot ``table[p // block_size] * block_size +
 p % block_size`` (its *slot mapping*). Waste is at most one partly filled block per request.
 
-Blocks carry reference counts so that several requests can share one (prefix caching, next issue);
-a block returns to the free list when its count drops to zero.
+Blocks carry reference counts so that several requests can share one (prefix caching; the n sequences
+of one prompt); a block returns to the free list when its count drops to zero.
 """
 
 from __future__ import annotations
@@ -87,6 +87,16 @@ class BlockTables:
         table = self.tables.setdefault(request_id, [])
         for _ in range(needed):
             table.append(self.allocator.allocate())
+
+    def fork(self, parent_id: str, child_id: str, num_blocks: int) -> None:
+        """Start ``child_id``'s table with the first ``num_blocks`` blocks of ``parent_id``'s, shared (their
+        reference counts go up): the child reads that K/V and never writes it (``sequence_group.py``)."""
+        if child_id in self.tables:
+            raise ValueError(f"{child_id!r} has a block table already; a fork starts a new one")
+        shared = self.tables[parent_id][:num_blocks]
+        for block in shared:
+            self.allocator.share(block)
+        self.tables[child_id] = list(shared)
 
     def free(self, request_id: str) -> None:
         for block in self.tables.pop(request_id, ()):

@@ -19,6 +19,13 @@ Ownership, with the allocator's reference counts:
 - an unlocked node is therefore held by the tree alone, and so is its whole subtree. Eviction takes
   unlocked leaves, least recently used first, and gives their blocks back to the allocator.
 
+Eviction runs whenever a request needs a block and the free list is empty, which in a busy server is
+most steps: so it must not walk the tree. A heap of *candidates* (a node, with its last access when it
+was pushed) gets every node that may have become an evictable leaf (a new node, a node unlocked, a node
+whose last child was evicted). Entries are checked when popped: a node no longer an unlocked leaf of the
+tree is skipped, and one used since it was pushed goes back in line at its last access; so the popped
+leaf is the least recently used one, at O(log n) a leaf instead of O(n) a call.
+
 Statistics count tokens, as vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` do.
 """
 
@@ -50,6 +57,8 @@ class RadixCache:
         self.num_cached_blocks = 0
         self.num_evictable_blocks = 0  # blocks of unlocked nodes: the allocator can have them back
         self.queries = self.hits = 0  # tokens looked up at admission, tokens found
+        self._candidates: list[tuple[int, int, RadixNode]] = []  # (last access when pushed, order, node): a heap
+        self._order = itertools.count()  # ties in last access: first pushed, first evicted
 
     # -- lookups ----------------------------------------------------------------------------------
 
@@ -158,17 +167,36 @@ class RadixCache:
             node = node.parent
 
     def _add_evictable(self, node: RadixNode, delta: int) -> None:
+        """Count ``delta`` more (or fewer) evictable blocks for an unlocked ``node``; one that gains them
+        (new, or just unlocked) may be an evictable leaf: a candidate."""
         if node.lock_ref == 0:
             self.num_evictable_blocks += delta
+            if delta > 0:
+                self._push_candidate(node)
+
+    def _push_candidate(self, node: RadixNode) -> None:
+        if len(self._candidates) > 2 * self.num_cached_blocks + 64:  # mostly stale entries: start afresh
+            self._candidates = [(n.last_access, next(self._order), n) for n in self._nodes() if self._evictable(n)]
+            heapq.heapify(self._candidates)
+        heapq.heappush(self._candidates, (node.last_access, next(self._order), node))
+
+    def _evictable(self, node: RadixNode) -> bool:
+        """An unlocked leaf still in the tree (an evicted node is no longer its parent's child)."""
+        parent = node.parent
+        return (not node.children and node.lock_ref == 0 and parent is not None
+                and parent.children.get(node.tokens[:self.block_size]) is node)
 
     def evict(self, num_blocks: int) -> int:
         """Free at least ``num_blocks`` blocks (fewer if too few are unlocked): unlocked leaves,
         least recently used first; a parent left childless and unlocked becomes a candidate."""
-        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(leaves)
         freed = 0
-        while freed < num_blocks and leaves:
-            _, _, node = heapq.heappop(leaves)
+        while freed < num_blocks and self._candidates:
+            pushed_at, _, node = heapq.heappop(self._candidates)
+            if not self._evictable(node):
+                continue
+            if pushed_at != node.last_access:  # used since it was pushed: back in line at its last use
+                heapq.heappush(self._candidates, (node.last_access, next(self._order), node))
+                continue
             for block in node.blocks:
                 if self.allocator.ref_counts[block] != 1:
                     raise RuntimeError(f"block {block} of unlocked {node} is held outside the cache")
@@ -179,7 +207,7 @@ class RadixCache:
             parent = node.parent
             del parent.children[node.tokens[:self.block_size]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+                self._push_candidate(parent)
         return freed
 
     def _nodes(self):

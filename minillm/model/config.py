@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minillm.validation import InvalidArgument, check_bool, check_float, check_int
+
 # model_type in config.json -> the switches that architecture turns on.
 SUPPORTED_ARCHITECTURES = {
     "llama": {},
@@ -38,6 +40,25 @@ class ModelConfig:
     model_type: str = "llama"
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+
+    def __post_init__(self):
+        # config.json is input too: a string hidden_size would otherwise fail deep inside torch.empty.
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            check_int(name, getattr(self, name), minimum=1, valid="a positive integer")
+        check_float("rms_norm_eps", self.rms_norm_eps, above=0.0, valid="a number > 0")
+        check_float("rope_theta", self.rope_theta, above=0.0, valid="a number > 0")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidArgument("num_kv_heads", f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                                                  f"({self.num_kv_heads}): each KV head serves a whole group")
+        for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+            check_bool(name, getattr(self, name))
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window, minimum=1, valid="None or a positive integer")
+        for token in self.eos_token_ids:
+            check_int("eos_token_id", token, minimum=0, valid="a token id (an integer >= 0) or a list of them")
+        if self.bos_token_id is not None:
+            check_int("bos_token_id", self.bos_token_id, minimum=0, valid="None or a token id (an integer >= 0)")
 
     @property
     def num_params(self) -> int:
@@ -79,20 +100,22 @@ class ModelConfig:
                 raise ValueError(
                     f"rope_type {scaling['rope_type']!r} is not supported; valid: 'default', 'llama3'"
                 )
-        heads = cfg["num_attention_heads"]
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            check_int(key, cfg[key], minimum=1, valid="a positive integer")  # by config.json's names
+        heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
         eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos_ids = [] if eos is None else ([eos] if not isinstance(eos, (list, tuple)) else list(eos))
         extra = SUPPORTED_ARCHITECTURES[model_type]
         return cls(
             vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
+            hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta),
+            rope_theta=check_float("rope_theta", theta, above=0.0, valid="a number > 0"),
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),

