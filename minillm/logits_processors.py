@@ -46,7 +46,9 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = token_counts([r.all_token_ids for r in requests], vocab, device) > 0
         penalty = to_device([p.repetition_penalty for p in params], torch.float32, device)[:, None]
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        # A penalty below fp32's range (5e-324 is a valid float > 0) divides by zero: keep the logits finite.
+        largest = torch.finfo(logits.dtype).max
+        penalised = torch.where(logits > 0, (logits / penalty).clamp(max=largest), logits * penalty)
         logits = torch.where(seen, penalised, logits)
     if any(p.frequency_penalty or p.presence_penalty for p in params):
         counts = token_counts([r.output_token_ids for r in requests], vocab, device)

@@ -83,6 +83,21 @@ def test_repetition_penalty_is_transformers_processor(penalty):
         assert seen and all(ours[row, t] != logits[row, t] for t in seen)  # it did something to every seen token
 
 
+@pytest.mark.parametrize("penalty", [5e-324, 1e-300, 1e-40])
+def test_a_repetition_penalty_below_fp32_range_keeps_logits_finite(penalty):
+    """A valid float > 0 that fp32 rounds to zero (found by fuzzing the server) must not make NaN probabilities."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, VOCAB, generator=generator) * 4
+    requests = [request_with(random_tokens(generator, 7), random_tokens(generator, 5), repetition_penalty=penalty)
+                for _ in range(2)]
+    ours = apply_penalties(logits, requests)
+    assert torch.isfinite(ours).all()
+    assert not torch.isnan(torch.softmax(ours, dim=-1)).any()
+    for row, request in enumerate(requests):  # seen tokens with positive logits rise to the top
+        rising = [t for t in set(request.all_token_ids) if logits[row, t] > 0]
+        assert rising and ours[row].argmax().item() in rising
+
+
 def test_frequency_and_presence_penalties_are_openai_formula():
     generator = torch.Generator().manual_seed(2)
     logits = torch.randn(3, VOCAB, generator=generator) * 4

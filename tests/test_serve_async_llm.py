@@ -112,7 +112,7 @@ def test_bad_input_raises_where_it_is_awaited(async_llm):
     async def main():
         with pytest.raises(ValueError, match="max_model_len"):
             await async_llm.add_request(list(range(5, 5 + async_llm.max_model_len)), greedy(4))
-        with pytest.raises(ValueError, match="sampling params must be a SamplingParams"):
+        with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
             await async_llm.add_request(PROMPTS[0], {"max_tokens": 4})
 
     asyncio.run(main())

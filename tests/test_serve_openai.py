@@ -25,10 +25,6 @@ PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 # Extensions the openai client passes through extra_body: no EOS, so every answer has exactly max_tokens tokens.
 NO_EOS = {"ignore_eos": True}
-# n > 1, logprobs and prompt_logprobs need the engine's extended SamplingParams.
-needs_extended_sampling = pytest.mark.skipif(
-    not all(hasattr(SamplingParams(), name) for name in ("n", "logprobs", "prompt_logprobs")),
-    reason="this engine's SamplingParams has no n / logprobs / prompt_logprobs")
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +137,6 @@ def test_seed_makes_sampling_repeatable(client):
     assert sample(1235) != first
 
 
-@needs_extended_sampling
 def test_n_choices_each_with_their_tokens(client):
     response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, n=3, temperature=1.0,
                                          seed=7, extra_body=NO_EOS)
@@ -168,7 +163,6 @@ def reference_logprobs(hf_model, prompt_ids: list[int], output_ids: list[int]) -
     return torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1:-1]
 
 
-@needs_extended_sampling
 def test_completion_logprobs_match_transformers(client, offline, hf_model):
     prompt_ids = offline.tokenizer.encode(PROMPT)
     _, output_ids = greedy_text(offline, PROMPT, 8)
@@ -187,7 +181,6 @@ def test_completion_logprobs_match_transformers(client, offline, hf_model):
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(8)]
 
 
-@needs_extended_sampling
 def test_chat_logprobs_streamed_and_whole(client, offline, hf_model):
     prompt_ids = encode_chat(offline.tokenizer, MESSAGES)
     _, output_ids = greedy_text(offline, prompt_ids, 6)
@@ -205,7 +198,6 @@ def test_chat_logprobs_streamed_and_whole(client, offline, hf_model):
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
 
 
-@needs_extended_sampling
 def test_prompt_logprobs(client, offline, hf_model):
     prompt_ids = offline.tokenizer.encode(PROMPT)
     response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=0,
@@ -257,7 +249,7 @@ def test_prompt_past_max_model_len_is_400(client, async_llm):
 
 def test_priority_needs_the_priority_policy(client):
     error = error_of(lambda: client.completions.create(model=MODEL_NAME, prompt=PROMPT, extra_body={"priority": 3}))
-    assert error.status_code == 400 and "scheduling_policy" in error.body["message"]
+    assert error.status_code == 400 and error.body["param"] == "priority" and "scheduling_policy" in error.body["message"]
 
 
 def test_chat_top_logprobs_needs_logprobs(client):

@@ -55,8 +55,8 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def invalid(error: Exception, param: str | None = None) -> APIError:
-    """A ValueError / TypeError from validating a request: 400, naming the parameter when the error does."""
-    return APIError(400, str(error), "invalid_request_error", getattr(error, "param", None) or param)
+    """A ValueError / TypeError from validating a request: 400, naming ``param``, else the error's own."""
+    return APIError(400, str(error), "invalid_request_error", param or getattr(error, "param", None))
 
 
 def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None, retry_after: int = 1) -> FastAPI:
@@ -184,11 +184,13 @@ def install_error_handlers(app: FastAPI, retry_after: int) -> None:
 async def submit(async_llm: AsyncLLM, prompt, params, request_id: str, priority: int,
                  prompt_param: str) -> RequestStream:
     """Queue the request; the engine's verdict on bad input (a prompt past max_model_len, a token id out
-    of the vocabulary) becomes a 400 naming ``prompt_param`` unless the error names another parameter."""
+    of the vocabulary) becomes a 400 naming the parameter, where the engine's "prompt" is the API's
+    ``prompt_param`` (chat's is ``messages``)."""
     try:
         return await async_llm.add_request(prompt, params, request_id=request_id, priority=priority)
     except (ValueError, TypeError) as error:
-        raise invalid(error, prompt_param) from None
+        param = getattr(error, "param", None)
+        raise invalid(error, prompt_param if param in (None, "prompt") else param) from None
 
 
 async def last_output(stream: RequestStream, raw: Request) -> RequestOutput | None:
