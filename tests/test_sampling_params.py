@@ -68,12 +68,17 @@ def random_tokens(generator: torch.Generator, n: int) -> list[int]:
     return torch.randint(0, 12, (n,), generator=generator).tolist()  # a small range: tokens repeat
 
 
+def repeating_batch(seed: int, rows: int, repetition_penalty: float) -> tuple[torch.Tensor, list[Request]]:
+    """Random logits and requests whose prompts and outputs repeat tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, VOCAB, generator=generator) * 4
+    return logits, [request_with(random_tokens(generator, 7), random_tokens(generator, 5),
+                                 repetition_penalty=repetition_penalty) for _ in range(rows)]
+
+
 @pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
 def test_repetition_penalty_is_transformers_processor(penalty):
-    generator = torch.Generator().manual_seed(1)
-    logits = torch.randn(3, VOCAB, generator=generator) * 4
-    requests = [request_with(random_tokens(generator, 7), random_tokens(generator, 5), repetition_penalty=penalty)
-                for _ in range(3)]
+    logits, requests = repeating_batch(1, 3, penalty)
     ours = apply_penalties(logits, requests)
     processor = RepetitionPenaltyLogitsProcessor(penalty)
     for row, request in enumerate(requests):
@@ -86,10 +91,7 @@ def test_repetition_penalty_is_transformers_processor(penalty):
 @pytest.mark.parametrize("penalty", [5e-324, 1e-300, 1e-40])
 def test_a_repetition_penalty_below_fp32_range_keeps_logits_finite(penalty):
     """A valid float > 0 that fp32 rounds to zero (found by fuzzing the server) must not make NaN probabilities."""
-    generator = torch.Generator().manual_seed(3)
-    logits = torch.randn(2, VOCAB, generator=generator) * 4
-    requests = [request_with(random_tokens(generator, 7), random_tokens(generator, 5), repetition_penalty=penalty)
-                for _ in range(2)]
+    logits, requests = repeating_batch(3, 2, penalty)
     ours = apply_penalties(logits, requests)
     assert torch.isfinite(ours).all()
     assert not torch.isnan(torch.softmax(ours, dim=-1)).any()
