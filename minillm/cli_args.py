@@ -33,7 +33,8 @@ def add_model_args(p: argparse.ArgumentParser, several_quantizations: bool = Fal
     g.add_argument("--batch-timeout", type=float, default=0.05,
                    help="dynamic: seconds the oldest request waits for a full batch (default %(default)s)")
     g.add_argument("--bucket-width", type=int, default=128,
-                   help="dynamic: prompts within the same multiple of this many tokens batch together (default %(default)s)")
+                   help="dynamic: prompts within the same multiple of this many tokens batch together "
+                        "(default %(default)s)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "lpm"],
                    help="continuous: fcfs = arrival order; priority = per-request priority, then arrival; "
                         "lpm = longest cached prefix first (with --enable-prefix-caching)")
@@ -92,7 +93,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the model argument, or SmolLM2-135M-Instruct)")
     g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="requests that may wait for a slot; past it, new ones get 503 + Retry-After (default: no bound)")
+                   help="requests that may wait for a slot; past it, new ones get 503 + Retry-After "
+                        "(default: no bound)")
     g.add_argument("--shutdown-timeout", type=float, default=None,
                    help="seconds the requests in flight get to finish at shutdown before they are aborted "
                         "(default: as long as they need)")

@@ -18,8 +18,8 @@ import pytest
 
 from minillm import LLM, SamplingParams
 from minillm.serve import ServerThread
-from serving import (ENGINE_KWARGS, MODEL_NAME, async_llm, finish_reasons, kv_pool_free, make_async_llm, server,  # noqa: F401
-                     tiny_chat_model_dir, wait_for_empty_engine, wait_until)
+from serving import (ENGINE_KWARGS, MODEL_NAME, async_llm, finish_reasons, kv_pool_free,  # noqa: F401
+                     make_async_llm, server, tiny_chat_model_dir, wait_for_empty_engine, wait_until)
 
 PROMPTS = ["The quick brown fox", "In the beginning", "import numpy as np", "Dear Sir or Madam,",
            "Roses are red,", "Once upon a time", "The answer is", "SELECT * FROM"]
@@ -42,7 +42,8 @@ def test_concurrent_streams_complete_with_the_right_tokens(server, async_llm, ti
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, object, str]:
         stream = await client.completions.create(model=MODEL_NAME, prompt=PROMPTS[i % len(PROMPTS)],
                                                  max_tokens=max_tokens_of(i), temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
         text, usage, finish = [], None, None
         async for chunk in stream:
             if chunk.choices:

@@ -249,7 +249,8 @@ def test_prompt_past_max_model_len_is_400(client, async_llm):
 
 def test_priority_needs_the_priority_policy(client):
     error = error_of(lambda: client.completions.create(model=MODEL_NAME, prompt=PROMPT, extra_body={"priority": 3}))
-    assert error.status_code == 400 and error.body["param"] == "priority" and "scheduling_policy" in error.body["message"]
+    assert error.status_code == 400 and error.body["param"] == "priority"
+    assert "scheduling_policy" in error.body["message"]
 
 
 def test_chat_top_logprobs_needs_logprobs(client):

@@ -163,6 +163,7 @@ class AsyncLLM:
         queue is full, ``EngineShutdownError`` after ``shutdown()``, and the engine's ``ValueError`` for bad input."""
         loop = asyncio.get_running_loop()
         added: concurrent.futures.Future = concurrent.futures.Future()
+        arrival_time = time.perf_counter()  # TTFT and queue time count from here, not from the engine thread's turn
         with self._wakeup:  # under the lock shutdown() takes: an accepted add is applied before the thread ends
             if not self._accepting:
                 raise EngineShutdownError("the engine is shutting down and accepts no new requests")
@@ -170,8 +171,7 @@ class AsyncLLM:
             if limit is not None and self.num_waiting >= limit:
                 raise QueueFullError(self.num_waiting, limit)
             self._num_pending_adds += 1
-            # Arrival is now, not when the engine thread gets to it: TTFT and queue time count the wait.
-            self._commands.append(("add", prompt, params, request_id, priority, time.perf_counter(), loop, added))
+            self._commands.append(("add", prompt, params, request_id, priority, arrival_time, loop, added))
             self._wakeup.notify_all()
         try:
             return await asyncio.wrap_future(added)

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from minillm.request import CompletionOutput, RequestOutput, SamplingParams
-from minillm.serve.protocol import (COMPLETION_MAX_TOKENS, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatChunkChoice,
-                                    ChatDelta, ChatLogprobs, ChatMessage, CompletionChoice, CompletionChunk,
-                                    CompletionLogprobs, CompletionRequest, AssistantMessage, PromptLogprob,
-                                    PromptLogprobs, SamplingFields, TokenLogprob, TopLogprob, Usage)
+from minillm.serve.protocol import (COMPLETION_MAX_TOKENS, AssistantMessage, ChatChoice, ChatChunkChoice,
+                                    ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs, ChatMessage,
+                                    CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
+                                    PromptLogprob, PromptLogprobs, SamplingFields, TokenLogprob, TopLogprob, Usage)
 
 
 class InvalidRequest(ValueError):

@@ -56,7 +56,8 @@ class SamplingFields(APIModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch.Generator takes
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> added to its logit
+    # token id -> added to its logit
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user identifier; accepted, not used
