@@ -26,7 +26,9 @@ WARMUPS=${WARMUPS:-64}
 HF_FLAGS=${HF_FLAGS:-}
 HF_TIMEOUT=${HF_TIMEOUT:-240}
 OUT=${OUT:-/tmp/out}
-PY=${PYTHON:-python3}
+# -P: the repository root is not put on sys.path, so its top-level kernels/ never stands in for Hugging Face's
+# `kernels` package, which some transformers versions import and fail on.
+PY=${PYTHON:-python3 -P}
 WORK=$(mktemp -d)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
