@@ -95,7 +95,10 @@ def test_sigint_ends_the_chat_command_with_130_and_no_traceback():
     root = os.path.dirname(os.path.dirname(minillm.__file__))
     process = subprocess.Popen([sys.executable, "-m", "minillm.cli", "chat", "--model", "tiny", "--load-format",
                                 "dummy", "--device", "cpu"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=root)
+                               stderr=subprocess.PIPE, text=True, cwd=root,
+                               # (a pytest-xdist worker ignores SIGINT, and a child inherits that; Python then
+                               # installs no KeyboardInterrupt handler: the child starts with the default)
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         banner = process.stderr.readline()  # printed once the model is loaded, just before input()
         assert "minillm chat" in banner, banner
