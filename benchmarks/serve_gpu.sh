@@ -6,8 +6,10 @@
 #  (c) a request-rate sweep of `minillm serve` (SWEEP_REQUESTS requests at each of RATES);
 #  (d) `transformers serve --continuous-batching` on a random checkpoint of the same shape written to local disk
 #      (no EOS, a word-level tokenizer: prompts travel as text, outputs run to max_tokens), the same sweep.
-# Each result lands in $OUT as soon as it exists: offline.json, serve_all_at_once.json, serve_sweep.json (and
-# serve_sweep.png, both servers' runs), serve_summary.json (the two ratios). A peer that fails or runs out of
+# Each result lands in $OUT as soon as it exists: offline.json, serve_all_at_once.json, sweep_minillm.json,
+# sweep_hf.json, serve_sweep.json (and serve_sweep.png, both servers' runs), serve_summary.json (the two ratios).
+# LEGS="minillm hf" picks the legs; RESUME=DIR starts from the JSONs an earlier run on the same machine left in
+# its $OUT, so the two legs can run as two calls of the device tool and still merge into one sweep and summary. A peer that fails or runs out of
 # HF_TIMEOUT seconds keeps the rates it finished. transformers serve needs fastapi, uvicorn, pydantic and openai
 # importable (carried wheels on PYTHONPATH). Run from the repository root: OUT=/tmp/out bash benchmarks/serve_gpu.sh
 # (on a copy without .git, MINILLM_COMMIT=<commit> names the code in the JSON).
@@ -25,12 +27,14 @@ RATES=${RATES:-inf 2 4 8}
 WARMUPS=${WARMUPS:-64}
 HF_FLAGS=${HF_FLAGS:-}
 HF_TIMEOUT=${HF_TIMEOUT:-240}
+LEGS=${LEGS:-minillm hf}
 OUT=${OUT:-/tmp/out}
 # -P: the repository root is not put on sys.path, so its top-level kernels/ never stands in for Hugging Face's
 # `kernels` package, which some transformers versions import and fail on.
 PY=${PYTHON:-python3 -P}
 WORK=$(mktemp -d)
 mkdir -p "$OUT"
+[ -n "${RESUME:-}" ] && cp "$RESUME"/*.json "$WORK/"
 export PYTHONUNBUFFERED=1
 VOCAB=$($PY -c "from minillm.model.config import PRESETS; print(PRESETS['$MODEL'].vocab_size)") || exit 1
 COMMON=(--workload mixed --scale "$SCALE" --vocab-size "$VOCAB" --seed 0)
@@ -76,45 +80,55 @@ write_result(summary, out / "serve_summary.json")
 PY
 }
 
-log "(a) LLM.generate offline: $MODEL, mixed, $NUM_REQUESTS requests"
-$PY -m minillm.cli bench throughput --model "$MODEL" --load-format dummy --dtype "$DTYPE" --device "$DEVICE" \
-  --batching continuous --workload mixed --scale "$SCALE" --num-requests "$NUM_REQUESTS" --peers \
-  --output "$WORK/offline.json" | tail -3 && cp "$WORK/offline.json" "$OUT/"
+if [[ " $LEGS " == *" minillm "* ]]; then
+  log "(a) LLM.generate offline: $MODEL, mixed, $NUM_REQUESTS requests"
+  $PY -m minillm.cli bench throughput --model "$MODEL" --load-format dummy --dtype "$DTYPE" --device "$DEVICE" \
+    --batching continuous --workload mixed --scale "$SCALE" --num-requests "$NUM_REQUESTS" --peers \
+    --output "$WORK/offline.json" | tail -3 && cp "$WORK/offline.json" "$OUT/"
 
-PORT=$(free_port)
-log "(b, c) minillm serve on port $PORT"
-$PY -m minillm.cli serve --model "$MODEL" --load-format dummy --dtype "$DTYPE" --device "$DEVICE" --host 127.0.0.1 \
-  --port "$PORT" --uvicorn-log-level warning > "$WORK/minillm_server.log" 2>&1 &
-SERVER=$!
-if wait_health "http://127.0.0.1:$PORT" "$SERVER" 300; then
-  log "(b) all $NUM_REQUESTS requests at once ($WARMUPS warm-up requests first)"
-  $PY -m minillm.cli bench serve --base-url "http://127.0.0.1:$PORT" --label minillm "${COMMON[@]}" \
-    --num-requests "$NUM_REQUESTS" --num-warmups "$WARMUPS" --request-rate inf --output "$WORK/serve_all_at_once.json" \
-    | tail -4 && cp "$WORK/serve_all_at_once.json" "$OUT/"
-  log "(c) request rates $RATES, $SWEEP_REQUESTS requests each"
-  $PY -m minillm.cli bench serve --base-url "http://127.0.0.1:$PORT" --label minillm "${COMMON[@]}" \
-    --num-requests "$SWEEP_REQUESTS" --request-rate "${RATE_LIST[@]}" --output "$WORK/sweep_minillm.json" | tail -8
-else
-  log "minillm serve did not come up:"; tail -20 "$WORK/minillm_server.log"
+  PORT=$(free_port)
+  log "(b, c) minillm serve on port $PORT"
+  $PY -m minillm.cli serve --model "$MODEL" --load-format dummy --dtype "$DTYPE" --device "$DEVICE" --host 127.0.0.1 \
+    --port "$PORT" --uvicorn-log-level warning > "$WORK/minillm_server.log" 2>&1 &
+  SERVER=$!
+  if wait_health "http://127.0.0.1:$PORT" "$SERVER" 300; then
+    log "(b) all $NUM_REQUESTS requests at once ($WARMUPS warm-up requests first)"
+    $PY -m minillm.cli bench serve --base-url "http://127.0.0.1:$PORT" --label minillm "${COMMON[@]}" \
+      --num-requests "$NUM_REQUESTS" --num-warmups "$WARMUPS" --request-rate inf --output "$WORK/serve_all_at_once.json" \
+      | tail -4 && cp "$WORK/serve_all_at_once.json" "$OUT/"
+    log "(c) request rates $RATES, $SWEEP_REQUESTS requests each"
+    $PY -m minillm.cli bench serve --base-url "http://127.0.0.1:$PORT" --label minillm "${COMMON[@]}" \
+      --num-requests "$SWEEP_REQUESTS" --request-rate "${RATE_LIST[@]}" --output "$WORK/sweep_minillm.json" | tail -8
+    cp "$WORK/sweep_minillm.json" "$OUT/"
+  else
+    log "minillm serve did not come up:"; tail -20 "$WORK/minillm_server.log"
+  fi
+  stop "$SERVER"
+  merge
 fi
-stop "$SERVER"
-merge
 
-log "(d) transformers serve --continuous-batching: a random $MODEL checkpoint on local disk"
-$PY -c "from minillm.bench.peers import write_hf_checkpoint as w; w('$MODEL', '$WORK/hf', '$DTYPE', '$DEVICE')" || exit 1
-PORT=$(free_port)
-# shellcheck disable=SC2086
-$PY -m transformers.cli.transformers serve "$WORK/hf" --continuous-batching --host 127.0.0.1 --port "$PORT" \
-  --device "$DEVICE" --dtype "$DTYPE" --log-level warning $HF_FLAGS > "$WORK/hf_server.log" 2>&1 &
-SERVER=$!
-if wait_health "http://127.0.0.1:$PORT" "$SERVER" 300; then
-  timeout "$HF_TIMEOUT" $PY -m minillm.cli bench serve --base-url "http://127.0.0.1:$PORT" --label hf_serve \
-    --model "$WORK/hf" --tokenizer "$WORK/hf" --no-ignore-eos "${COMMON[@]}" --num-requests "$SWEEP_REQUESTS" \
-    --num-warmups 4 --request-rate "${RATE_LIST[@]}" --output "$WORK/sweep_hf.json" | tail -8
-else
-  log "transformers serve did not come up:"; tail -20 "$WORK/hf_server.log"
+if [[ " $LEGS " == *" hf "* ]]; then
+  log "(d) transformers serve --continuous-batching: a random $MODEL checkpoint"
+  # In memory where there is room (/dev/shm), so the checkpoint costs no disk writes.
+  HF_DIR=$(mktemp -d -p "$([ -w /dev/shm ] && echo /dev/shm || echo "$WORK")")
+  $PY -c "from minillm.bench.peers import write_hf_checkpoint as w; w('$MODEL', '$HF_DIR', '$DTYPE', '$DEVICE')" || exit 1
+  log "checkpoint written: $(du -sh "$HF_DIR" | cut -f1)"
+  PORT=$(free_port)
+  # shellcheck disable=SC2086
+  $PY -m transformers.cli.transformers serve "$HF_DIR" --continuous-batching --host 127.0.0.1 --port "$PORT" \
+    --device "$DEVICE" --dtype "$DTYPE" --log-level warning $HF_FLAGS > "$WORK/hf_server.log" 2>&1 &
+  SERVER=$!
+  if wait_health "http://127.0.0.1:$PORT" "$SERVER" 300; then
+    timeout "$HF_TIMEOUT" $PY -m minillm.cli bench serve --base-url "http://127.0.0.1:$PORT" --label hf_serve \
+      --model "$HF_DIR" --tokenizer "$HF_DIR" --no-ignore-eos "${COMMON[@]}" --num-requests "$SWEEP_REQUESTS" \
+      --num-warmups 4 --request-rate "${RATE_LIST[@]}" --output "$WORK/sweep_hf.json" | tail -8
+    [ -f "$WORK/sweep_hf.json" ] && cp "$WORK/sweep_hf.json" "$OUT/"
+  else
+    log "transformers serve did not come up:"; tail -20 "$WORK/hf_server.log"
+  fi
+  stop "$SERVER"
+  merge
+  rm -rf "$HF_DIR"
 fi
-stop "$SERVER"
-merge
 log "done: $(ls "$OUT")"
 rm -rf "$WORK"

@@ -122,3 +122,28 @@ def test_cli_starts_a_server_and_writes_json_and_plot(tmp_path, capsys):
 def test_cli_needs_one_server():
     with pytest.raises(SystemExit, match="--base-url"):
         main(["bench", "serve"])
+
+
+def test_the_transformers_serve_checkpoint_loads_with_random_weights_and_no_eos(tmp_path):
+    """The peer's checkpoint: a preset's shape in several shards, loaded by transformers as it would be served."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from minillm.bench.peers import write_hf_checkpoint
+    from minillm.model.config import PRESETS
+
+    path = write_hf_checkpoint("tiny", tmp_path / "hf", dtype="float32", shard_bytes=1 << 16)
+    assert len(list(path.glob("model-*-of-*.safetensors"))) > 1
+    model = AutoModelForCausalLM.from_pretrained(path)
+    config = PRESETS["tiny"]
+    assert model.config.num_hidden_layers == config.num_layers and model.config.vocab_size == config.vocab_size
+    assert model.config.eos_token_id is None and model.generation_config.eos_token_id is None
+    weights = dict(model.named_parameters())
+    attention = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert 0.5 * model.config.initializer_range < attention.std() < 2 * model.config.initializer_range
+    assert torch.equal(weights["model.norm.weight"], torch.ones_like(weights["model.norm.weight"]))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer("t5 t17 t511")["input_ids"] == [5, 17, 511]
+    assert tokenizer.decode([5, 17]) == "t5 t17"
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[5, 17, 511]])).logits).all()

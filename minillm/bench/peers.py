@@ -133,11 +133,19 @@ def run_hf_continuous(hf_model, workload: list[WorkloadRequest]) -> tuple[list[R
     return timings, [list(o.generated_tokens) for o in outputs], duration
 
 
-def write_hf_checkpoint(preset: str, path: str | Path, dtype: str = "bfloat16", device: str = "cpu") -> Path:
+def write_hf_checkpoint(preset: str, path: str | Path, dtype: str = "bfloat16", device: str = "cpu",
+                        shard_bytes: int = 2 << 30) -> Path:
     """A Hugging Face model directory with a minillm preset's shape and random weights, for a peer that loads its
     model from disk (``transformers serve``). No EOS token (in the config and the generation config), so every
     request runs to its ``max_tokens``, as ``ignore_eos`` makes minillm do; and a word-level tokenizer with one
-    word per token id (``"t5 t17 ..."``), so a workload's token ids travel as text and come back as the same ids."""
+    word per token id (``"t5 t17 ..."``), so a workload's token ids travel as text and come back as the same ids.
+
+    The model is built on the meta device and each tensor is drawn on ``device`` and written straight to a
+    safetensors shard (``model-XXXXX-of-YYYYY.safetensors`` with its index), so a 7B checkpoint costs the time to
+    write 13 GB and never holds more than one shard in host memory."""
+    import json
+
+    from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -146,12 +154,41 @@ def write_hf_checkpoint(preset: str, path: str | Path, dtype: str = "bfloat16", 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
     path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     config = hf_config_for(PRESETS[preset])
     config.eos_token_id = config.bos_token_id = None
-    with torch.device(device):
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
-    model.save_pretrained(path)
+    config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+
+    plan, size = [[]], 0  # shard the names by their sizes first, so that each shard is drawn and written alone
+    for name, meta in model.state_dict().items():  # tied weights appear once
+        nbytes = meta.numel() * meta.element_size()
+        if plan[-1] and size + nbytes > shard_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append((name, meta))
+        size += nbytes
+    generator = torch.Generator(device).manual_seed(0)
+    weight_map, total = {}, 0
+    for i, names in enumerate(plan):
+        shard = {}
+        for name, meta in names:
+            tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            if meta.dim() == 1:
+                tensor.fill_(1.0)  # norm weights
+            else:
+                tensor.normal_(0.0, config.initializer_range, generator=generator)
+            shard[name] = tensor.cpu()
+            total += tensor.nbytes
+        filename = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+        save_file(shard, path / filename, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, filename)
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(path)
