@@ -134,6 +134,7 @@ def test_the_transformers_serve_checkpoint_loads_with_random_weights_and_no_eos(
 
     path = write_hf_checkpoint("tiny", tmp_path / "hf", dtype="float32", shard_bytes=1 << 16)
     assert len(list(path.glob("model-*-of-*.safetensors"))) > 1
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     model = AutoModelForCausalLM.from_pretrained(path)
     config = PRESETS["tiny"]
     assert model.config.num_hidden_layers == config.num_layers and model.config.vocab_size == config.vocab_size

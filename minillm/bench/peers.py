@@ -160,6 +160,7 @@ def write_hf_checkpoint(preset: str, path: str | Path, dtype: str = "bfloat16", 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+    config.architectures = [type(model).__name__]  # what a server reads to pick the model class
     config.save_pretrained(path)
     model.generation_config.save_pretrained(path)
 
