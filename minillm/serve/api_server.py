@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 import minillm
@@ -54,6 +55,32 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(ErrorResponse(error=error.info).model_dump(), status_code=error.status, headers=error.headers)
 
 
+def internal_error(request: Request, error: Exception) -> JSONResponse:
+    """A bug: logged with the request's id, answered with 500."""
+    request_id = getattr(request.state, "request_id", None)
+    logger.error("request %s failed: %s %s", request_id, request.method, request.url.path, exc_info=error)
+    return error_response(APIError(500, f"internal server error ({type(error).__name__})", "internal_error"))
+
+
+class ContainedErrorRoute(APIRoute):
+    """A route whose unexpected exceptions end inside it, as a logged 500. Left to propagate, one would reach
+    uvicorn after the 500 went out, and uvicorn closes the connection then: the client's next request on that
+    keep-alive connection would fail too."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def contained(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (APIError, HTTPException, RequestValidationError, QueueFullError, EngineShutdownError):
+                raise  # the app's exception handlers answer these
+            except Exception as error:
+                return internal_error(request, error)
+
+        return contained
+
+
 def invalid(error: Exception, param: str | None = None) -> APIError:
     """A ValueError / TypeError from validating a request: 400, naming ``param``, else the error's own."""
     return APIError(400, str(error), "invalid_request_error", param or getattr(error, "param", None))
@@ -66,6 +93,7 @@ def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None, retr
     model_name = served_model_name or config.model or EMBEDDED_MODEL_NAME
     app = FastAPI(title="minillm", version=minillm.__version__,
                   description="An OpenAI-compatible server over minillm's engine")
+    app.router.route_class = ContainedErrorRoute
     app.state.async_llm = async_llm
     app.state.metrics = metrics = ServerMetrics(async_llm, model_name)
     install_error_handlers(app, retry_after)
@@ -174,11 +202,9 @@ def install_error_handlers(app: FastAPI, retry_after: int) -> None:
         return error_response(APIError(503, str(error), "server_unavailable",
                                        headers={"Retry-After": str(retry_after)}))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, error: Exception):
-        request_id = getattr(request.state, "request_id", None)
-        logger.error("request %s failed: %s %s", request_id, request.method, request.url.path, exc_info=error)
-        return error_response(APIError(500, f"internal server error ({type(error).__name__})", "internal_error"))
+    @app.exception_handler(Exception)  # outside a route (middleware)
+    async def unexpected(request: Request, error: Exception):
+        return internal_error(request, error)
 
 
 async def submit(async_llm: AsyncLLM, prompt, params, request_id: str, priority: int,

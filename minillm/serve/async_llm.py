@@ -2,10 +2,10 @@
 
 The Engine is not thread-safe and a step blocks for a whole forward pass, so neither may run on an event loop
 that is also serving HTTP. Here a single *engine loop* thread owns the Engine: it applies the adds and aborts
-queued by async callers, steps while work exists, and sleeps otherwise. Each request's outputs travel back to
-the event loop that asked for it through ``loop.call_soon_threadsafe``; a stream keeps only the newest
-cumulative ``RequestOutput`` (each one contains everything before it), so a slow consumer costs no memory and
-loses nothing.
+queued by async callers, steps while work exists, and sleeps otherwise. A step's outputs travel back to the
+event loops that asked for them through ``loop.call_soon_threadsafe``, one call per loop per step; a stream
+keeps only the newest cumulative ``RequestOutput`` (each one contains everything before it), so a slow
+consumer costs no memory and loses nothing.
 
 The waiting queue is bounded (``max_waiting_requests``): past it ``add_request`` raises ``QueueFullError`` at
 once, which a server answers with 503 and ``Retry-After`` instead of building an unbounded backlog. A consumer
@@ -240,8 +240,7 @@ class AsyncLLM:
                 outputs += stepped
             self._refresh_counts()
             self._notify_callbacks(stats, outputs)
-            for output in outputs:
-                self._deliver(output)
+            self._deliver(outputs)
             if stopping:
                 return
 
@@ -296,17 +295,24 @@ class AsyncLLM:
         outputs = [self.engine.abort(request_id) for request_id in request_ids]
         return [output for output in outputs if output is not None]
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:
-            return
-        if output.finished:
-            del self._streams[output.request_id]
-        try:
-            stream._loop.call_soon_threadsafe(stream._put, output)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
-            self._streams.pop(output.request_id, None)
-            self.engine.abort(output.request_id)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop per step (a wake-up is a write to
+        the loop's self-pipe; one per output would be hundreds a step), however many requests it serves."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            by_loop.setdefault(stream._loop, []).append((stream, output))
+        for loop, deliveries in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, deliveries)
+            except RuntimeError:  # the consumers' event loop is closed: nobody is listening any more
+                for stream, output in deliveries:
+                    self._streams.pop(output.request_id, None)
+                    self.engine.abort(output.request_id)
 
     def _refresh_counts(self) -> None:
         scheduler = self.engine.scheduler
@@ -321,3 +327,9 @@ class AsyncLLM:
                 callback(stats, outputs)
             except Exception:
                 logger.exception("step callback %r failed", callback)
+
+
+def _put_all(deliveries: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """On the consumers' event loop: each stream gets its newest output."""
+    for stream, output in deliveries:
+        stream._put(output)
