@@ -1,6 +1,11 @@
 """Starting the HTTP server: in the foreground for ``minillm serve``, or on a background thread for a
 notebook or a test (``ServerThread``), both on uvicorn.
 
+``minillm serve`` freezes the heap it has built by the time it serves (model, tokenizer, CUDA graphs: hundreds
+of thousands of objects that live as long as the process): Python's garbage collector then never walks them
+again, where one full collection of that heap stalls the engine thread for a few hundred milliseconds in the
+middle of a step (vLLM's server does the same).
+
 Shutdown is graceful in both: the listening socket closes first, the requests in flight get
 ``shutdown_timeout`` seconds to finish (None: as long as they need), and whatever is left is then cancelled,
 which aborts it in the engine and frees its KV blocks.
@@ -8,6 +13,7 @@ which aborts it in the engine and frees its KV blocks.
 
 from __future__ import annotations
 
+import gc
 import signal
 import socket
 import threading
@@ -42,10 +48,13 @@ def run_server(async_llm: AsyncLLM, *, host: str = "127.0.0.1", port: int = 8000
     print(f"minillm: serving {server.config.app.title} on http://{host}:{sock.getsockname()[1]}/v1", flush=True)
     # uvicorn handles the signal itself, shuts down gracefully, then raises the signal again: end quietly then.
     handlers = {sig: signal.signal(sig, _exit_quietly) for sig in (signal.SIGINT, signal.SIGTERM)}
+    gc.collect()
+    gc.freeze()
     try:
         server.run(sockets=[sock])
     finally:
         async_llm.shutdown(timeout=0)
+        gc.unfreeze()  # what the process built may go at exit as usual
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 

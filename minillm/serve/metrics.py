@@ -102,26 +102,32 @@ class ServerMetrics:
                 self.iteration_tokens.observe(stats.num_tokens)
                 self.num_preemptions.inc(max(0, stats.num_preemptions - self._preemptions_seen))
                 self._preemptions_seen = stats.num_preemptions
+            prompt_tokens = generation_tokens = 0
             for output in outputs:
-                self._record(output)
+                new_prompt, new_generated = self._record(output)
+                prompt_tokens, generation_tokens = prompt_tokens + new_prompt, generation_tokens + new_generated
+            self.prompt_tokens.inc(prompt_tokens)  # once a step: each inc takes a lock
+            self.generation_tokens.inc(generation_tokens)
             self._record_engine(stats)
 
-    def _record(self, output: RequestOutput) -> None:
+    def _record(self, output: RequestOutput) -> tuple[int, int]:
+        """Observe one request's latencies; returns its (prompt, generated) tokens not counted before."""
         metrics = output.metrics
         num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         tokens_counted, times_counted = self._counted.get(output.request_id, (0, 0))
+        new_prompt = new_generated = 0
         if num_tokens > tokens_counted:
             if tokens_counted == 0:  # the prompt is done: vLLM counts it with the first token
-                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                new_prompt = len(output.prompt_token_ids)
                 if metrics.ttft is not None:
                     self.time_to_first_token.observe(metrics.ttft)
-            self.generation_tokens.inc(num_tokens - tokens_counted)
+            new_generated = num_tokens - tokens_counted
         times = metrics.token_times
         for k in range(max(1, times_counted), len(times)):
             self.inter_token_latency.observe(times[k] - times[k - 1])
         if not output.finished:
             self._counted[output.request_id] = (num_tokens, len(times))
-            return
+            return new_prompt, new_generated
         self._counted.pop(output.request_id, None)
         reason = (output.outputs[0].finish_reason if output.outputs else None) or "abort"
         self.request_success.labels(**self._labels, finished_reason=reason).inc()
@@ -130,6 +136,7 @@ class ServerMetrics:
                 self.e2e_request_latency.observe(metrics.e2e)
             if metrics.time_in_queue is not None:
                 self.request_queue_time.observe(metrics.time_in_queue)
+        return new_prompt, new_generated
 
     def _record_engine(self, stats: StepStats | None) -> None:
         self._record_counts()
