@@ -110,9 +110,12 @@ class QuantLinear(nn.Module):
         codes, zeros = self.unpacked()
         rows, groups = self.in_features, self.scales.shape[0]
         size = rows if self.group_size == -1 else self.group_size
-        # Broadcast each group's zero point and scale over its rows (a short last group: pad, then cut).
-        codes = nn.functional.pad(codes, (0, 0, 0, groups * size - rows)).view(groups, size, -1)
-        w = (codes - zeros[:, None]).to(self.scales.dtype) * self.scales[:, None]
+        dtype = self.scales.dtype
+        # Broadcast each group's zero point and scale over its rows (a short last group: pad, then cut). In the
+        # float dtype, in place: codes and zero points are small integers, so the result is exactly that of the
+        # integer subtraction, at half the passes over the weight.
+        w = nn.functional.pad(codes.to(dtype), (0, 0, 0, groups * size - rows)).view(groups, size, -1)
+        w.sub_(zeros.to(dtype)[:, None]).mul_(self.scales[:, None])
         return w.view(groups * size, -1)[:rows]
 
     def dequantized_weight(self) -> torch.Tensor:
