@@ -4,13 +4,13 @@
 #  (b) `minillm serve` with the same requests all at once through HTTP (`minillm bench serve --request-rate inf`),
 #      and its throughput as a share of (a) (the target: >= 90 %);
 #  (c) a request-rate sweep of `minillm serve` (SWEEP_REQUESTS requests at each of RATES);
-#  (d) `transformers serve --continuous-batching` on a random checkpoint of the same shape written to local disk
+#  (d) `transformers serve --continuous-batching` on a random checkpoint of the same shape (in /dev/shm if writable)
 #      (no EOS, a word-level tokenizer: prompts travel as text, outputs run to max_tokens), the same sweep.
 # Each result lands in $OUT as soon as it exists: offline.json, serve_all_at_once.json, sweep_minillm.json,
 # sweep_hf.json, serve_sweep.json (and serve_sweep.png, both servers' runs), serve_summary.json (the two ratios).
 # LEGS="minillm hf" picks the legs; RESUME=DIR starts from the JSONs an earlier run on the same machine left in
-# its $OUT, so the two legs can run as two calls of the device tool and still merge into one sweep and summary. A peer that fails or runs out of
-# HF_TIMEOUT seconds keeps the rates it finished. transformers serve needs fastapi, uvicorn, pydantic and openai
+# its $OUT, so the two legs can run as two calls of the device tool and still merge into one sweep and summary.
+# A peer that fails or runs out of HF_TIMEOUT seconds keeps the rates it finished. transformers serve needs fastapi, uvicorn, pydantic and openai
 # importable (carried wheels on PYTHONPATH). Run from the repository root: OUT=/tmp/out bash benchmarks/serve_gpu.sh
 # (on a copy without .git, MINILLM_COMMIT=<commit> names the code in the JSON).
 # A CPU check of the script itself (a minute or two):
