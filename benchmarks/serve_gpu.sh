@@ -10,9 +10,10 @@
 # sweep_hf.json, serve_sweep.json (and serve_sweep.png, both servers' runs), serve_summary.json (the two ratios).
 # LEGS="minillm hf" picks the legs; RESUME=DIR starts from the JSONs an earlier run on the same machine left in
 # its $OUT, so the two legs can run as two calls of the device tool and still merge into one sweep and summary.
-# A peer that fails or runs out of HF_TIMEOUT seconds keeps the rates it finished. transformers serve needs fastapi, uvicorn, pydantic and openai
-# importable (carried wheels on PYTHONPATH). Run from the repository root: OUT=/tmp/out bash benchmarks/serve_gpu.sh
-# (on a copy without .git, MINILLM_COMMIT=<commit> names the code in the JSON).
+# A peer that fails or runs out of HF_TIMEOUT seconds keeps the rates it finished. transformers serve needs
+# fastapi, uvicorn, pydantic and openai importable (carried wheels on PYTHONPATH; uvloop and httptools for minillm
+# serve's fast path). Run from the repository root: OUT=/tmp/out bash benchmarks/serve_gpu.sh (on a copy without
+# .git, MINILLM_COMMIT=<commit> names the code in the JSON).
 # A CPU check of the script itself (a minute or two):
 #   MODEL=tiny SCALE=cpu DTYPE=float32 DEVICE=cpu NUM_REQUESTS=8 SWEEP_REQUESTS=8 RATES="inf 4" WARMUPS=2 \
 #     HF_FLAGS="--cb-num-blocks 64 --cb-max-batch-tokens 256" bash benchmarks/serve_gpu.sh
@@ -94,7 +95,8 @@ if [[ " $LEGS " == *" minillm "* ]]; then
   if wait_health "http://127.0.0.1:$PORT" "$SERVER" 300; then
     log "(b) all $NUM_REQUESTS requests at once ($WARMUPS warm-up requests first)"
     $PY -m minillm.cli bench serve --base-url "http://127.0.0.1:$PORT" --label minillm "${COMMON[@]}" \
-      --num-requests "$NUM_REQUESTS" --num-warmups "$WARMUPS" --request-rate inf --output "$WORK/serve_all_at_once.json" \
+      --num-requests "$NUM_REQUESTS" --num-warmups "$WARMUPS" --request-rate inf \
+      --output "$WORK/serve_all_at_once.json" \
       | tail -4 && cp "$WORK/serve_all_at_once.json" "$OUT/"
     log "(c) request rates $RATES, $SWEEP_REQUESTS requests each"
     $PY -m minillm.cli bench serve --base-url "http://127.0.0.1:$PORT" --label minillm "${COMMON[@]}" \
@@ -111,7 +113,8 @@ if [[ " $LEGS " == *" hf "* ]]; then
   log "(d) transformers serve --continuous-batching: a random $MODEL checkpoint"
   # In memory where there is room (/dev/shm), so the checkpoint costs no disk writes.
   HF_DIR=$(mktemp -d -p "$([ -w /dev/shm ] && echo /dev/shm || echo "$WORK")")
-  $PY -c "from minillm.bench.peers import write_hf_checkpoint as w; w('$MODEL', '$HF_DIR', '$DTYPE', '$DEVICE')" || exit 1
+  $PY -c "from minillm.bench.peers import write_hf_checkpoint as w; w('$MODEL', '$HF_DIR', '$DTYPE', '$DEVICE')" \
+    || exit 1
   log "checkpoint written: $(du -sh "$HF_DIR" | cut -f1)"
   PORT=$(free_port)
   # shellcheck disable=SC2086
