@@ -15,6 +15,10 @@ from hypothesis import HealthCheck, settings
 # kernel is defined, so it must be set before anything imports minillm.kernels (make test sets it too).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_speedup import patch_language_once_per_launch  # (tests/ is on sys.path: rootdir conftest)
+
+    patch_language_once_per_launch()
 
 from minillm import env  # noqa: E402 (after the interpreter switch)
 
