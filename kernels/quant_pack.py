@@ -10,6 +10,8 @@ Eight 4-bit values fill one int32, value j of the eight in bits 4j..4j+3 (GPTQ's
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -34,6 +36,20 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
     codes = (packed.unsqueeze(1) >> shifts.view(1, per_word, *[1] * (packed.dim() - 1))) & (2 ** bits - 1)
     return codes.reshape(-1, *packed.shape[1:])
+
+
+def unpack_int4_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """``unpack_codes(packed, 4)`` as uint8 [K, N], a quarter of the memory traffic: each int32 read as its four
+    bytes (little-endian: byte b holds codes 2b and 2b + 1 in its low and high nibble), the bytes gathered per
+    position, then split. The CPU's dequantize-then-matmul spends most of its time unpacking, hence this path."""
+    if sys.byteorder != "little":
+        return unpack_codes(packed, 4).to(torch.uint8)
+    rows, n = packed.shape
+    word_bytes = packed.contiguous().view(torch.uint8).view(rows, n, 4).transpose(1, 2).contiguous()  # [K/8, 4, N]
+    codes = torch.empty(rows, 4, 2, n, dtype=torch.uint8, device=packed.device)
+    torch.bitwise_and(word_bytes, 15, out=codes[:, :, 0])
+    torch.bitwise_right_shift(word_bytes, 4, out=codes[:, :, 1])
+    return codes.view(rows * 8, n)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from conftest import randomize_
 from minillm import EngineConfig
 from minillm.attention import CausalAttention
+from minillm.kernels.quant_pack import unpack_int4_bytes
 from minillm.model.config import PRESETS
 from minillm.model.dense import Linear
 from minillm.model.llama import LlamaForCausalLM
@@ -56,6 +57,8 @@ def test_pack_unpack_round_trip_and_bit_positions(bits):
     per_word = 32 // bits
     assert packed.dtype == torch.int32 and packed.shape == (64 // per_word, 24)
     assert torch.equal(unpack(packed, bits), codes)
+    if bits == 4:  # the CPU's byte-wise unpacking reads the same words
+        assert torch.equal(unpack_int4_bytes(packed).to(torch.int32), codes)
     # Input row k = per_word * i + j sits in bits j*bits.. of word i (GPTQ v1), checked by hand on one column.
     word = packed[3, 5].item() & 0xFFFFFFFF
     assert [(word >> (bits * j)) & (2 ** bits - 1) for j in range(per_word)] == \

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minillm.kernels.quant_pack import pack_codes, unpack_codes
+from minillm.kernels.quant_pack import pack_codes, unpack_codes, unpack_int4_bytes
 from minillm.model.norm_folding import NormedRow, PendingNorm, PendingSlot, ResidualRow
 from minillm.quant.rtn import num_groups
 
@@ -107,15 +107,16 @@ class QuantLinear(nn.Module):
         """The weight [K, N] in the activation dtype, rows in ``perm`` order (what the kernels compute with)."""
         if self.bits == 8:
             return self.qweight.to(self.scales.dtype) * self.scales
-        codes, zeros = self.unpacked()
+        codes = unpack_int4_bytes(self.qweight).view(torch.int8)  # 0..15, one byte each
+        zeros = unpack(self.zeros.t(), 4).t().to(torch.int8, memory_format=torch.contiguous_format)
         rows, groups = self.in_features, self.scales.shape[0]
         size = rows if self.group_size == -1 else self.group_size
-        dtype = self.scales.dtype
-        # Broadcast each group's zero point and scale over its rows (a short last group: pad, then cut). In the
-        # float dtype, in place: codes and zero points are small integers, so the result is exactly that of the
-        # integer subtraction, at half the passes over the weight.
-        w = nn.functional.pad(codes.to(dtype), (0, 0, 0, groups * size - rows)).view(groups, size, -1)
-        w.sub_(zeros.to(dtype)[:, None]).mul_(self.scales[:, None])
+        if groups * size != rows:  # a short last group: pad, then cut
+            codes = nn.functional.pad(codes, (0, 0, 0, groups * size - rows))
+        # Each group's zero point and scale broadcast over its rows. q - z (-15..15) is exact in int8 and in the
+        # float dtype, so one rounding, in the multiply, as (q - z) * s computed in float: byte-sized passes
+        # until the last one.
+        w = (codes.view(groups, size, -1) - zeros[:, None]).to(self.scales.dtype).mul_(self.scales[:, None])
         return w.view(groups * size, -1)[:rows]
 
     def dequantized_weight(self) -> torch.Tensor:
