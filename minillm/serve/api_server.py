@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -134,8 +135,8 @@ def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None, retr
         base = dict(id=request_id, created=int(time.time()), model=model_name)
         tokenizer, top = async_llm.tokenizer, body.logprobs
         if body.stream:
-            deltas = convert.ChoiceDeltas()
-            return event_stream(stream, lambda out: convert.completion_chunks(out, deltas, base, tokenizer, top),
+            deltas, plain = convert.ChoiceDeltas(), convert.PlainChunks(partial(convert.completion_chunk, base))
+            return event_stream(stream, lambda out: convert.completion_chunks(out, deltas, base, tokenizer, top, plain),
                                 None, body, base)
         output = await last_output(stream, raw)
         if output is None:
@@ -159,8 +160,8 @@ def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None, retr
         base = dict(id=request_id, created=int(time.time()), model=model_name)
         tokenizer, top = async_llm.tokenizer, (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
-            deltas = convert.ChoiceDeltas()
-            return event_stream(stream, lambda out: convert.chat_chunks(out, deltas, base, tokenizer, top),
+            deltas, plain = convert.ChoiceDeltas(), convert.PlainChunks(partial(convert.chat_chunk, base))
+            return event_stream(stream, lambda out: convert.chat_chunks(out, deltas, base, tokenizer, top, plain),
                                 convert.chat_role_chunk(base, body.n or 1), body, base)
         output = await last_output(stream, raw)
         if output is None:
@@ -246,7 +247,7 @@ def client_gone() -> Response:
     return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
 
-def event_stream(stream: RequestStream, chunks_of: Callable[[RequestOutput], list], first, body, base: dict
+def event_stream(stream: RequestStream, chunks_of: Callable[[RequestOutput], list[str]], first, body, base: dict
                  ) -> StreamingResponse:
     """Server-sent events: ``first`` (if any), the chunks of every output, the usage if
     ``stream_options.include_usage``, then ``[DONE]``. An error mid-stream is sent as an error event."""
@@ -260,7 +261,7 @@ def event_stream(stream: RequestStream, chunks_of: Callable[[RequestOutput], lis
             output = None
             async for output in stream:
                 for chunk in chunks_of(output):
-                    yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+                    yield f"data: {chunk}\n\n"
             if include_usage and output is not None:
                 usage = response_class(**base, choices=[], usage=convert.usage(output))
                 yield f"data: {usage.model_dump_json(exclude_none=True)}\n\n"
