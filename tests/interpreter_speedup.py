@@ -20,7 +20,8 @@ def patch_language_once_per_launch() -> bool:
     import triton.language as tl
     from triton.runtime import interpreter
 
-    grid_executor, function = getattr(interpreter, "GridExecutor", None), getattr(interpreter, "InterpretedFunction", None)
+    grid_executor = getattr(interpreter, "GridExecutor", None)
+    function = getattr(interpreter, "InterpretedFunction", None)
     if grid_executor is None or function is None or not hasattr(interpreter, "_patch_lang"):
         return False
     launches: list[set[int]] = []  # the language modules each launch in progress has patched
@@ -29,7 +30,8 @@ def patch_language_once_per_launch() -> bool:
     def languages(fn) -> set[int]:
         names = fn.__globals__
         if id(names) not in seen:
-            seen[id(names)] = {id(value) for value in names.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+            seen[id(names)] = {id(value) for value in names.values()
+                               if inspect.ismodule(value) and value in (tl, tl.core)}
         return seen[id(names)]
 
     launch = grid_executor.__call__
