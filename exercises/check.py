@@ -39,7 +39,9 @@ def check(exercise: str, impl: str = "mine") -> int:
     # Hugging Face's `kernels` package, which transformers imports.
     command = [sys.executable, "-m", "pytest", "-q", "--tb=no", "-rfE", "--color=no", "-p", "no:cacheprovider",
                f"--impl={impl}", str(path.relative_to(EXERCISES))]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="240")
+    # No plugin autoload: the installed plugins (nbval, schemathesis, xdist, ...) are not used here and
+    # importing them took most of a check's time.
+    env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="240", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     run = subprocess.run(command, cwd=EXERCISES, capture_output=True, text=True, env=env)
     lines = run.stdout.splitlines()
     counts = {kind: int(n) for line in lines[-1:] for n, kind in SUMMARY.findall(line)}
