@@ -193,8 +193,9 @@ def test_hf_continuous_batching_peer_matches_greedy():
     requests = make_workload("mixed", "cpu", num_requests=3, vocab_size=llm.engine.model_config.vocab_size)
     for r, n in zip(requests, (4, 9, 6)):
         r.max_tokens = n
+    # A cache of 8 blocks (one each would do) instead of one sized from free memory, filled for half a minute.
     timings, tokens, duration = run_hf_continuous(hf_model_sharing_weights(llm.engine.model, llm.engine.model_config),
-                                                  requests)
+                                                  requests, num_blocks=8)
     outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
                         [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests],
                         use_tqdm=False)

@@ -98,11 +98,17 @@ def run_hf_static(hf_model, workload: list[WorkloadRequest], batch_size: int, pa
     return timings, tokens, time.perf_counter() - start
 
 
-def run_hf_continuous(hf_model, workload: list[WorkloadRequest]) -> tuple[list[RequestTiming], list[list[int]], float]:
+def run_hf_continuous(hf_model, workload: list[WorkloadRequest],
+                      num_blocks: int | None = None) -> tuple[list[RequestTiming], list[list[int]], float]:
     """transformers' continuous batching manager, as its documentation shows it. Its warm-up runs
     when the manager starts, before the clock; token times come from its own timestamps
     (``time.perf_counter``, like ours). Not under ``torch.inference_mode``: the manager updates
-    tensors from a background thread, where inference mode does not reach (transformers 5.17 fails)."""
+    tensors from a background thread, where inference mode does not reach (transformers 5.17 fails).
+
+    ``num_blocks``: its KV cache in blocks (of 256 tokens) and a batch of at most the workload's prompt
+    tokens (transformers >= 5.25's ``ContinuousBatchingConfig``); None, the benchmarks' setting, lets it
+    size both from free memory (on a CPU that is gigabytes of attention mask, filled before it starts:
+    half a minute)."""
     import transformers
     from packaging.version import Version
     from transformers import GenerationConfig
@@ -111,8 +117,15 @@ def run_hf_continuous(hf_model, workload: list[WorkloadRequest]) -> tuple[list[R
         hf_model.set_attn_implementation("paged|sdpa")  # later versions switch to paged attention themselves
     generation = GenerationConfig(max_new_tokens=max(r.max_tokens for r in workload), do_sample=False,
                                   eos_token_id=None, pad_token_id=0)  # no EOS: every request runs its length
+    sizes = {}
+    if num_blocks is not None:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        max_batch_tokens = sum(len(r.prompt_token_ids) for r in workload)
+        sizes["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=num_blocks,
+                                                                       max_batch_tokens=max_batch_tokens)
     results = {}
-    with hf_model.continuous_batching_context_manager(generation_config=generation) as manager:
+    with hf_model.continuous_batching_context_manager(generation_config=generation, **sizes) as manager:
         start = time.perf_counter()
         for i, r in enumerate(workload):
             manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.max_tokens,
